@@ -1,0 +1,36 @@
+"""The engine: one diagonal-plus-rank-R recurrence, every mechanism an instance of it.
+
+    S_t = (Diag(exp g_t) - sum_r a_{t,r} b_{t,r}^T) S_{t-1} + sum_j k_{t,j} v_{t,j}^T
+    o_t = scale * S_t^T q_t
+
+``dplr`` computes it by the per-token loop (``mode="naive"``) or the chunkwise
+WY/UT algorithm (``mode="chunk"``); the mechanism functions build its arguments.
+This package imports nothing else of rankdecay.
+"""
+from .dplr import dplr
+from .mechanisms import (
+    delta_rule,
+    gated_delta_product,
+    gated_delta_rule,
+    gla,
+    hdla,
+    head_in_head_mask,
+    hh_delta_rule,
+    linear_attn,
+    retention,
+    simple_gla,
+)
+
+__all__ = [
+    "dplr",
+    "linear_attn",
+    "retention",
+    "simple_gla",
+    "gla",
+    "delta_rule",
+    "gated_delta_rule",
+    "gated_delta_product",
+    "hdla",
+    "hh_delta_rule",
+    "head_in_head_mask",
+]

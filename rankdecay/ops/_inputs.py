@@ -1,0 +1,177 @@
+"""Input checking and layout normalisation shared by every execution path.
+
+Public tensors are ``[B, T, H, ...]``; the paths work on a canonical form:
+
+    q [B, T, H, K]          k [B, T, H, Rkv, K]      v [B, T, H, Rkv, V]
+    a, b [B, T, H, Rab, K]  (or None when Rab = 0)
+    g [B, T, H, Kg]         with Kg = 1 (one log-decay per head) or Kg = K (or None)
+
+Everything is checked once here, so every path can assume well-formed input and
+every mistake is reported with the argument's name and the expected shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("auto", "naive", "chunk")
+
+
+def _is_tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_float(x: torch.Tensor, name: str) -> torch.Tensor:
+    _is_tensor(x, name)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (fp16, bf16, fp32 or fp64), got {x.dtype}")
+    return x
+
+
+def check_shape(x: torch.Tensor, name: str, expected: tuple, labels: str) -> None:
+    """Check ``x.shape == expected``; ``labels`` names the axes, e.g. "[B, T, H, K]"."""
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {labels} = {list(expected)}, got {list(x.shape)}")
+
+
+@dataclass
+class Canonical:
+    """Inputs of the recurrence in the canonical layout (see module docstring)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+    g: torch.Tensor | None
+    scale: float
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    lengths: list[int] | None  # per-sequence lengths when cu_seqlens is given
+    kv_rank_axis: bool  # whether k/v came with an explicit rank axis
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        # fp32 state and accumulation whatever the input dtype; fp64 in, fp64 out.
+        tensors = [self.q, self.k, self.v, self.a, self.b, self.g, self.initial_state]
+        if any(t is not None and t.dtype == torch.float64 for t in tensors):
+            return torch.float64
+        return torch.float32
+
+
+def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode) -> Canonical:
+    """Validate the arguments of :func:`rankdecay.ops.dplr` and bring them to canonical form."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+    check_float(q, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {q.dim()} dims {list(q.shape)}")
+    B, T, H, K = q.shape
+    device = q.device
+
+    check_float(k, "k")
+    check_float(v, "v")
+    if k.dim() != v.dim() or k.dim() not in (4, 5):
+        raise ValueError(
+            "k and v must both be [B, T, H, K] / [B, T, H, V] or both carry a rank axis "
+            f"[B, T, H, Rkv, K] / [B, T, H, Rkv, V]; got k {list(k.shape)} and v {list(v.shape)}"
+        )
+    kv_rank_axis = k.dim() == 5
+    if not kv_rank_axis:
+        k, v = k.unsqueeze(3), v.unsqueeze(3)
+    Rkv, V = v.shape[3], v.shape[4]
+    if Rkv < 1:
+        raise ValueError(f"the rank axis of k and v (Rkv) must be >= 1, got {Rkv}")
+    check_shape(k, "k", (B, T, H, Rkv, K), "[B, T, H, Rkv, K]" if kv_rank_axis else "[B, T, H, K]")
+    if not kv_rank_axis:
+        check_shape(v, "v", (B, T, H, 1, V), "[B, T, H, V]")
+
+    if (a is None) != (b is None):
+        raise ValueError("a and b must be given together (both [B, T, H, Rab, K]) or both be None")
+    if a is not None:
+        check_float(a, "a")
+        check_float(b, "b")
+        if a.dim() != 5:
+            raise ValueError(f"a must have shape [B, T, H, Rab, K], got {list(a.shape)}")
+        Rab = a.shape[3]
+        check_shape(a, "a", (B, T, H, Rab, K), "[B, T, H, Rab, K]")
+        check_shape(b, "b", (B, T, H, Rab, K), "[B, T, H, Rab, K]")
+        if Rab == 0:
+            a = b = None
+
+    if g is not None:
+        check_float(g, "g")
+        if g.dim() == 3:
+            check_shape(g, "g", (B, T, H), "[B, T, H]")
+            g = g.unsqueeze(-1)
+        elif g.dim() == 4:
+            check_shape(g, "g", (B, T, H, K), "[B, T, H, K]")
+        else:
+            raise ValueError(f"g must have shape [B, T, H] or [B, T, H, K], got {list(g.shape)}")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    lengths = None
+    N = B
+    if cu_seqlens is not None:
+        _is_tensor(cu_seqlens, "cu_seqlens")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offsets[0]} ... {offsets[-1]}")
+        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+        if min(lengths) < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        N = len(lengths)
+
+    if initial_state is not None:
+        check_float(initial_state, "initial_state")
+        check_shape(initial_state, "initial_state", (N, H, K, V), "[N, H, K, V]")
+
+    for name, t in (("k", k), ("v", v), ("a", a), ("b", b), ("g", g), ("initial_state", initial_state)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
+
+    return Canonical(q, k, v, a, b, g, float(scale), initial_state, cu_seqlens, lengths, kv_rank_axis)
+
+
+def varlen_index(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather index [N, t_max] into the packed T axis, and the mask of real tokens."""
+    lens = torch.tensor(lengths, device=device)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(max(max(lengths), 1), device=device)
+    valid = pos[None, :] < lens[:, None]
+    index = torch.where(valid, starts[:, None] + pos[None, :], 0)
+    return index, valid
+
+
+def pack_varlen(x: torch.Tensor | None, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+    """[1, T, ...] packed sequences -> [N, t_max, ...], right-padded with zeros.
+
+    Zero padding is the identity step of the recurrence: no write (k = 0), no
+    low-rank term (a = b = 0), no decay (g = 0); so the state after the padding is
+    the state at the end of each sequence.
+    """
+    if x is None:
+        return None
+    mask = valid.reshape(valid.shape + (1,) * (x.dim() - 2))
+    return torch.where(mask, x[0][index], 0)
+
+
+def unpack_varlen(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, t_max, ...] -> [1, T, ...], the inverse of :func:`pack_varlen`."""
+    return x[valid].unsqueeze(0)

@@ -1,0 +1,69 @@
+"""The general operator: diagonal-plus-rank-R decay, rank-Rkv writes (HDLA eq. 8)."""
+from __future__ import annotations
+
+import torch
+
+from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
+from .chunk import chunk_dplr_core
+from .naive import naive_dplr_core
+
+
+def dplr(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    mode: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Linear attention with a diagonal-plus-rank-``Rab`` decay and rank-``Rkv`` writes.
+
+    .. math::
+        S_t = (\mathrm{Diag}(e^{g_t}) - \sum_r a_{t,r} b_{t,r}^\top) S_{t-1} + \sum_j k_{t,j} v_{t,j}^\top,
+        \qquad o_t = \mathrm{scale} \cdot S_t^\top q_t
+
+    Args:
+        q: queries ``[B, T, H, K]``.
+        k: keys ``[B, T, H, K]``, or ``[B, T, H, Rkv, K]`` for rank-``Rkv`` writes.
+        v: values ``[B, T, H, V]``, or ``[B, T, H, Rkv, V]`` (same form as ``k``).
+        a, b: the low-rank part of the decay, ``[B, T, H, Rab, K]`` each, or both None (``Rab = 0``).
+        g: log-decay: None (no decay), ``[B, T, H]`` (one per head) or ``[B, T, H, K]``
+            (one per key channel). Expected ``<= 0`` (decays in (0, 1]) and finite;
+            ``-30`` per step or ``-1e4`` at one step are handled exactly.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` with ``N = B``, or the number of sequences with ``cu_seqlens``.
+        output_final_state: return the state after the last token.
+        cu_seqlens: ``[N + 1]`` int offsets of variable-length sequences packed along T
+            (requires ``B == 1``); the state restarts at each boundary.
+        chunk_size: tokens per chunk of the chunked algorithm.
+        mode: ``"naive"`` (per-token loop), ``"chunk"`` (chunkwise WY/UT algorithm in
+            PyTorch) or ``"auto"`` (the fastest available path: ``"chunk"`` for now).
+
+    Returns:
+        ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in ``q``'s dtype; ``final_state`` is
+        ``[N, H, K, V]`` in fp32 (fp64 if any input is fp64), or None unless
+        ``output_final_state``. Accumulation is fp32 (fp64) whatever the input dtype.
+        Differentiable in every tensor argument, ``initial_state`` included.
+    """
+    x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode)
+    dtype = x.compute_dtype
+    q, k, v, a, b, g = x.q, x.k, x.v, x.a, x.b, x.g
+    if x.lengths is not None:
+        index, valid = varlen_index(x.lengths, q.device)
+        q, k, v, a, b, g = (pack_varlen(t, index, valid) for t in (q, k, v, a, b, g))
+
+    if mode == "naive":
+        o, state = naive_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype)
+    else:
+        o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size)
+
+    if x.lengths is not None:
+        o = unpack_varlen(o, valid)
+    return o.to(x.q.dtype), (state if output_final_state else None)

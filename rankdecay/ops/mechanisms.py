@@ -1,0 +1,276 @@
+"""Every mechanism as an instance of :func:`rankdecay.ops.dplr` (DESIGN.md §1).
+
+Each function builds the decay (``g``, ``a``, ``b``) and the writes (``k``, ``v``) of
+its recurrence and calls the one engine; none has its own copy of the algorithm.
+All take the same keyword arguments as ``dplr`` (``scale``, ``initial_state``,
+``output_final_state``, ``cu_seqlens``, ``chunk_size``, ``mode``) and return
+``(o [B, T, H, V], final_state [N, H, K, V] or None)``. Argument names and order
+follow flash-linear-attention where it has the same operation.
+
+``beta`` is ``[B, T, H]``; values in [0, 2] are allowed (negative eigenvalues,
+Grazzi et al. 2025). The per-token construction of ``a`` and ``b`` is done in at
+least fp32, like the recurrence itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._inputs import check_float, check_shape
+from .dplr import dplr
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32, so that a = αβk and friends are built exactly."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: int = 1) -> None:
+    check_float(q, "q")
+    check_float(k, "k")
+    check_float(v, "v")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
+    B, T, H, K = q.shape
+    rows = "T" if kv_rows == 1 else f"T * {kv_rows}"
+    check_shape(k, "k", (B, T * kv_rows, H, K), f"[B, {rows}, H, K]")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T * kv_rows, H):
+        raise ValueError(f"v must have shape [B, {rows}, H, V] = [{B}, {T * kv_rows}, {H}, V], got {list(v.shape)}")
+
+
+def _check_beta(beta: torch.Tensor, q: torch.Tensor, rows: int = 1) -> None:
+    check_float(beta, "beta")
+    B, T, H, _ = q.shape
+    check_shape(beta, "beta", (B, T * rows, H), "[B, T, H]" if rows == 1 else f"[B, T * {rows}, H]")
+
+
+def _check_gate(g: torch.Tensor | None, q: torch.Tensor, name: str = "g", per_channel: bool = True) -> None:
+    if g is None:
+        return
+    check_float(g, name)
+    B, T, H, K = q.shape
+    if g.dim() == 3:
+        check_shape(g, name, (B, T, H), "[B, T, H]")
+    elif g.dim() == 4 and per_channel:
+        check_shape(g, name, (B, T, H, K), "[B, T, H, K]")
+    else:
+        expected = "[B, T, H] or [B, T, H, K]" if per_channel else "[B, T, H]"
+        raise ValueError(f"{name} must have shape {expected}, got {list(g.shape)}")
+
+
+def _gate_factor(g: torch.Tensor | None) -> torch.Tensor | None:
+    """exp(g) shaped to multiply [B, T, H, R, K] tensors."""
+    if g is None:
+        return None
+    alpha = _up(g).exp()
+    return alpha[..., None, None] if alpha.dim() == 3 else alpha[..., None, :]
+
+
+def linear_attn(q, k, v, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                chunk_size=64, mode="auto"):
+    r"""Linear attention (Katharopoulos et al. 2020): :math:`S_t = S_{t-1} + k_t v_t^\top`.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``. Returns ``(o [B, T, H, V], final_state)``.
+    """
+    return dplr(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def retention(q, k, v, log_gamma, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              chunk_size=64, mode="auto"):
+    r"""Retention / Lightning attention: :math:`S_t = \gamma_h S_{t-1} + k_t v_t^\top`, a fixed decay per head.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; log_gamma: ``[H]`` (``log γ_h <= 0``;
+    RetNet uses ``γ_h = 1 - 2^{-5-h}``).
+    """
+    _check_qkv(q, k, v)
+    check_float(log_gamma, "log_gamma")
+    B, T, H, _ = q.shape
+    check_shape(log_gamma, "log_gamma", (H,), "[H]")
+    g = log_gamma.expand(B, T, H)
+    return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               chunk_size=64, mode="auto"):
+    r"""Scalar-gated linear attention (Mamba2-style): :math:`S_t = e^{g_t} S_{t-1} + k_t v_t^\top`.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log-decay.
+    """
+    _check_qkv(q, k, v)
+    _check_gate(g, q, per_channel=False)
+    return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        chunk_size=64, mode="auto"):
+    r"""Gated linear attention (Yang et al. 2024): :math:`S_t = \mathrm{Diag}(e^{g_t}) S_{t-1} + k_t v_t^\top`.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decay per key channel.
+    """
+    _check_qkv(q, k, v)
+    check_float(g, "g")
+    check_shape(g, "g", tuple(q.shape), "[B, T, H, K]")
+    return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               chunk_size=64, mode="auto"):
+    r"""DeltaNet: :math:`S_t = (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
+
+    q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+    """
+    return gated_delta_rule(q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                            chunk_size=chunk_size, mode=mode)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     chunk_size=64, mode="auto"):
+    r"""Gated DeltaNet (eq. 10): :math:`S_t = \alpha_t (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
+
+    q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
+    g: ``[B, T, H]`` with ``α_t = e^{g_t}``, or ``[B, T, H, K]`` for a per-channel
+    gate ``Diag(e^{g_t})(I - β k kᵀ)`` (Kimi Delta Attention), or None (DeltaNet);
+    beta: ``[B, T, H]``.
+
+    As DPLR: ``a = α β k``, ``b = k``, writes ``k (β v)ᵀ`` (DESIGN.md §1).
+    """
+    _check_qkv(q, k, v)
+    _check_beta(beta, q)
+    _check_gate(g, q)
+    k_, beta_ = _up(k), _up(beta)
+    a = (beta_[..., None] * k_)[..., None, :]  # [B, T, H, 1, K]
+    alpha = _gate_factor(g)
+    if alpha is not None:
+        a = a * alpha
+    return dplr(q, k, _up(v) * beta_[..., None], a, k_[..., None, :], g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initial_state=None, output_final_state=False,
+                        cu_seqlens=None, chunk_size=64, mode="auto"):
+    r"""Gated DeltaProduct (Siems et al. 2025): ``n_h`` delta-rule sub-steps per token.
+
+    Per token t, with sub-steps j = 1..n_h and :math:`H_j = I - \beta_j k_j k_j^\top`:
+    the state is gated once, :math:`S \leftarrow \alpha_t S`, then
+    :math:`S \leftarrow H_j S + \beta_j k_j v_j^\top` for j = 1..n_h, and the query reads
+    after the last sub-step.
+
+    q: ``[B, T, H, K]``; k: ``[B, T * n_h, H, K]``; v: ``[B, T * n_h, H, V]``; beta:
+    ``[B, T * n_h, H]`` (fla's interleaved layout: row ``t * n_h + j`` is sub-step j of
+    token t); g: ``[B, T, H]`` or None (DeltaProduct); ``cu_seqlens`` counts tokens of q.
+
+    Mapped onto the rank machinery (``Rab = Rkv = n_h``), not onto a sequence n_h
+    times longer: :math:`H_{n_h} \cdots H_1 = I - \sum_j (H_{n_h} \cdots H_{j+1}) \beta_j k_j k_j^\top`,
+    so ``a_j = α β_j H_{n_h}⋯H_{j+1} k_j``, ``b_j = k_j``, writes ``(β_j H_{n_h}⋯H_{j+1} k_j) v_jᵀ``.
+    Queries then cost nothing at the inner sub-steps.
+    """
+    if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
+        raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
+    nh = num_householder
+    _check_qkv(q, k, v, kv_rows=nh)
+    _check_beta(beta, q, rows=nh)
+    _check_gate(g, q)
+    B, T, H, K = q.shape
+    ks = _up(k).unflatten(1, (T, nh)).transpose(2, 3)  # [B, T, nh, H, K] -> [B, T, H, nh, K]
+    vs = _up(v).unflatten(1, (T, nh)).transpose(2, 3)
+    betas = _up(beta).unflatten(1, (T, nh)).transpose(2, 3)  # [B, T, H, nh]
+    transformed = []
+    for j in range(nh):
+        x = ks[..., j, :]
+        for m in range(j + 1, nh):  # apply H_{j+1}, ..., H_{n_h} in turn
+            km = ks[..., m, :]
+            x = x - betas[..., m, None] * (km * x).sum(-1, keepdim=True) * km
+        transformed.append(betas[..., j, None] * x)
+    k_w = torch.stack(transformed, dim=3)  # β_j H_{n_h}⋯H_{j+1} k_j, [B, T, H, nh, K]
+    alpha = _gate_factor(g)
+    a = k_w if alpha is None else k_w * alpha
+    return dplr(q, k_w, vs, a, ks, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+         chunk_size=64, mode="auto"):
+    r"""Householder-diagonalised linear attention (HDLA eq. 27).
+
+    .. math:: S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(\lambda_t)\,(I - \beta_t k_t k_t^\top) S_{t-1} + k_t v_t^\top
+
+    q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
+    g: ``[B, T, H, K]`` with ``λ_t = e^{g_t}`` (``[B, T, H]`` also accepted); beta:
+    ``[B, T, H]``, in (0, 2) in the paper.
+
+    As diagonal-plus-rank-2 (App. C.2): ``D = λ``; ``a1 = βk, b1 = λ⊙k``;
+    ``a2 = β(λ⊙k - β (kᵀ(λ⊙k)) k), b2 = k``.
+    """
+    _check_qkv(q, k, v)
+    _check_beta(beta, q)
+    _check_gate(g, q)
+    k_, beta_ = _up(k), _up(beta)[..., None]
+    lam = _up(g).exp()
+    lam = lam[..., None] if lam.dim() == 3 else lam
+    lk = lam * k_  # λ ⊙ k
+    a1 = beta_ * k_
+    a2 = beta_ * (lk - beta_ * (k_ * lk).sum(-1, keepdim=True) * k_)
+    a = torch.stack([a1, a2], dim=3)  # [B, T, H, 2, K]
+    b = torch.stack([lk, k_], dim=3)
+    return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, chunk_size=64, mode="auto"):
+    r"""Head-in-Head DeltaNet / Gated DeltaNet (Head-in-Head eq. 10, App. B).
+
+    .. math:: S_t = \alpha_t (I - \beta_t (k_t k_t^\top \odot \mathrm{expand}(M_t))) S_{t-1} + \beta_t k_t v_t^\top
+
+    Key channel i belongs to group ``i // (K / r)``; ``expand(M)[i, l] = M[group(i), group(l)]``.
+
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; mask: ``[H, r, r]``
+    (static) or ``[B, T, H, r, r]`` (per token), r dividing K — build it with
+    :func:`head_in_head_mask` to keep the eigenvalues in [0, 1] (or [-1, 1] with
+    β in [0, 2]); g: None (HH-DeltaNet), ``[B, T, H]`` (HH-GDN) or ``[B, T, H, K]``.
+
+    As DPLR with ``Rab = r``: ``a_j = α β k ⊙ 1[group j]``, ``b_j = k ⊙ M[j, group(·)]``.
+    """
+    _check_qkv(q, k, v)
+    _check_beta(beta, q)
+    _check_gate(g, q)
+    check_float(mask, "mask")
+    B, T, H, K = q.shape
+    if mask.dim() == 3:
+        r = mask.shape[-1]
+        check_shape(mask, "mask", (H, r, r), "[H, r, r]")
+    elif mask.dim() == 5:
+        r = mask.shape[-1]
+        check_shape(mask, "mask", (B, T, H, r, r), "[B, T, H, r, r]")
+    else:
+        raise ValueError(f"mask must have shape [H, r, r] or [B, T, H, r, r], got {list(mask.shape)}")
+    if r < 1 or K % r:
+        raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
+    group = torch.arange(K, device=q.device) // (K // r)
+    onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(_up(k).dtype)  # [r, K]
+    k_, beta_ = _up(k), _up(beta)
+    a = (beta_[..., None, None] * k_[..., None, :]) * onehot  # [B, T, H, r, K]
+    alpha = _gate_factor(g)
+    if alpha is not None:
+        a = a * alpha
+    b = k_[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
+    return dplr(q, k, _up(v) * beta_[..., None], a, b, g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+
+
+def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    r"""The Head-in-Head mask ``M = N Nᵀ`` with ``N`` = row-L2-normalised ``m_org`` (paper §3.3, App. A).
+
+    m_org: ``[..., r, r]``, expected non-negative; then every entry of M lies in
+    [0, 1], its diagonal is 1, and with L2-normalised keys and β in [0, 1] every
+    transition matrix has its eigenvalues in [0, 1]. Returns ``[..., r, r]``.
+    """
+    check_float(m_org, "m_org")
+    if m_org.dim() < 2 or m_org.shape[-1] != m_org.shape[-2]:
+        raise ValueError(f"m_org must have shape [..., r, r], got {list(m_org.shape)}")
+    n = m_org / m_org.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return n @ n.transpose(-1, -2)

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| (root-mean-square error relative to the reference's RMS)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def assert_matches(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    assert x.shape == ref.shape, f"{what}: shape {list(x.shape)} != {list(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{what}: non-finite values"
+    if ref.dtype == torch.float64 and x.dtype == torch.float64 and tol <= 1e-9:
+        err = (x - ref).abs().max().item()
+        assert err <= tol * max(1.0, ref.abs().max().item()), f"{what}: max abs error {err:.3e} > {tol:g}"
+    else:
+        err = rel_rms(x, ref)
+        assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:g}"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
