@@ -265,9 +265,12 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
 def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     r"""The Head-in-Head mask ``M = N Nᵀ`` with ``N`` = row-L2-normalised ``m_org`` (paper §3.3, App. A).
 
-    m_org: ``[..., r, r]``, expected non-negative; then every entry of M lies in
-    [0, 1], its diagonal is 1, and with L2-normalised keys and β in [0, 1] every
-    transition matrix has its eigenvalues in [0, 1]. Returns ``[..., r, r]``.
+    m_org: ``[..., r, r]``, expected non-negative; then M is positive semi-definite,
+    every entry lies in [0, 1] and the diagonal is 1 (a row of norm below ``eps`` is
+    divided by ``eps`` instead, leaving its diagonal entry below 1). With
+    L2-normalised keys, ``β (k kᵀ ⊙ expand(M))`` is then PSD (Schur product theorem)
+    with eigenvalues in [0, β], so every transition has its eigenvalues in
+    [1 - β, 1]: [0, 1] for β in [0, 1], [-1, 1] for β in [0, 2]. Returns ``[..., r, r]``.
     """
     check_float(m_org, "m_org")
     if m_org.dim() < 2 or m_org.shape[-1] != m_org.shape[-2]:
