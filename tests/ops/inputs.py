@@ -16,24 +16,34 @@ MECHANISMS = [
 ]
 
 
-def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=None, nh=2, r=4, data_mask=False):
+def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=None, nh=2, r=4, data_mask=False,
+              leaves=None):
     """Return (call, literal): call(**kw) runs rankdecay, literal(h0) the paper's recurrence.
 
-    ``gate`` overrides the log-decays: a callable shape -> tensor.
+    ``gate`` overrides the log-decays: a callable shape -> tensor. If ``leaves`` is a
+    list, every random input is made to require grad and appended to it.
     """
+    def track(t):
+        if leaves is not None:
+            leaves.append(t.requires_grad_())
+        return t
+
     def rnd(*shape):
-        return torch.randn(*shape, dtype=dtype)
+        return track(torch.randn(*shape, dtype=dtype))
 
     def log_decay(*shape):
-        return gate(shape).to(dtype) if gate is not None else -F.softplus(rnd(*shape))
+        return track(gate(shape).to(dtype)) if gate is not None else -F.softplus(rnd(*shape))
 
-    q, k, v = rnd(B, T, H, K), F.normalize(rnd(B, T, H, K), dim=-1), rnd(B, T, H, V)
-    beta = beta_max * torch.rand(B, T, H, dtype=dtype)
+    q = rnd(B, T, H, K)
+    if name != "gated_delta_product":  # it has n_h keys and values per token
+        k, v = F.normalize(rnd(B, T, H, K), dim=-1), rnd(B, T, H, V)
+    uses_beta = name in ("delta_rule", "gated_delta_rule", "hdla", "hh_delta_rule", "hh_gated_delta_rule")
+    beta = beta_max * (track(torch.rand(B, T, H, dtype=dtype)) if uses_beta else torch.rand(B, T, H, dtype=dtype))
     scale = K ** -0.5
     if name == "linear_attn":
         return (lambda **kw: ops.linear_attn(q, k, v, **kw)), (lambda h0: ref.linear_attn(q, k, v, scale, h0))
     if name == "retention":
-        log_gamma = torch.tensor([math.log(1 - 2 ** (-5 - h)) for h in range(H)], dtype=dtype)
+        log_gamma = track(torch.tensor([math.log(1 - 2 ** (-5 - h)) for h in range(H)], dtype=dtype))
         return (lambda **kw: ops.retention(q, k, v, log_gamma, **kw)), (lambda h0: ref.retention(q, k, v, log_gamma, scale, h0))
     if name == "simple_gla":
         g = log_decay(B, T, H)
@@ -48,7 +58,7 @@ def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=No
         return (lambda **kw: ops.gated_delta_rule(q, k, v, g, beta, **kw)), (lambda h0: ref.gated_delta_rule(q, k, v, g, beta, scale, h0))
     if name == "gated_delta_product":
         kp, vp = F.normalize(rnd(B, T * nh, H, K), dim=-1), rnd(B, T * nh, H, V)
-        bp = beta_max * torch.rand(B, T * nh, H, dtype=dtype)
+        bp = beta_max * track(torch.rand(B, T * nh, H, dtype=dtype))
         g = log_decay(B, T, H)
         return (lambda **kw: ops.gated_delta_product(q, kp, vp, g, bp, nh, **kw)), (
             lambda h0: ref.gated_delta_product(q, kp, vp, g, bp, nh, scale, h0))
@@ -56,7 +66,7 @@ def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=No
         g = log_decay(B, T, H, K)
         return (lambda **kw: ops.hdla(q, k, v, g, beta, **kw)), (lambda h0: ref.hdla(q, k, v, g, beta, scale, h0))
     if name in ("hh_delta_rule", "hh_gated_delta_rule"):
-        m_org = torch.rand(*((B, T, H, r, r) if data_mask else (H, r, r)), dtype=dtype)
+        m_org = track(torch.rand(*((B, T, H, r, r) if data_mask else (H, r, r)), dtype=dtype))
         mask = ops.head_in_head_mask(m_org)
         g = log_decay(B, T, H) if name == "hh_gated_delta_rule" else None
         return (lambda **kw: ops.hh_delta_rule(q, k, v, beta, mask, g, **kw)), (
