@@ -22,8 +22,9 @@ A' ⊙ d and K' ⊘ d, eqs. 15-16, would divide by products that underflow). Wit
 per-channel gate the decay depends on the channel, so the [C, C] products are
 built hierarchically: a block's lower-left half is a matmul through the log-cumsum
 at its midpoint, where both factors exp(G_i - G_mid) and exp(G_mid - G_j) are <= 1
-(the trick of fla's chunked GLA, applied recursively); only blocks of <= 4 tokens
-are formed elementwise.
+(the trick of fla's chunked GLA, applied recursively down to single tokens, which
+need no decay at all; a chunk size with an odd factor leaves odd-sized blocks that
+are formed elementwise).
 
 Log-cumsums are kept in fp64: G_i - G_j of two large cumsums (a log-gate of -1e4 at
 one step) would otherwise lose the small difference.
@@ -129,9 +130,9 @@ def _blocked_products(x, y, gx, gy, strict):
 
 
 def _decayed_products_checkpointed(x, y, gx, gy, strict):
-    # Recomputed in backward: the per-channel diagonal blocks are [c, c, R, K] per
-    # block, more than the [C, C*R] result; keeping only the inputs makes the
-    # memory of the chunked path O(C * R) per token.
+    # Recomputed in backward: the per-channel path scales x and y at every halving
+    # level, more than the [C, C*R] result; keeping only the inputs keeps the
+    # memory of the chunked path at O(C * R) per token.
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, y, gx, gy)):
         return torch.utils.checkpoint.checkpoint(
             decayed_products, x, y, gx, gy, strict=strict, use_reentrant=False
