@@ -1,0 +1,93 @@
+"""Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import Cache
+from .modules import sequence_starts
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form). x [B, T, H, D], positions [B, T] or [T]."""
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    if angles.dim() == 2:
+        angles = angles[None]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class SlidingWindowAttention(nn.Module):
+    """Causal softmax attention over the last ``window_size`` tokens, with RoPE.
+
+    In decoding it keeps only the last ``window_size - 1`` keys and values: the cache
+    is bounded whatever the context length. Positions count real tokens only, so a
+    left-padded prompt attends exactly as the prompt alone.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *, window_size: int = 2048,
+                 rope_theta: float = 10000.0, layer_idx: int = 0):
+        super().__init__()
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; give head_dim")
+            head_dim = hidden_size // num_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+        self.num_heads, self.head_dim, self.window_size = num_heads, head_dim, window_size
+        self.rope_theta, self.layer_idx = rope_theta, layer_idx
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def forward(self, x, attention_mask=None, cache: Cache | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H, D, W = self.num_heads, self.head_dim, self.window_size
+        real = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
+        state = cache.layers[self.layer_idx] if cache is not None else None
+        if state is None:
+            state = {"k": x.new_zeros(B, 0, H, D), "v": x.new_zeros(B, 0, H, D),
+                     "real": real.new_zeros(B, 0), "count": torch.zeros(B, dtype=torch.long, device=x.device)}
+        P = state["k"].shape[1]
+
+        starts = sequence_starts(T, cu_seqlens, x.device)
+        t = torch.arange(T, device=x.device)
+        if starts is not None:
+            positions = (t - starts)[None].expand(B, T)
+        else:  # real tokens before this one
+            positions = state["count"][:, None] + real.long().cumsum(1) - real.long()
+        q = rotary(self.q_proj(x).view(B, T, H, D), positions, self.rope_theta)
+        k = rotary(self.k_proj(x).view(B, T, H, D), positions, self.rope_theta)
+        v = self.v_proj(x).view(B, T, H, D)
+        keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
+        key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
+
+        i = P + t[:, None]  # query index in the key buffer
+        j = torch.arange(P + T, device=x.device)[None, :]
+        allowed = (j <= i) & (i - j < W)
+        if starts is not None:
+            allowed = allowed & (j >= starts[:, None])
+        allowed = allowed[None] & key_real[:, None, :]  # [B, T, P + T]
+        allowed = allowed | (j == i)[None]  # a padding query sees itself, never an empty row
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=allowed[:, None])
+        o = self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+        if cache is not None and use_cache:
+            keep = W - 1
+            cache.layers[self.layer_idx] = {
+                "k": keys[:, -keep:] if keep else keys[:, :0], "v": values[:, -keep:] if keep else values[:, :0],
+                "real": key_real[:, -keep:] if keep else key_real[:, :0],
+                "count": state["count"] + real.long().sum(1),
+            }
+        return o, cache
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, window={self.window_size}"

@@ -1,0 +1,38 @@
+"""The decoding cache: per layer, what a mixer needs to continue a sequence."""
+from __future__ import annotations
+
+import torch
+
+
+class Cache:
+    """Decoding state of a whole model, one slot per layer.
+
+    A linear mixer keeps ``{"conv": (q, k, v) conv states [B, D, kernel - 1],
+    "recurrent": [B, H, K, V]}``; sliding-window attention keeps its last
+    ``window - 1`` keys and values and which of them are real tokens. The size is
+    fixed whatever the context length. ``seen_tokens`` counts the steps fed so far.
+    """
+
+    def __init__(self, num_layers: int):
+        self.layers: list[dict | None] = [None] * num_layers
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Select batch rows (beam search): every cached tensor is indexed along its batch axis."""
+
+        def pick(x):
+            if isinstance(x, torch.Tensor):
+                return x.index_select(0, beam_idx.to(x.device))
+            if isinstance(x, (tuple, list)):
+                return type(x)(pick(t) for t in x)
+            if isinstance(x, dict):
+                return {key: pick(value) for key, value in x.items()}
+            return x
+
+        self.layers = [pick(layer) for layer in self.layers]
+
+    def __len__(self) -> int:
+        return len(self.layers)

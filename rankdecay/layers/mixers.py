@@ -1,0 +1,379 @@
+"""Token mixers: one shared block (GDN paper Fig. 1, §3.4), a mechanism per subclass.
+
+The block: q/k/v linear projections -> short causal depthwise convolution + SiLU
+-> (L2 norm of q, k for the delta family) -> the recurrence -> output RMSNorm
+with a SiLU output gate -> output projection. A subclass adds only its gates (the
+projections of alpha, beta, lambda, the Head-in-Head mask) and names the op it
+calls; the layer never launches kernels itself (``rankdecay.ops`` picks the path).
+
+Every mixer takes ``forward(x [B, T, D], attention_mask [B, T] | None, cache | None,
+use_cache, cu_seqlens | None) -> (o [B, T, D], cache)``. Padding positions
+(``attention_mask == 0``) are made identity steps of the recurrence: zero input,
+zero log-decay. So a left-padded prompt leaves exactly the state the prompt alone
+leaves.
+"""
+from __future__ import annotations
+
+import abc
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops
+from .cache import Cache
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
+
+RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype)
+
+
+class LinearMixer(nn.Module, abc.ABC):
+    """The block shared by every linear-attention mixer.
+
+    Args:
+        hidden_size: model width D.
+        num_heads: H.
+        head_k_dim: K per head (default D / H).
+        head_v_dim: V per head (default K; ``expand_v`` in fla terms is V / K).
+        use_short_conv: short causal depthwise convolution + SiLU on q, k, v; without
+            it q, k, v get only the SiLU.
+        conv_size: its kernel size.
+        qk_norm: "l2" (q and k, the delta family), "k" (k only, HDLA) or None.
+        output_norm: RMSNorm on each head's output before the gate.
+        gate_act: activation of the output gate: "silu" or None (a linear gate).
+        use_output_gate: whether there is an output gate at all.
+        chunk_size: chunk size of the chunked path.
+        mode: "chunk" (training and prefill) or "recurrent" (always the per-token path).
+            With a cache, inputs of <= 64 tokens use the recurrent path either way.
+        norm_eps: epsilon of the output norm.
+        layer_idx: this layer's slot in a :class:`Cache`.
+    """
+
+    kv_per_token = 1  # keys and values per token (Gated DeltaProduct: n_h)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_k_dim: int | None = None,
+        head_v_dim: int | None = None,
+        *,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        qk_norm: str | None = "l2",
+        output_norm: bool = True,
+        gate_act: str | None = "silu",
+        use_output_gate: bool = True,
+        chunk_size: int = 64,
+        mode: str = "chunk",
+        norm_eps: float = 1e-6,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("conv_size", conv_size),
+                            ("chunk_size", chunk_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if head_k_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+                                 "give head_k_dim explicitly")
+            head_k_dim = hidden_size // num_heads
+        head_v_dim = head_k_dim if head_v_dim is None else head_v_dim
+        for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if qk_norm not in ("l2", "k", None):
+            raise ValueError(f"qk_norm must be 'l2', 'k' or None, got {qk_norm!r}")
+        if gate_act not in ("silu", None):
+            raise ValueError(f"gate_act must be 'silu' or None, got {gate_act!r}")
+        if mode not in ("chunk", "recurrent"):
+            raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.qk_norm, self.chunk_size, self.mode, self.layer_idx = qk_norm, chunk_size, mode, layer_idx
+        self.use_short_conv, self.use_output_gate, self.output_norm = use_short_conv, use_output_gate, output_norm
+        n = self.kv_per_token
+        key_dim, value_dim = num_heads * head_k_dim, num_heads * head_v_dim
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, n * key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, n * value_dim, bias=False)
+        if use_short_conv:
+            self.q_conv = ShortConvolution(key_dim, conv_size)
+            self.k_conv = ShortConvolution(n * key_dim, conv_size)
+            self.v_conv = ShortConvolution(n * value_dim, conv_size)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        if output_norm:
+            self.o_norm = GatedRMSNorm(head_v_dim, norm_eps, gate_act) if use_output_gate else RMSNorm(head_v_dim, norm_eps)
+        self.gate_act = gate_act
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    # --- what a mechanism provides -------------------------------------------------
+
+    def gates(self, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Per-token gate tensors from the (masked) input x [B, T, D]."""
+        return {}
+
+    @abc.abstractmethod
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        """Call the op: q [B, T, H, K], k [B, T*n, H, K], v [B, T*n, H, V] -> (o, final state)."""
+
+    # --- the shared block ----------------------------------------------------------
+
+    @staticmethod
+    def masked_log_gate(g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Zero log-decay at padding positions, so that they are identity steps."""
+        if mask is None:
+            return g
+        return g * mask.reshape(mask.shape + (1,) * (g.dim() - 2)).to(g.dtype)
+
+    def forward(self, x, attention_mask=None, cache: Cache | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H, K, V, n = self.num_heads, self.head_k_dim, self.head_v_dim, self.kv_per_token
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, T):
+                raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}], got {list(attention_mask.shape)}")
+            mask = attention_mask.to(x.dtype)
+            x = x * mask[..., None]
+        state = cache.layers[self.layer_idx] if cache is not None else None
+        conv_states = state["conv"] if state is not None else (None, None, None)
+        starts = sequence_starts(T, cu_seqlens, x.device)
+
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q, cq = self.q_conv(q, conv_states[0], starts)
+            k, ck = self.k_conv(k, conv_states[1], starts)
+            v, cv = self.v_conv(v, conv_states[2], starts)
+            new_conv = (cq, ck, cv)
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+            new_conv = (None, None, None)
+        q = q.view(B, T, H, K)
+        k = k.view(B, T, n, H, K).flatten(1, 2)  # row t * n + j: the j-th key of token t
+        v = v.view(B, T, n, H, V).flatten(1, 2)
+        if self.qk_norm == "l2":
+            q = _l2norm(q)
+        if self.qk_norm in ("l2", "k"):
+            k = _l2norm(k)
+
+        recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
+        o, final_state = self.mix(
+            q, k, v, self.gates(x, mask),
+            initial_state=state["recurrent"] if state is not None else None,
+            cu_seqlens=cu_seqlens, mode="naive" if recurrent else "auto",
+        )
+        if self.use_output_gate:
+            gate = self.g_proj(x).view(B, T, H, V)
+            if self.output_norm:
+                o = self.o_norm(o, gate)
+            else:
+                o = o * (F.silu(gate) if self.gate_act == "silu" else gate)
+        elif self.output_norm:
+            o = self.o_norm(o)
+        o = self.o_proj(o.reshape(B, T, H * V))
+        if cache is not None and use_cache:
+            cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state}
+        return o, cache
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
+                f"conv={self.use_short_conv}, qk_norm={self.qk_norm}, mode={self.mode}")
+
+    def _op_kwargs(self, initial_state, cu_seqlens, mode):
+        return dict(initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+                    chunk_size=self.chunk_size, mode=mode)
+
+
+def _mamba2_decay_params(module: nn.Module, num_heads: int) -> None:
+    """alpha = exp(-exp(A_log) * softplus(W x + dt_bias)) (Mamba2), initialised as Mamba2 does."""
+    module.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1, 16)))
+    dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp_min(1e-4)
+    module.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    module.A_log._no_weight_decay = True
+    module.dt_bias._no_weight_decay = True
+
+
+def _mamba2_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    return -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias.float())  # [B, T, H]
+
+
+class DeltaNet(LinearMixer):
+    """DeltaNet: S_t = (I - β k kᵀ) S_{t-1} + β k vᵀ, β = sigmoid(W_β x) (× 2 with ``allow_neg_eigval``)."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, allow_neg_eigval=False, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        self.allow_neg_eigval = allow_neg_eigval
+        self.b_proj = nn.Linear(hidden_size, num_heads * self.kv_per_token, bias=False)
+
+    def gates(self, x, mask):
+        beta = self.b_proj(x).float().sigmoid()
+        return {"beta": 2 * beta if self.allow_neg_eigval else beta}
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.delta_rule(q, k, v, gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet (GDN eq. 10): α from the Mamba2 parameterisation (A_log, dt_bias, softplus)."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        _mamba2_decay_params(self, num_heads)
+
+    def gates(self, x, mask):
+        return {**super().gates(x, mask), "g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.gated_delta_rule(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class GatedDeltaProduct(GatedDeltaNet):
+    """Gated DeltaProduct: ``num_householder`` keys, values and betas per token (``use_forget_gate=False``: DeltaProduct)."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, num_householder=2,
+                 use_forget_gate=True, **kwargs):
+        if not isinstance(num_householder, int) or num_householder < 1:
+            raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
+        self.kv_per_token = num_householder
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        self.use_forget_gate = use_forget_gate
+
+    def gates(self, x, mask):
+        gates = super().gates(x, mask)
+        B, T = x.shape[:2]
+        gates["beta"] = gates["beta"].view(B, T, self.kv_per_token, self.num_heads).flatten(1, 2)
+        if not self.use_forget_gate:
+            gates["g"] = None
+        return gates
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.gated_delta_product(q, k, v, gates["g"], gates["beta"], self.kv_per_token,
+                                       **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class GLA(LinearMixer):
+    """Gated linear attention: per-channel log-decay logsigmoid(W2 W1 x) / 16 through a low-rank projection."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, gate_low_rank_dim=16,
+                 gate_logit_normalizer=16.0, qk_norm=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, **kwargs)
+        self.gate_logit_normalizer = gate_logit_normalizer
+        self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
+                                     nn.Linear(gate_low_rank_dim, num_heads * self.head_k_dim, bias=True))
+
+    def gates(self, x, mask):
+        B, T = x.shape[:2]
+        g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+        return {"g": self.masked_log_gate(g.view(B, T, self.num_heads, self.head_k_dim), mask)}
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class SimpleGLA(LinearMixer):
+    """Scalar-gated linear attention with the Mamba2 decay: S_t = α_t S_{t-1} + k vᵀ."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, qk_norm=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, **kwargs)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        _mamba2_decay_params(self, num_heads)
+
+    def gates(self, x, mask):
+        return {"g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.simple_gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class LinearAttention(LinearMixer):
+    """Linear attention without decay: S_t = S_{t-1} + k vᵀ (normalised by the output RMSNorm)."""
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, qk_norm=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, **kwargs)
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.linear_attn(q, k, v, **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class HDLA(LinearMixer):
+    """Householder-diagonalised linear attention (HDLA eq. 27) with the block of its App. C.1.
+
+    λ = sigmoid(W_λ x) per key channel (eq. 6), β = 2 sigmoid(W_β x) in (0, 2) (§3.1.2);
+    q, k, v through SiLU (eq. 25), only k L2-normalised (eq. 26), and a linear output
+    gate o = y ⊙ (W_g x) without output norm (eqs. 29-30). Each is a flag here.
+    """
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, allow_neg_eigval=True,
+                 qk_norm="k", output_norm=False, gate_act=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, output_norm=output_norm,
+                         gate_act=gate_act, **kwargs)
+        self.allow_neg_eigval = allow_neg_eigval
+        self.lambda_proj = nn.Linear(hidden_size, num_heads * self.head_k_dim, bias=True)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def gates(self, x, mask):
+        B, T = x.shape[:2]
+        g = F.logsigmoid(self.lambda_proj(x).float()).view(B, T, self.num_heads, self.head_k_dim)  # log λ
+        beta = self.b_proj(x).float().sigmoid()
+        return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.hdla(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+
+class HeadInHead(GatedDeltaNet):
+    """Head-in-Head over DeltaNet (``gated=False``, HH-DN) or Gated DeltaNet (HH-GDN).
+
+    Each head's key channels form ``rank`` groups; the transition is
+    α(I − β (k kᵀ ⊙ expand(M))) with M = N Nᵀ, N the row-L2-normalised softplus of
+    M_org (paper §3.3). ``mask="static"`` learns M_org [H, r, r]; ``mask="data"``
+    projects it from x per token. M_org starts constant, so M starts as all ones:
+    the model starts as its r = 1 baseline.
+    """
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, rank=4, mask="static",
+                 gated=True, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        if not isinstance(rank, int) or rank < 1 or self.head_k_dim % rank:
+            raise ValueError(f"Head-in-Head rank r = {rank!r} must be a positive int dividing head_k_dim = {self.head_k_dim}")
+        if mask not in ("static", "data"):
+            raise ValueError(f"mask must be 'static' or 'data', got {mask!r}")
+        self.rank, self.mask_kind, self.gated = rank, mask, gated
+        if mask == "static":
+            self.mask_org = nn.Parameter(torch.zeros(num_heads, rank, rank))
+        else:
+            self.mask_proj = nn.Linear(hidden_size, num_heads * rank * rank, bias=True)
+            self.mask_proj._zero_init = True  # model initialisers keep it at zero: M starts as all ones
+            nn.init.zeros_(self.mask_proj.weight)
+            nn.init.zeros_(self.mask_proj.bias)
+        if not gated:
+            del self.a_proj, self.A_log, self.dt_bias
+
+    def gates(self, x, mask):
+        gates = DeltaNet.gates(self, x, mask)
+        if self.gated:
+            gates["g"] = self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)
+        r = self.rank
+        if self.mask_kind == "static":
+            m_org = self.mask_org
+        else:
+            B, T = x.shape[:2]
+            m_org = self.mask_proj(x).view(B, T, self.num_heads, r, r)
+        gates["mask"] = ops.head_in_head_mask(F.softplus(m_org.float()))
+        return gates
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+        return ops.hh_delta_rule(q, k, v, gates["beta"], gates["mask"], gates.get("g"),
+                                 **self._op_kwargs(initial_state, cu_seqlens, mode))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, mask={self.mask_kind}, gated={self.gated}"

@@ -1,0 +1,75 @@
+"""Building blocks shared by the token mixers: norms and the short causal convolution."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(o) * act(gate)``: the output norm and gate of GDN Fig. 1 (act = SiLU), per head."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str | None = "silu"):
+        super().__init__(dim, eps)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (F.silu(gate) if self.activation == "silu" else gate)
+
+
+def sequence_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor | None:
+    """For packed sequences, the index of the first token of each token's sequence ([T])."""
+    if cu_seqlens is None:
+        return None
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T).to(device)
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal convolution over time (kernel 4 by default), no bias.
+
+    ``forward(x [B, T, D], state [B, D, kernel - 1] | None, starts [T] | None)`` returns
+    ``(y [B, T, D], new_state [B, D, kernel - 1])``. ``state`` holds the inputs of the
+    last ``kernel - 1`` steps (zeros at the start of a sequence); with ``starts`` (packed
+    sequences) no tap reaches across the start of a sequence.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu"):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(dim, kernel_size))
+        nn.init.kaiming_uniform_(self.weight.view(dim, 1, kernel_size), a=5 ** 0.5)
+
+    def forward(self, x, state=None, starts=None):
+        B, T, D = x.shape
+        past = self.kernel_size - 1
+        if state is None:
+            state = x.new_zeros(B, D, past)
+        full = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, past + T, D]
+        y = torch.zeros_like(x)
+        w = self.weight.to(x.dtype)
+        t = torch.arange(T, device=x.device)
+        for i in range(self.kernel_size):  # y_t = sum_i w_i x_{t - i}; the newest input pairs with the last weight
+            tap = full[:, past - i : past - i + T] * w[:, past - i]
+            if starts is not None and i > 0:
+                tap = tap * (t - i >= starts)[None, :, None]
+            y = y + tap
+        if self.activation == "silu":
+            y = F.silu(y)
+        return y, full[:, T:].transpose(1, 2)

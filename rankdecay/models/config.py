@@ -1,0 +1,123 @@
+"""The model configuration: a transformers ``PretrainedConfig`` with named presets."""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+MIXERS = ("gdn", "deltanet", "gdp", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
+
+# Shapes of the papers. Head-in-Head Table 9: 340M = 24 layers, d 1024, 4 heads, tied
+# embeddings; 1.3B = 24 layers, d 2048, 8 heads, untied; a 4d² mixer (head dims d / H).
+# The SwiGLU width is fla's: 2/3 * 4d rounded up to a multiple of 256. "tiny" is for
+# CPU tests with the byte tokenizer (256 bytes + bos/eos/pad, padded to 264).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_heads=2, intermediate_size=192,
+                 tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258, chunk_size=16,
+                 swa_window=32),
+    "340m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4, tie_word_embeddings=True),
+    "1.3b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=8, tie_word_embeddings=False),
+}
+
+
+class RankDecayConfig(PretrainedConfig):
+    """Configuration of a rankdecay language model.
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers: the usual.
+        mixer: the token mixer of every layer, one of ``MIXERS``: "gdn" (Gated
+            DeltaNet), "deltanet", "gdp" (Gated DeltaProduct), "gla", "simple_gla",
+            "linear_attn", "hdla", "hh-gdn" / "hh-dn" (Head-in-Head over GDN /
+            DeltaNet), "swa" (sliding-window attention).
+        layer_mixers: optional per-layer list overriding ``mixer`` (hybrid stacks),
+            e.g. ``["gdn", "swa"] * 12`` for Gated DeltaNet-H1.
+        num_heads: heads of the linear mixers; head_k_dim / head_v_dim default to
+            hidden_size / num_heads (``expand_v = head_v_dim / head_k_dim``).
+        use_short_conv, conv_size: the short causal convolution on q, k, v.
+        allow_neg_eigval: β in [0, 2]; None keeps each mechanism's default (True for
+            HDLA, as in its paper; False otherwise).
+        num_householder: n_h of Gated DeltaProduct.
+        hh_rank, hh_mask: Head-in-Head groups per head r and "static" / "data" masks.
+        chunk_size, mixer_mode: chunked-path chunk size; "chunk" or "recurrent".
+        swa_window, swa_num_heads, swa_head_dim, rope_theta: the attention layers.
+        intermediate_size: SwiGLU width (default: fla's rule from hidden_size).
+        use_cache: return a decoding cache by default.
+    """
+
+    model_type = "rankdecay"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 1024,
+        num_hidden_layers: int = 24,
+        mixer: str = "gdn",
+        layer_mixers: list[str] | None = None,
+        num_heads: int = 4,
+        head_k_dim: int | None = None,
+        head_v_dim: int | None = None,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        allow_neg_eigval: bool | None = None,
+        num_householder: int = 2,
+        hh_rank: int = 4,
+        hh_mask: str = "static",
+        chunk_size: int = 64,
+        mixer_mode: str = "chunk",
+        swa_window: int = 2048,
+        swa_num_heads: int | None = None,
+        swa_head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        intermediate_size: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
+        use_cache: bool = True,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        **kwargs,
+    ):
+        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
+        self.mixer, self.layer_mixers = mixer, list(layer_mixers) if layer_mixers is not None else None
+        self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
+        self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
+        self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
+        self.chunk_size, self.mixer_mode = chunk_size, mixer_mode
+        self.swa_window, self.swa_num_heads, self.swa_head_dim, self.rope_theta = (
+            swa_window, swa_num_heads, swa_head_dim, rope_theta)
+        if intermediate_size is None:
+            intermediate_size = 256 * -(-int(hidden_size * 8 / 3) // 256)
+        self.intermediate_size, self.rms_norm_eps, self.initializer_range = (
+            intermediate_size, rms_norm_eps, initializer_range)
+        self.use_cache = use_cache
+        super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
+        self.validate_mixers()
+
+    @property
+    def mixers(self) -> list[str]:
+        """The mixer of each layer."""
+        return list(self.layer_mixers) if self.layer_mixers is not None else [self.mixer] * self.num_hidden_layers
+
+    def validate_mixers(self) -> None:
+        """Clear errors for configurations no model can be built from."""
+        if self.layer_mixers is not None and len(self.layer_mixers) != self.num_hidden_layers:
+            raise ValueError(f"layer_mixers has {len(self.layer_mixers)} entries for num_hidden_layers = "
+                             f"{self.num_hidden_layers}")
+        for name in self.mixers:
+            if name not in MIXERS:
+                raise ValueError(f"unknown mixer {name!r}; choose from {', '.join(MIXERS)}")
+        if self.head_k_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                             "set head_k_dim / head_v_dim explicitly")
+        head_k = self.head_k_dim or self.hidden_size // self.num_heads
+        if any(name.startswith("hh-") for name in self.mixers) and head_k % self.hh_rank:
+            raise ValueError(f"hh_rank {self.hh_rank} must divide head_k_dim {head_k}")
+        if self.hh_mask not in ("static", "data"):
+            raise ValueError(f"hh_mask must be 'static' or 'data', got {self.hh_mask!r}")
+
+    @classmethod
+    def from_preset(cls, name: str, mixer: str = "gdn", **overrides) -> "RankDecayConfig":
+        """A named preset (``tiny``, ``340m``, ``1.3b``) with the given mixer; keywords override fields."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], "mixer": mixer, **overrides})

@@ -1,0 +1,214 @@
+"""One language model for every mixer: [RMSNorm -> mixer -> + -> RMSNorm -> SwiGLU -> +] x N."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..layers import (
+    GLA, HDLA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer, RMSNorm,
+    SimpleGLA, SlidingWindowAttention,
+)
+from .config import RankDecayConfig
+
+
+def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module:
+    """The token mixer ``name`` for layer ``layer_idx`` of a model with this config."""
+    if name == "swa":
+        heads = config.swa_num_heads or config.num_heads
+        return SlidingWindowAttention(config.hidden_size, heads, config.swa_head_dim, window_size=config.swa_window,
+                                      rope_theta=config.rope_theta, layer_idx=layer_idx)
+    common = dict(use_short_conv=config.use_short_conv, conv_size=config.conv_size, chunk_size=config.chunk_size,
+                  mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx)
+    if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "hdla", "hh-gdn", "hh-dn"):
+        common["allow_neg_eigval"] = config.allow_neg_eigval
+    cls, extra = {
+        "gdn": (GatedDeltaNet, {}),
+        "deltanet": (DeltaNet, {}),
+        "gdp": (GatedDeltaProduct, {"num_householder": config.num_householder}),
+        "gla": (GLA, {}),
+        "simple_gla": (SimpleGLA, {}),
+        "linear_attn": (LinearAttention, {}),
+        "hdla": (HDLA, {}),
+        "hh-gdn": (HeadInHead, {"rank": config.hh_rank, "mask": config.hh_mask, "gated": True}),
+        "hh-dn": (HeadInHead, {"rank": config.hh_rank, "mask": config.hh_mask, "gated": False}),
+    }[name]
+    return cls(config.hidden_size, config.num_heads, config.head_k_dim, config.head_v_dim, **common, **extra)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: RankDecayConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_name = config.mixers[layer_idx]
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = build_mixer(self.mixer_name, config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, attention_mask=None, cache=None, use_cache=False, cu_seqlens=None):
+        h, _ = self.mixer(self.attn_norm(x), attention_mask, cache, use_cache, cu_seqlens)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class RankDecayPreTrainedModel(PreTrainedModel):
+    config_class = RankDecayConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+    _is_stateful = True  # a recurrent cache: no assisted decoding or cache cropping
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # we bring our own fixed-size cache (rankdecay.layers.Cache)
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.Linear):
+            if getattr(module, "_zero_init", False):
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
+class RankDecayModel(RankDecayPreTrainedModel):
+    """Embeddings, N blocks and the final norm; returns hidden states and the cache."""
+
+    def __init__(self, config: RankDecayConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings = value
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
+                use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+        """input_ids [B, T] (or inputs_embeds [B, T, D]); attention_mask [B, T] or [B, past + T] with 0 at
+        (left) padding; cu_seqlens [N + 1] for sequences packed along T (B = 1).
+
+        Other keyword arguments that transformers' generation passes (position_ids, ...) are
+        not used: positions live in the cache.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = Cache(self.config.num_hidden_layers)
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(f"attention_mask must be [B, T] or [B, past + T] with B = {B}, T = {T}; "
+                                 f"got {list(attention_mask.shape)}")
+            attention_mask = attention_mask[:, -T:]
+            if bool(attention_mask.all()):
+                attention_mask = None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = self._gradient_checkpointing_func(layer.__call__, x, attention_mask, past_key_values, use_cache,
+                                                      cu_seqlens)
+            else:
+                x = layer(x, attention_mask, past_key_values, use_cache, cu_seqlens)
+        if use_cache:
+            past_key_values.seen_tokens += T
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=past_key_values if use_cache else None)
+
+
+class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
+    """The language model: ``RankDecayModel`` and an LM head (tied to the embeddings or not)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: RankDecayConfig):
+        super().__init__(config)
+        self.model = RankDecayModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value):
+        self.model.embeddings = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
+                labels=None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+                logits_to_keep: int = 0, **kwargs):
+        """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy
+        (labels are shifted inside; -100 is ignored). See ``RankDecayModel.forward``."""
+        out = self.model(input_ids, attention_mask, past_key_values, inputs_embeds, use_cache, cu_seqlens)
+        h = out.last_hidden_state
+        logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters (tied weights counted once); optionally without the embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.model.embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int = 2048, training: bool = True) -> float:
+        """Estimated FLOPs per token: 2 per weight in a matmul (x3 with backward), plus the mixers'
+        sequence work (the chunked algorithm for linear mixers, the window for attention)."""
+        matmul_params = self.num_params(exclude_embeddings=True)
+        if self.config.tie_word_embeddings:
+            matmul_params += self.lm_head.weight.numel()  # the tied head is still a matmul
+        mixer = sum(mixer_flops_per_token(layer.mixer, seq_len) for layer in self.model.layers)
+        return (3 if training else 1) * (2 * matmul_params + mixer)
+
+
+def mixer_flops_per_token(mixer: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs per token of a mixer's sequence mixing (projections excluded)."""
+    if isinstance(mixer, SlidingWindowAttention):
+        context = min(mixer.window_size, seq_len / 2)  # average causal context
+        return 4 * mixer.num_heads * mixer.head_dim * context
+    assert isinstance(mixer, LinearMixer)
+    H, K, V, C = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.chunk_size
+    r_kv = mixer.kv_per_token
+    r_ab = {DeltaNet: r_kv, GatedDeltaNet: r_kv, GatedDeltaProduct: r_kv, HDLA: 2}.get(type(mixer), 0)
+    if isinstance(mixer, HeadInHead):
+        r_ab = mixer.rank
+    cols = r_kv + r_ab
+    intra = C * K * (1 + r_ab) * cols + C * V * cols  # causal halves of [C, C] products and their use
+    state = 2 * K * V * (1 + cols + r_ab)  # read, write/update, W S
+    ut = C * r_ab * r_ab * (K + V) if r_ab else 0  # the triangular solve
+    return H * (intra + state + ut)
+
+
+AutoConfig.register(RankDecayConfig.model_type, RankDecayConfig)
+AutoModel.register(RankDecayConfig, RankDecayModel)
+AutoModelForCausalLM.register(RankDecayConfig, RankDecayForCausalLM)
