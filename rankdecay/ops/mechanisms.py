@@ -266,8 +266,10 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     r"""The Head-in-Head mask ``M = N Nᵀ`` with ``N`` = row-L2-normalised ``m_org`` (paper §3.3, App. A).
 
     m_org: ``[..., r, r]``, expected non-negative; then M is positive semi-definite,
-    every entry lies in [0, 1] and the diagonal is 1 (a row of norm below ``eps`` is
-    divided by ``eps`` instead, leaving its diagonal entry below 1). With
+    every entry lies in [0, 1] and the diagonal is 1. The normalisation is scale-free
+    (each row is first divided by its largest entry), so rows of tiny entries, such as
+    the softplus of very negative logits, still normalise exactly; only an all-zero row
+    stays zero (its diagonal entry is then 0, not 1). ``eps`` guards that case. With
     L2-normalised keys, ``β (k kᵀ ⊙ expand(M))`` is then PSD (Schur product theorem)
     with eigenvalues in [0, β], so every transition has its eigenvalues in
     [1 - β, 1]: [0, 1] for β in [0, 1], [-1, 1] for β in [0, 2]. Returns ``[..., r, r]``.
@@ -275,5 +277,6 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     check_float(m_org, "m_org")
     if m_org.dim() < 2 or m_org.shape[-1] != m_org.shape[-2]:
         raise ValueError(f"m_org must have shape [..., r, r], got {list(m_org.shape)}")
-    n = m_org / m_org.norm(dim=-1, keepdim=True).clamp_min(eps)
+    n = m_org / m_org.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(m_org.dtype).tiny)
+    n = n / n.norm(dim=-1, keepdim=True).clamp_min(eps)
     return n @ n.transpose(-1, -2)

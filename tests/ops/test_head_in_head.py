@@ -49,3 +49,14 @@ def test_unnormalised_mask_can_leave_the_unit_interval():
     P = torch.eye(K, dtype=f64) - (k[:, :, None] * k[:, None, :]) * m[:, group[:, None], group[None, :]]
     eig = torch.linalg.eigvals(P).real
     assert eig.min() < -1e-6 or eig.max() > 1 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_mask_normalisation_is_scale_free(dtype):
+    """Rows of tiny entries (softplus of logits near -40) normalise as well as rows near 1."""
+    m_org = 0.05 + torch.rand(50, 3, 3, dtype=dtype)
+    ref = head_in_head_mask(m_org)
+    for scale in (1e-20, 1e-30, 1e20):
+        torch.testing.assert_close(head_in_head_mask(m_org * scale), ref)
+    tiny = F.softplus(torch.full((2, 2), -40.0, dtype=dtype))
+    torch.testing.assert_close(head_in_head_mask(tiny), torch.ones(2, 2, dtype=dtype))

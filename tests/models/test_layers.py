@@ -1,0 +1,89 @@
+"""The mixers as layers: Head-in-Head against its base, masks, padding, bad arguments."""
+import pytest
+import torch
+
+from rankdecay.layers import DeltaNet, GatedDeltaNet, HeadInHead, SlidingWindowAttention
+
+from ..conftest import assert_matches
+
+D, H = 48, 2
+
+
+def _copy_base_weights(base, hh):
+    missing, unexpected = hh.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("mask_") for name in missing), (missing, unexpected)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("mask", ["static", "data"])
+def test_head_in_head_rank_one_is_its_base(gated, mask):
+    base = (GatedDeltaNet if gated else DeltaNet)(D, H, chunk_size=8)
+    hh = HeadInHead(D, H, rank=1, mask=mask, gated=gated, chunk_size=8)
+    _copy_base_weights(base, hh)
+    with torch.no_grad():  # any M_org: with r = 1 the normalised mask is exactly 1
+        for p in (hh.mask_org,) if mask == "static" else hh.mask_proj.parameters():
+            p.normal_(0, 3)
+    x = torch.randn(2, 29, D)
+    assert torch.equal(hh(x)[0], base(x)[0])
+
+
+@pytest.mark.parametrize("mask", ["static", "data"])
+def test_head_in_head_starts_as_its_rank_one_baseline(mask):
+    base = GatedDeltaNet(D, H, chunk_size=8)
+    hh = HeadInHead(D, H, rank=4, mask=mask, chunk_size=8)
+    _copy_base_weights(base, hh)
+    x = torch.randn(2, 29, D)
+    assert_matches(hh(x)[0], base(x)[0], 1e-6)
+
+
+@pytest.mark.parametrize("neg", [False, True])
+@pytest.mark.parametrize("mask", ["static", "data"])
+def test_head_in_head_transitions_have_bounded_eigenvalues(neg, mask):
+    """I − β (k kᵀ ⊙ M) with the layer's own M and β: eigenvalues in [0, 1] (β ≤ 1) or [−1, 1] (β ≤ 2)."""
+    torch.manual_seed(1)
+    hh = HeadInHead(D, H, rank=4, mask=mask, allow_neg_eigval=neg)
+    with torch.no_grad():
+        for p in (hh.mask_org,) if mask == "static" else hh.mask_proj.parameters():
+            p.normal_(0, 3)
+        hh.b_proj.weight.normal_(0, 3)  # push β to its extremes
+    x = torch.randn(1, 64, D)
+    gates = hh.gates(x, None)
+    M = gates["mask"].expand(1, 64, H, 4, 4) if mask == "static" else gates["mask"]
+    M = M.double().repeat_interleave(6, -1).repeat_interleave(6, -2)  # expand to [.., K, K]; K / r = 6
+    k = torch.nn.functional.normalize(torch.randn(1, 64, H, 24, dtype=torch.float64), dim=-1)
+    beta = gates["beta"].double()
+    assert beta.max() > (1.5 if neg else 0.9), "the test should reach large β"
+    A = torch.eye(24, dtype=torch.float64) - beta[..., None, None] * (k[..., :, None] * k[..., None, :]) * M
+    eig = torch.linalg.eigvalsh(A)  # A is symmetric: M is PSD, so k kᵀ ⊙ M is too (Schur)
+    lo = -1.0 if neg else 0.0
+    tol = 1e-6  # M and β come from the layer in fp32
+    assert eig.min() >= lo - tol and eig.max() <= 1 + tol, (eig.min().item(), eig.max().item())
+    if neg:
+        assert eig.min() < -0.3, "β near 2 should give negative eigenvalues"
+
+
+def test_padding_positions_are_identity_steps():
+    layer = GatedDeltaNet(D, H)
+    x = torch.randn(1, 10, D)
+    padded = torch.cat([torch.randn(1, 3, D), x], 1)
+    mask = torch.tensor([[0] * 3 + [1] * 10])
+    assert_matches(layer(padded, mask)[0][:, 3:], layer(x)[0], 1e-6)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: HeadInHead(D, H, rank=5), "rank r = 5 must be a positive int dividing head_k_dim = 24"),
+    (lambda: HeadInHead(D, H, rank=2, mask="learned"), "mask must be 'static' or 'data'"),
+    (lambda: GatedDeltaNet(50, 3), "hidden_size 50 is not divisible by num_heads 3"),
+    (lambda: GatedDeltaNet(D, H, mode="parallel"), "mode must be 'chunk' or 'recurrent'"),
+    (lambda: GatedDeltaNet(D, 0), "num_heads must be a positive int"),
+    (lambda: SlidingWindowAttention(D, H, window_size=0), "window_size must be a positive int"),
+    (lambda: SlidingWindowAttention(D, 16), "head_dim must be even"),
+])
+def test_bad_layer_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_attention_mask_shape_is_checked():
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \[B, T\]"):
+        GatedDeltaNet(D, H)(torch.randn(2, 5, D), torch.ones(2, 4))

@@ -1,0 +1,171 @@
+"""The language model: gradients, Hugging Face integration, generation, padding, configs."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM
+
+from ..conftest import assert_matches
+from .common import random_ids, tiny_model
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_gradients_reach_every_parameter(mixer):
+    model = tiny_model(mixer).train()
+    ids = random_ids(2, 37)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{mixer}: no gradient for {name}"
+        assert torch.isfinite(p.grad).all(), f"{mixer}: non-finite gradient for {name}"
+        assert p.grad.abs().sum() > 0, f"{mixer}: zero gradient for {name}"
+
+
+def test_labels_are_shifted_and_ignore_index():
+    model = tiny_model("gdn")
+    ids = random_ids(2, 12)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    out = model(ids, labels=labels, use_cache=False)
+    # position t predicts token t + 1; labels -100 at 0..3 leave tokens 4.. as targets
+    ref = torch.nn.functional.cross_entropy(out.logits[:, 3:-1].reshape(-1, out.logits.shape[-1]),
+                                            ids[:, 4:].reshape(-1))
+    assert torch.allclose(out.loss, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hh-gdn", "hdla"])
+def test_save_pretrained_round_trip(tmp_path, mixer):
+    model = tiny_model(mixer)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).mixer == mixer
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is RankDecayForCausalLM
+    ids = random_ids(2, 20)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    if model.config.tie_word_embeddings:
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embeddings.weight.data_ptr()
+
+
+def _manual_greedy(model, ids, steps, eos=257, pad=258):
+    """Greedy decoding with the cache; rows that emitted eos continue with pad, as generate() does."""
+    out = model(ids, use_cache=True)
+    done = torch.zeros(ids.shape[0], 1, dtype=torch.bool)
+    tokens = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True).masked_fill(done, pad)
+        tokens.append(nxt)
+        done |= nxt == eos
+        if done.all():
+            break
+        out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat([ids, *tokens], 1)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdp", "swa"])
+def test_generate_greedy_equals_manual_loop(mixer):
+    model = tiny_model(mixer)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=258)
+        ref = _manual_greedy(model, ids, 40)
+    assert torch.equal(got, ref)
+    assert len(set(got[0, 9:].tolist())) > 1, "the test model should not emit a constant"
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hh-gdn", "swa"])
+def test_generate_sampling_uses_the_cache_correctly(mixer):
+    """With sampling, each step's logits equal a full forward over the sampled sequence."""
+    model = tiny_model(mixer)
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        out = model.generate(ids, max_new_tokens=45, do_sample=True, top_k=0, temperature=1.0,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=258)
+        torch.manual_seed(3)
+        again = model.generate(ids, max_new_tokens=45, do_sample=True, top_k=0, temperature=1.0, pad_token_id=258)
+        full = model(out.sequences, use_cache=False).logits
+    assert torch.equal(out.sequences, again), "the same seed must give the same sample"
+    step_logits = torch.stack(out.logits, 1)  # [B, new, vocab]
+    assert_matches(step_logits, full[:, 6:-1], 1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla", "swa"])
+def test_left_padded_batch_equals_each_prompt_alone(mixer):
+    model = tiny_model(mixer)
+    lengths = (11, 4, 8)
+    prompts = [random_ids(1, n, seed=10 + n) for n in lengths]
+    L = max(lengths)
+    ids = torch.full((len(prompts), L), 258)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - p.shape[1]:] = p[0]
+        mask[i, L - p.shape[1]:] = 1
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=258, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, **kw)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p, **kw)
+            assert torch.equal(batch.sequences[i, L:], alone.sequences[0, p.shape[1]:]), f"{mixer}: prompt {i}"
+            assert_matches(torch.stack(batch.logits, 1)[i], torch.stack(alone.logits, 1)[0], 1e-5, f"{mixer}: {i}")
+
+
+def test_hybrid_stack_gdn_h1():
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "swa"], initializer_range=0.2)
+    model = RankDecayForCausalLM(config).eval()
+    assert [layer.mixer_name for layer in model.model.layers] == ["gdn", "swa"]
+    ids = random_ids(1, 50)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :30], use_cache=True)
+        cache = out.past_key_values
+        steps = [out.logits]
+        for t in range(30, 50):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    assert_matches(torch.cat(steps, 1), full, 1e-5)
+    swa_cache = cache.layers[1]
+    assert swa_cache["k"].shape[1] == config.swa_window - 1, "the SWA cache must stay bounded"
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_model("gdn").train()
+    ids = random_ids(2, 30)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for n, p in model.named_parameters():
+        assert_matches(p.grad, ref[n], 1e-5, n)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mixer="hh-gdn", hidden_size=64, num_heads=2, hh_rank=3), "hh_rank 3 must divide head_k_dim 32"),
+    (dict(mixer="mamba"), "unknown mixer 'mamba'"),
+    (dict(layer_mixers=["gdn", "transformer"], num_hidden_layers=2), "unknown mixer 'transformer'"),
+    (dict(hidden_size=100, num_heads=3), "hidden_size 100 is not divisible by num_heads 3"),
+    (dict(layer_mixers=["gdn"], num_hidden_layers=2), "layer_mixers has 1 entries"),
+    (dict(mixer="hh-dn", hh_mask="dynamic"), "hh_mask must be 'static' or 'data'"),
+])
+def test_bad_configs_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RankDecayConfig(**{"hidden_size": 64, "num_heads": 2, "num_hidden_layers": 2, **kwargs})
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        RankDecayConfig.from_preset("huge")
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_num_params_and_flops(mixer):
+    model = tiny_model(mixer)
+    counted = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert model.num_params() == counted
+    emb = model.model.embeddings.weight.numel()
+    assert model.num_params(exclude_embeddings=True) == counted - emb
+    short, long = model.flops_per_token(seq_len=64), model.flops_per_token(seq_len=4096)
+    assert 2 * model.num_params(exclude_embeddings=True) * 3 < short <= long
+    assert model.flops_per_token(training=False) * 3 == pytest.approx(model.flops_per_token(training=True))
