@@ -6,15 +6,19 @@ from transformers import PretrainedConfig
 MIXERS = ("gdn", "deltanet", "gdp", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
 
 # Shapes of the papers. Head-in-Head Table 9: 340M = 24 layers, d 1024, 4 heads, tied
-# embeddings; 1.3B = 24 layers, d 2048, 8 heads, untied; a 4d² mixer (head dims d / H).
-# The SwiGLU width is fla's: 2/3 * 4d rounded up to a multiple of 256. "tiny" is for
-# CPU tests with the byte tokenizer (256 bytes + bos/eos/pad, padded to 264).
+# embeddings; 1.3B = 24 layers, d 2048, 8 heads, untied; the "standard 4d² mixer" (HH
+# App. E) is GLA's convention: key dim d/2, value dim d (q, k: d²/2 each; v, gate,
+# output: d² each), i.e. head_k_dim = d / 2H, head_v_dim = d / H. The SwiGLU width is
+# fla's: 2/3 * 4d rounded up to a multiple of 256. "tiny" is for CPU tests with the
+# byte tokenizer (256 bytes + bos/eos/pad, padded to 264).
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_heads=2, intermediate_size=192,
                  tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=258, chunk_size=16,
                  swa_window=32),
-    "340m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4, tie_word_embeddings=True),
-    "1.3b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=8, tie_word_embeddings=False),
+    "340m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4, head_k_dim=128,
+                 head_v_dim=256, tie_word_embeddings=True),
+    "1.3b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=8, head_k_dim=128,
+                 head_v_dim=256, tie_word_embeddings=False),
 }
 
 

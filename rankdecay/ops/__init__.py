@@ -7,6 +7,7 @@
 WY/UT algorithm (``mode="chunk"``); the mechanism functions build its arguments.
 This package imports nothing else of rankdecay.
 """
+from .backends import backends
 from .dplr import dplr
 from .mechanisms import (
     delta_rule,
@@ -22,6 +23,7 @@ from .mechanisms import (
 )
 
 __all__ = [
+    "backends",
     "dplr",
     "linear_attn",
     "retention",

@@ -59,3 +59,25 @@ def test_cache_reorder_selects_rows():
         got = model(nxt, past_key_values=cache, use_cache=True).logits
         ref = model(torch.cat([ids[[2, 0]], nxt], 1), use_cache=False).logits[:, -1:]
     assert_matches(got, ref, 1e-5)
+
+
+def _cache_bytes(cache) -> int:
+    def size(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (tuple, list)):
+            return sum(size(t) for t in x)
+        if isinstance(x, dict):
+            return sum(size(t) for t in x.values())
+        return 0
+
+    return sum(size(layer) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_cache_size_does_not_grow_with_the_context(mixer):
+    """What makes decode cost per token independent of the context length."""
+    model = tiny_model(mixer)
+    with torch.no_grad():
+        sizes = [_cache_bytes(model(random_ids(1, n), use_cache=True).past_key_values) for n in (40, 300)]
+    assert sizes[0] == sizes[1] > 0

@@ -169,3 +169,16 @@ def test_num_params_and_flops(mixer):
     short, long = model.flops_per_token(seq_len=64), model.flops_per_token(seq_len=4096)
     assert 2 * model.num_params(exclude_embeddings=True) * 3 < short <= long
     assert model.flops_per_token(training=False) * 3 == pytest.approx(model.flops_per_token(training=True))
+
+
+@pytest.mark.parametrize("preset, nominal, tol", [("340m", 340e6, 0.02), ("1.3b", 1.3e9, 0.06)])
+def test_paper_presets_have_the_papers_sizes(preset, nominal, tol):
+    """Head-in-Head Table 9 shapes with a 4d² mixer; HH-GDN adds only H r² per layer."""
+    def build(mixer, **kw):
+        with torch.device("meta"):
+            return RankDecayForCausalLM(RankDecayConfig.from_preset(preset, mixer=mixer, **kw))
+
+    gdn, hh = build("gdn"), build("hh-gdn", hh_rank=4)
+    assert abs(gdn.num_params() / nominal - 1) < tol, gdn.num_params()
+    config = gdn.config
+    assert hh.num_params() - gdn.num_params() == config.num_hidden_layers * config.num_heads * 16

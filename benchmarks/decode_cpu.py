@@ -1,0 +1,60 @@
+"""Decode latency per token on CPU, after contexts of different lengths.
+
+    python benchmarks/decode_cpu.py [--preset tiny] [--mixers gdn hdla hh-gdn swa] [--contexts 100 2000]
+
+A recurrent model's step costs the same whatever came before (a fixed-size state);
+sliding-window attention's is bounded by its window; "attn" (SWA with a window longer
+than any context: full causal attention) is the contrast, growing with the context. Each row: prefill a random
+context of the given length, then time single-token steps with the cache (median
+of --steps). Prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+
+
+@torch.no_grad()
+def step_latency(model, context: int, steps: int, warmup: int = 5) -> float:
+    ids = torch.randint(0, 256, (1, context))
+    out = model(ids, use_cache=True)
+    token, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        token = out.logits[:, -1:].argmax(-1)
+    return statistics.median(times[warmup:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--mixers", nargs="+", default=["gdn", "hdla", "hh-gdn", "swa", "attn"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[100, 2000])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, preset {args.preset}, fp32, batch 1")
+    print("| mixer | " + " | ".join(f"ms/token @ {c}" for c in args.contexts) + " | ratio |")
+    print("|---|" + "---:|" * (len(args.contexts) + 1))
+    for mixer in args.mixers:
+        torch.manual_seed(0)
+        overrides = {"hh_rank": 2} if mixer.startswith("hh-") and args.preset == "tiny" else {}
+        if mixer == "attn":
+            mixer, overrides = "swa", {"swa_window": 1 << 30}
+        model = RankDecayForCausalLM(RankDecayConfig.from_preset(args.preset, mixer=mixer, **overrides)).eval()
+        mixer = "attn" if overrides.get("swa_window") == 1 << 30 else mixer
+        ms = [1e3 * step_latency(model, c, args.steps) for c in args.contexts]
+        print(f"| {mixer} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The ``rankdecay`` command: ``rankdecay info``, ``rankdecay init``, ``rankdecay generate``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _info(args) -> int:
+    import platform
+
+    import torch
+
+    from . import __version__, ops
+    from .models import MIXERS, PRESETS
+
+    print(f"rankdecay {__version__}  (torch {torch.__version__}, python {platform.python_version()})")
+    print("mechanisms (rankdecay.ops): " + ", ".join(name for name in ops.__all__ if name not in ("backends", "dplr",
+                                                                                                    "head_in_head_mask")))
+    print("mixers (RankDecayConfig.mixer): " + ", ".join(MIXERS))
+    print("presets: " + ", ".join(PRESETS))
+    print("execution paths:")
+    for name, (ok, why) in ops.backends().items():
+        print(f"  {name:<7} {'yes' if ok else 'no ':<4} {why}")
+    return 0
+
+
+def _init(args) -> int:
+    import torch
+
+    from .data import ByteTokenizer
+    from .models import RankDecayConfig, RankDecayForCausalLM
+
+    overrides = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        if not _:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        overrides[key] = _parse_value(value)
+    torch.manual_seed(args.seed)
+    config = RankDecayConfig.from_preset(args.preset, mixer=args.mixer, **overrides)
+    model = RankDecayForCausalLM(config)
+    model.save_pretrained(args.model_dir)
+    if config.vocab_size >= ByteTokenizer.vocab_size and args.preset == "tiny":
+        ByteTokenizer().save_pretrained(args.model_dir)
+    print(f"saved an untrained {args.preset} {config.mixers[0] if config.layer_mixers is None else config.mixers} "
+          f"model ({model.num_params() / 1e6:.2f}M parameters) to {args.model_dir}")
+    return 0
+
+
+def _parse_value(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _generate(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .data import load_tokenizer
+
+    if not Path(args.model_dir, "config.json").exists():
+        raise SystemExit(f"{args.model_dir} is not a saved model (no config.json); create one with "
+                         "`rankdecay init` or save one with model.save_pretrained()")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
+    tokenizer = load_tokenizer(args.model_dir, model.config.vocab_size)
+    prompts = args.prompt
+    tokenizer.padding_side = "left"  # generation continues from the right end of every row
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    sampling = args.temperature > 0
+    with torch.no_grad():
+        out = model.generate(
+            **batch, max_new_tokens=args.max_new_tokens, do_sample=sampling,
+            temperature=args.temperature if sampling else None, top_k=args.top_k if sampling else None,
+            top_p=args.top_p if sampling else None,
+            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    new = out[:, batch["input_ids"].shape[1]:]
+    for prompt, row in zip(prompts, new):
+        print(prompt + tokenizer.decode(row, skip_special_tokens=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rankdecay", description="Linear attention with rank-enhanced decay.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="version, mechanisms and which execution paths (GPU kernels) are available")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("init", help="save an untrained model from a preset (to try generation, or to train)")
+    p.add_argument("model_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--preset", default="tiny", help="tiny, 340m or 1.3b (default: tiny)")
+    p.add_argument("--mixer", default="gdn", help="token mixer of every layer (default: gdn)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set hh_rank=2 --set 'layer_mixers=[\"gdn\",\"swa\"]'")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_init)
+
+    p = sub.add_parser("generate", help="continue prompts with a saved model")
+    p.add_argument("model_dir", help="a directory saved by save_pretrained (or `rankdecay init`)")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
+    p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus probability")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our commands print their own one-line summaries
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

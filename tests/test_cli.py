@@ -1,0 +1,78 @@
+"""The ``rankdecay`` command line."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rankdecay import __version__
+from rankdecay.cli import main
+from rankdecay.data import ByteTokenizer
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"rankdecay {__version__}" in out
+    for word in ("gated_delta_rule", "hdla", "hh_delta_rule", "hh-gdn", "swa", "triton", "chunk"):
+        assert word in out
+
+
+def test_init_then_generate_matches_the_library(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    assert main(["init", str(model_dir), "--mixer", "hh-gdn", "--set", "hh_rank=2",
+                 "--set", "initializer_range=0.2"]) == 0
+    assert (model_dir / "rankdecay_tokenizer.json").exists()
+    capsys.readouterr()
+    assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert model.config.mixer == "hh-gdn" and model.config.hh_rank == 2
+    tok = ByteTokenizer()
+    expected = []
+    for prompt in ("Hello", "Hi, world"):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        expected.append(prompt + tok.decode(out[0, ids.shape[1]:]))
+    assert lines == expected
+
+
+def test_generate_sampling_is_seeded(tmp_path, capsys):
+    main(["init", str(tmp_path), "--set", "initializer_range=0.5"])
+    runs = []
+    for seed in ("1", "1", "2"):
+        capsys.readouterr()
+        main(["generate", str(tmp_path), "--prompt", "abc", "--temperature", "1", "--seed", seed,
+              "--max-new-tokens", "20"])
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(SystemExit, match="not a saved model"):
+        main(["generate", str(tmp_path), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="--set expects key=value"):
+        main(["init", str(tmp_path), "--set", "hh_rank"])
+    with pytest.raises(ValueError, match="unknown mixer 'mamba'"):
+        main(["init", str(tmp_path), "--mixer", "mamba"])
+
+
+def test_byte_tokenizer_round_trip_and_left_padding():
+    tok = ByteTokenizer()
+    text = "naïve — 状態"
+    assert tok.decode(tok.encode(text, add_bos=True)) == text
+    batch = tok(["ab", "abcd"])
+    assert batch["input_ids"].tolist() == [[258, 258, 97, 98], [97, 98, 99, 100]]
+    assert batch["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+@pytest.mark.skipif(shutil.which("rankdecay") is None, reason="the package is not pip-installed (no console script)")
+def test_console_script_is_installed():
+    out = subprocess.run(["rankdecay", "info"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("rankdecay ")
+    out = subprocess.run([sys.executable, "-m", "rankdecay.cli", "info"], capture_output=True, text=True, check=True)
+    assert "execution paths" in out.stdout
