@@ -15,8 +15,8 @@ def _info(args) -> int:
     from .models import MIXERS, PRESETS
 
     print(f"rankdecay {__version__}  (torch {torch.__version__}, python {platform.python_version()})")
-    print("mechanisms (rankdecay.ops): " + ", ".join(name for name in ops.__all__ if name not in ("backends", "dplr",
-                                                                                                    "head_in_head_mask")))
+    helpers = ("backends", "dplr", "head_in_head_mask", "chunk_flops_per_token")
+    print("mechanisms (rankdecay.ops): " + ", ".join(name for name in ops.__all__ if name not in helpers))
     print("mixers (RankDecayConfig.mixer): " + ", ".join(MIXERS))
     print("presets: " + ", ".join(PRESETS))
     print("execution paths:")

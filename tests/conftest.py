@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. It is chosen when a
+# kernel is defined, so before rankdecay.ops.triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:

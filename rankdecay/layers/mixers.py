@@ -22,10 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from ..ops.backends import triton_runs_on
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
+
+
+def _recurrent_mode(x: torch.Tensor) -> str:
+    """The per-token path: the fused Triton kernel for inference on a GPU, else the PyTorch loop."""
+    fused = x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and triton_runs_on(x)
+    return "fused_recurrent" if fused else "naive"
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +175,7 @@ class LinearMixer(nn.Module, abc.ABC):
         o, final_state = self.mix(
             q, k, v, self.gates(x, mask),
             initial_state=state["recurrent"] if state is not None else None,
-            cu_seqlens=cu_seqlens, mode="naive" if recurrent else "auto",
+            cu_seqlens=cu_seqlens, mode=_recurrent_mode(x) if recurrent else "auto",
         )
         if self.use_output_gate:
             gate = self.g_proj(x).view(B, T, H, V)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from .. import ops
 from ..layers import (
     GLA, HDLA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer, RMSNorm,
     SimpleGLA, SlidingWindowAttention,
@@ -202,11 +203,7 @@ def mixer_flops_per_token(mixer: nn.Module, seq_len: int) -> float:
     r_ab = {DeltaNet: r_kv, GatedDeltaNet: r_kv, GatedDeltaProduct: r_kv, HDLA: 2}.get(type(mixer), 0)
     if isinstance(mixer, HeadInHead):
         r_ab = mixer.rank
-    cols = r_kv + r_ab
-    intra = C * K * (1 + r_ab) * cols + C * V * cols  # causal halves of [C, C] products and their use
-    state = 2 * K * V * (1 + cols + r_ab)  # read, write/update, W S
-    ut = C * r_ab * r_ab * (K + V) if r_ab else 0  # the triangular solve
-    return H * (intra + state + ut)
+    return H * ops.chunk_flops_per_token(K, V, C, r_ab, r_kv)
 
 
 AutoConfig.register(RankDecayConfig.model_type, RankDecayConfig)

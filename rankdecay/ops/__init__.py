@@ -7,7 +7,7 @@
 WY/UT algorithm (``mode="chunk"``); the mechanism functions build its arguments.
 This package imports nothing else of rankdecay.
 """
-from .backends import backends
+from .backends import backends, chunk_flops_per_token
 from .dplr import dplr
 from .mechanisms import (
     delta_rule,
@@ -24,6 +24,7 @@ from .mechanisms import (
 
 __all__ = [
     "backends",
+    "chunk_flops_per_token",
     "dplr",
     "linear_attn",
     "retention",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "naive", "chunk")
+MODES = ("auto", "naive", "chunk", "triton", "fused_recurrent")
 
 
 def _is_tensor(x, name: str) -> torch.Tensor:

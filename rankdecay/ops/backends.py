@@ -1,7 +1,9 @@
 """Which execution paths this installation can run."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 
 import torch
 
@@ -13,13 +15,43 @@ def backends() -> dict[str, tuple[bool, str]]:
     the ``triton`` package and the kernels of this version of rankdecay.
     """
     out = {"naive": (True, "PyTorch per-token loop"), "chunk": (True, "PyTorch chunkwise WY/UT")}
-    has_kernels = importlib.util.find_spec("rankdecay.ops.triton") is not None
-    if not has_kernels:
-        out["triton"] = (False, "no Triton kernels in this version of rankdecay")
-    elif importlib.util.find_spec("triton") is None:
-        out["triton"] = (False, "the triton package is not installed")
-    elif not torch.cuda.is_available():
-        out["triton"] = (False, "no CUDA device")
-    else:
+    if not _has_triton():
+        out["triton"] = (False, "the triton package is not installed (pip install triton)")
+    elif torch.cuda.is_available():
         out["triton"] = (True, f"Triton kernels on {torch.cuda.get_device_name()}")
+    elif interpreting():
+        out["triton"] = (True, "Triton kernels under TRITON_INTERPRET=1 (CPU, slow: for tests)")
+    else:
+        out["triton"] = (False, "no CUDA device")
     return out
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take tensors like ``x``: CUDA (or any device under
+    the interpreter), with triton installed."""
+    return _has_triton() and (x.is_cuda or interpreting())
+
+
+def chunk_flops_per_token(K: int, V: int, chunk_size: int = 64, Rab: int = 0, Rkv: int = 1) -> float:
+    """Forward FLOPs per token and head of the chunked algorithm (2 per multiply-add).
+
+    Intra-chunk: the causal halves of the [C, C] decayed products of q and b against
+    [k, a] and their use on v and U; the state: reading it (q S, W S), writing it
+    (k^T v, a^T U) and the decay; the UT transform's triangular solve. The backward
+    is about twice this.
+    """
+    C, cols = chunk_size, Rkv + Rab
+    intra = C * K * (1 + Rab) * cols + C * V * cols
+    state = 2 * K * V * (1 + cols + Rab)
+    ut = C * Rab * Rab * (K + V) if Rab else 0
+    return float(intra + state + ut)

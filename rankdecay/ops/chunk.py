@@ -151,10 +151,13 @@ def chunk_dplr_core(
     initial_state: torch.Tensor | None,
     dtype: torch.dtype,
     chunk_size: int = 64,
+    use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical inputs (see ``_inputs``) -> (o [B, T, H, V], S_T [B, H, K, V]), both in ``dtype``.
 
     Memory is linear in T: per chunk it keeps [C, C*R] products and one [K, V] state.
+    ``use_triton`` runs the chunk-to-chunk state passing (forward and backward) as one
+    Triton kernel instead of a Python loop over chunks (fp32 only).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -212,19 +215,37 @@ def chunk_dplr_core(
         W, U_v = WU[..., :K], WU[..., K:]
         a_dec = a_dec.flatten(-3, -2)  # [B, H, NC, C*Rab, K]
 
+    if a is None:
+        W = U_v = a_dec = None
+    if use_triton:
+        from .triton import chunk_state_passing
+
+        d = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
+        S0, U, S = chunk_state_passing(S, d, k_dec, v_flat, W, U_v, a_dec)
+    else:
+        S0, U, S = _state_passing(S, None if G is None else chunk_decay, k_dec, v_flat, W, U_v, a_dec)
+    o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
+    if a is not None:
+        o = o - M_qa @ U
+    o = o.flatten(2, 3)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
+def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
+    """HDLA eq. 17, one chunk at a time: (states entering each chunk, pseudo-values U, final state).
+
+    S [B, H, K, V]; chunk_decay [B, H, NC, Kg, 1] or None; k_dec [B, H, NC, C*Rkv, K];
+    v_flat [B, H, NC, C*Rkv, V]; W, a_dec [B, H, NC, C*Rab, K] and U_v [.., C*Rab, V] or None.
+    """
     starts, pseudo_values = [], []
-    for n in range(NC):  # HDLA eq. 17, one chunk at a time
+    for n in range(k_dec.shape[2]):
         starts.append(S)
-        S_next = S if G is None else chunk_decay[:, :, n] * S
+        S_next = S if chunk_decay is None else chunk_decay[:, :, n] * S
         S_next = S_next + k_dec[:, :, n].transpose(-1, -2) @ v_flat[:, :, n]
-        if a is not None:
+        if W is not None:
             U = W[:, :, n] @ S + U_v[:, :, n]
             pseudo_values.append(U)
             S_next = S_next - a_dec[:, :, n].transpose(-1, -2) @ U
         S = S_next
-    S0 = torch.stack(starts, dim=2)  # [B, H, NC, K, V]
-    o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
-    if a is not None:
-        o = o - M_qa @ torch.stack(pseudo_values, dim=2)
-    o = o.flatten(2, 3)[:, :, :T].transpose(1, 2)
-    return o, S
+    U = torch.stack(pseudo_values, dim=2) if pseudo_values else None
+    return torch.stack(starts, dim=2), U, S

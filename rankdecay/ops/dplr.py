@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .backends import backends, triton_runs_on
 from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
@@ -43,8 +44,12 @@ def dplr(
         cu_seqlens: ``[N + 1]`` int offsets of variable-length sequences packed along T
             (requires ``B == 1``); the state restarts at each boundary.
         chunk_size: tokens per chunk of the chunked algorithm.
-        mode: ``"naive"`` (per-token loop), ``"chunk"`` (chunkwise WY/UT algorithm in
-            PyTorch) or ``"auto"`` (the fastest available path: ``"chunk"`` for now).
+        mode: ``"naive"`` (per-token loop in PyTorch), ``"chunk"`` (chunkwise WY/UT
+            algorithm in PyTorch), ``"triton"`` (the chunked algorithm with its
+            chunk-to-chunk state passing in Triton kernels, forward and backward),
+            ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,
+            no autograd) or ``"auto"``: ``"triton"`` for CUDA tensors when triton is
+            installed and the compute dtype is fp32, else ``"chunk"``.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in ``q``'s dtype; ``final_state`` is
@@ -54,6 +59,18 @@ def dplr(
     """
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode)
     dtype = x.compute_dtype
+    if mode == "auto":
+        mode = "triton" if dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
+    if mode in ("triton", "fused_recurrent"):
+        if not triton_runs_on(q):
+            raise RuntimeError(f"mode={mode!r} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
+                               f"{backends()['triton'][1]}")
+        if dtype != torch.float32:
+            raise ValueError(f"mode={mode!r} computes in fp32; fp64 inputs take mode='chunk' or 'naive'")
+    if mode == "fused_recurrent" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, a, b, g, initial_state)):
+        raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
+                           "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")
     q, k, v, a, b, g = x.q, x.k, x.v, x.a, x.b, x.g
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
@@ -61,8 +78,13 @@ def dplr(
 
     if mode == "naive":
         o, state = naive_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype)
+    elif mode == "fused_recurrent":
+        from .triton import fused_recurrent_dplr
+
+        o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
     else:
-        o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size)
+        o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
+                                   use_triton=mode == "triton")
 
     if x.lengths is not None:
         o = unpack_varlen(o, valid)

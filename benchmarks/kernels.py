@@ -1,0 +1,226 @@
+"""Kernel benchmarks: rankdecay's ops against fla and PyTorch SDPA on one GPU.
+
+    python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling]
+
+A registry of (op, shapes); one runner prints, for forward and forward+backward, the
+median milliseconds, TFLOP/s from an explicit FLOP count (``rankdecay.ops.
+chunk_flops_per_token``; backward counted as twice the forward), peak memory, and
+the ratio to each peer present (fla if importable, SDPA causal attention). Results
+as a Markdown table and, with --json, a JSON file. bf16 inputs; B=8, T=2048, H=16,
+K=V=128 unless --shape says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from rankdecay import ops
+
+
+@dataclass
+class Case:
+    name: str
+    make: callable  # (B, T, H, K, V, device, dtype) -> dict of tensors
+    ours: callable  # (inputs) -> o
+    flops_per_token_head: callable  # (K, V, C) -> float
+    peers: dict = field(default_factory=dict)  # name -> (inputs) -> o; missing imports are skipped
+    decode: bool = False
+
+
+def _qkv(B, T, H, K, V, device, dtype, nh=1):
+    q = torch.randn(B, T, H, K, device=device, dtype=dtype)
+    k = F.normalize(torch.randn(B, T * nh, H, K, device=device, dtype=torch.float32), dim=-1).to(dtype)
+    v = torch.randn(B, T * nh, H, V, device=device, dtype=dtype)
+    return q, k, v
+
+
+def make_gdn(B, T, H, K, V, device, dtype):
+    q, k, v = _qkv(B, T, H, K, V, device, dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device=device) + 3)
+    beta = torch.rand(B, T, H, device=device, dtype=dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def make_hdla(B, T, H, K, V, device, dtype):
+    x = make_gdn(B, T, H, K, V, device, dtype)
+    x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device=device) + 3)
+    x["beta"] = 2 * x["beta"]
+    return x
+
+
+def make_hh(B, T, H, K, V, device, dtype):
+    x = make_gdn(B, T, H, K, V, device, dtype)
+    x["mask"] = ops.head_in_head_mask(torch.rand(H, 4, 4, device=device))
+    return x
+
+
+def make_gla(B, T, H, K, V, device, dtype):
+    q, k, v = _qkv(B, T, H, K, V, device, dtype)
+    return dict(q=q, k=k, v=v, g=F.logsigmoid(torch.randn(B, T, H, K, device=device) + 3) / 16)
+
+
+def make_gdp(B, T, H, K, V, device, dtype):
+    q, k, v = _qkv(B, T, H, K, V, device, dtype, nh=2)
+    return dict(q=q, k=k, v=v, g=F.logsigmoid(torch.randn(B, T, H, device=device) + 3),
+                beta=torch.rand(B, 2 * T, H, device=device, dtype=dtype))
+
+
+def make_decode(B, T, H, K, V, device, dtype):
+    x = make_gdn(B, 1, H, K, V, device, dtype)
+    x["initial_state"] = torch.randn(B, H, K, V, device=device)
+    return x
+
+
+def _fla(path, fn):
+    def call(x, **kw):
+        import importlib
+
+        return getattr(importlib.import_module(path), fn)(**x, **kw)[0]
+    return call
+
+
+def _sdpa(x):
+    q = x["q"].transpose(1, 2)
+    return F.scaled_dot_product_attention(q, x["k"].transpose(1, 2), x["v"].transpose(1, 2), is_causal=True)
+
+
+CASES = {
+    "gdn": Case("Gated DeltaNet", make_gdn, lambda x: ops.gated_delta_rule(**x)[0],
+                lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 1, 1),
+                {"fla": _fla("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "sdpa": _sdpa}),
+    "hdla": Case("HDLA", make_hdla, lambda x: ops.hdla(**x)[0], lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 2, 1),
+                 {"sdpa": _sdpa}),
+    "hh-gdn": Case("HH-GDN r=4", make_hh, lambda x: ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"])[0],
+                   lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 4, 1), {"sdpa": _sdpa}),
+    "gla": Case("GLA", make_gla, lambda x: ops.gla(**x)[0], lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 0, 1),
+                {"fla": _fla("fla.ops.gla", "chunk_gla"), "sdpa": _sdpa}),
+    "gdp": Case("Gated DeltaProduct n_h=2", make_gdp, lambda x: ops.gated_delta_product(**x, num_householder=2)[0],
+                lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 2, 2),
+                {"fla": lambda x: __import__("fla.ops.gated_delta_product", fromlist=["x"]).chunk_gated_delta_product(
+                    **x, num_householder=2)[0]}),
+    "gdn-decode": Case("GDN decode step", make_decode,
+                       lambda x: ops.gated_delta_rule(**x, output_final_state=True, mode="fused_recurrent")[0],
+                       lambda K, V, C: 4.0 * K * V + 4 * K * V,
+                       {"fla": _fla("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")}, decode=True),
+}
+
+
+def bench(fn, warmup=5, reps=20) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(call, inputs, backward: bool) -> tuple[float, float]:
+    """(ms, peak MB above the inputs) of forward (+ backward)."""
+    leaves = {k: (v.detach().requires_grad_(backward) if v.is_floating_point() and k != "mask" else v)
+              for k, v in inputs.items()}
+
+    def step():
+        if not backward:
+            with torch.no_grad():
+                call(leaves)
+            return
+        o = call(leaves)
+        o.backward(torch.ones_like(o))
+        for v in leaves.values():
+            v.grad = None
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = bench(step)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
+    case = CASES[key]
+    inputs = case.make(B, T, H, K, V, "cuda", dtype)
+    tokens = B * (1 if case.decode else T)
+    flops_fwd = tokens * H * case.flops_per_token_head(K, V, C)
+    rows = []
+    for passes in (("fwd",) if case.decode else ("fwd", "fwd+bwd")):
+        backward = passes == "fwd+bwd"
+        row = dict(case=key, op=case.name, shape=dict(B=B, T=T, H=H, K=K, V=V), dtype=str(dtype), pass_=passes)
+        flops = flops_fwd * (3 if backward else 1)
+        try:
+            ms, mb = measure(case.ours, inputs, backward)
+            row.update(ms=ms, tflops=flops / ms / 1e9, peak_mb=mb)
+        except Exception as e:  # noqa: BLE001 - a failing case is a result too
+            row.update(error=f"{type(e).__name__}: {e}"[:200])
+        for peer, call in case.peers.items():
+            try:
+                peer_ms, _ = measure(call, inputs, backward)
+                row[f"{peer}_ms"] = peer_ms
+                if "ms" in row:
+                    row[f"vs_{peer}"] = peer_ms / row["ms"]
+            except Exception as e:  # noqa: BLE001
+                row[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+        print(markdown_row(row), flush=True)
+    return rows
+
+
+HEADER = ("| op | shape | pass | ms | TFLOP/s | peak MB | fla ms | x fla | SDPA ms | x SDPA |\n"
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def markdown_row(r: dict) -> str:
+    f = lambda key, fmt: (fmt.format(r[key]) if key in r else ("err" if key.replace("_ms", "_error") in r else "—"))  # noqa: E731
+    shape = "B{B} T{T} H{H} K{K} V{V}".format(**r["shape"])
+    ours = f("ms", "{:.3f}") if "error" not in r else "error: " + r["error"][:60]
+    return (f"| {r['op']} | {shape} | {r['pass_']} | {ours} | {f('tflops', '{:.1f}')} | {f('peak_mb', '{:.0f}')} | "
+            f"{f('fla_ms', '{:.3f}')} | {f('vs_fla', '{:.2f}')} | {f('sdpa_ms', '{:.3f}')} | {f('vs_sdpa', '{:.2f}')} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[8, 2048, 16, 128, 128])
+    parser.add_argument("--decode-batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--scaling", action="store_true", help="also T = 2k, 8k, 32k at 16k tokens per batch")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    try:
+        import fla
+
+        print(f"fla {getattr(fla, '__version__', '?')}")
+    except ImportError:
+        print("fla not installed: no fla column")
+    print(HEADER)
+    B, T, H, K, V = args.shape
+    rows = []
+    for key in args.cases:
+        if CASES[key].decode:
+            for b in args.decode_batches:
+                rows += run_case(key, b, 1, H, K, V)
+        else:
+            rows += run_case(key, B, T, H, K, V)
+    if args.scaling:
+        for key in ("gdn", "hdla"):
+            for t in (2048, 8192, 32768):
+                rows += run_case(key, max(1, 16384 // t), t, H, K, V)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

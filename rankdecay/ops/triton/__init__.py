@@ -1,0 +1,15 @@
+"""Triton kernels of the engine (GPU; on the CPU only under ``TRITON_INTERPRET=1``).
+
+- ``fused_recurrent_dplr``: the per-token recurrence in one kernel (decoding; no autograd).
+- ``chunk_state_passing``: the sequential part of the chunked algorithm — the state
+  carried from chunk to chunk, with the pseudo-values U of each chunk — forward and
+  backward, as a ``torch.autograd.Function``. The parallel parts (decayed products,
+  the UT transform, outputs, and the gradients that follow from the per-chunk states)
+  are batched PyTorch around it (``rankdecay.ops.chunk``).
+
+Importing this package needs ``triton``; ``rankdecay.ops.backends()`` says whether it runs.
+"""
+from .chunk_state import chunk_state_passing
+from .fused_recurrent import fused_recurrent_dplr
+
+__all__ = ["chunk_state_passing", "fused_recurrent_dplr"]

@@ -1,0 +1,184 @@
+"""The sequential part of the chunked algorithm: the state from chunk to chunk.
+
+For chunk n with entering state S_n (HDLA eqs. 13 and 17, in ``rankdecay.ops.chunk``'s
+notation, everything already decayed to the chunk's end):
+
+    U_n     = W_n S_n + Ũ_n                               pseudo-values, [C*Rab, V]
+    S_{n+1} = d_n ⊙ S_n + K̃_n^T V_n - Ã_n^T U_n            d_n = exp(G_C): [1] or [K]
+
+The forward kernel keeps a [K, BV] slice of the state in registers and walks the
+chunks, writing every S_n and U_n. Its backward walks them in reverse:
+
+    dU_n^tot = dU_n - Ã_n dS_{n+1}
+    dS_n     = d_n ⊙ dS_{n+1} + W_n^T dU_n^tot + dS_n^out
+
+and writes dS_{n+1} and dU_n^tot for every chunk; the gradients of K̃, V, W, Ũ, Ã and
+d are then one batched matmul each over all chunks at once (``_Function.backward``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _state_fwd_kernel(
+    h0, d, kd, vf, w, uv, ad, s0, u, ht, NC,
+    K: tl.constexpr, V: tl.constexpr, CR: tl.constexpr, CA: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BCR: tl.constexpr, BCA: tl.constexpr,
+    GATE: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_cr = tl.arange(0, BCR)
+    o_ca = tl.arange(0, BCA)
+    m_k, m_v = o_k < K, o_v < V
+    m_a = o_ca < CA
+    m_h = m_k[:, None] & m_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    Uc = tl.zeros([BCA, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+    for n in range(NC):
+        c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
+        tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+        if CA > 0:
+            W = tl.load(w + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :], other=0.0)
+            Uc = tl.dot(W, S, input_precision=PRECISION) + tl.load(uv + c * CA * V + o_ca[:, None] * V + o_v[None, :], mask=m_a[:, None] & m_v[None, :],
+                          other=0.0)
+            tl.store(u + c * CA * V + o_ca[:, None] * V + o_v[None, :], Uc, mask=m_a[:, None] & m_v[None, :])
+        if GATE == 1:
+            S = S * tl.load(d + c)
+        elif GATE == 2:
+            S = S * tl.load(d + c * K + o_k, mask=m_k, other=0.0)[:, None]
+        m_r = o_cr < CR
+        Kd = tl.load(kd + c * CR * K + o_cr[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+        Vf = tl.load(vf + c * CR * V + o_cr[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+        S += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
+        if CA > 0:
+            Ad = tl.load(ad + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :],
+                         other=0.0)
+            S -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
+    tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+
+
+@triton.jit
+def _state_bwd_kernel(
+    dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, NC,
+    K: tl.constexpr, V: tl.constexpr, CA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BCA: tl.constexpr,
+    GATE: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_ca = tl.arange(0, BCA)
+    m_k, m_v = o_k < K, o_v < V
+    m_a = o_ca < CA
+    m_h = m_k[:, None] & m_v[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+    for i in range(NC):
+        n = NC - 1 - i
+        c = i_bh * NC + n
+        tl.store(dh_next + c * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
+        dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+        if GATE == 1:
+            dS_prev += dS * tl.load(d + c)
+        elif GATE == 2:
+            dS_prev += dS * tl.load(d + c * K + o_k, mask=m_k, other=0.0)[:, None]
+        else:
+            dS_prev += dS
+        if CA > 0:
+            Ad = tl.load(ad + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :],
+                         other=0.0)
+            dU = tl.load(du + c * CA * V + o_ca[:, None] * V + o_v[None, :], mask=m_a[:, None] & m_v[None, :],
+                         other=0.0)
+            dU -= tl.dot(Ad, dS, input_precision=PRECISION)
+            tl.store(du_tot + c * CA * V + o_ca[:, None] * V + o_v[None, :], dU, mask=m_a[:, None] & m_v[None, :])
+            W = tl.load(w + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :], other=0.0)
+            dS_prev += tl.dot(tl.trans(W), dU, input_precision=PRECISION)
+        dS = dS_prev
+    tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
+
+
+def _blocks(K: int, V: int, CR: int, CA: int) -> dict:
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BK <= 128 else 32))
+    return dict(BK=BK, BV=BV, BCR=max(16, triton.next_power_of_2(CR)), BCA=max(16, triton.next_power_of_2(max(CA, 1))))
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee"  # fp32 products: the chunked path's accuracy, not TF32's
+
+
+class _ChunkStatePassing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h0, d, kd, vf, w, uv, ad):
+        B, H, NC, CR, K = kd.shape
+        V = vf.shape[-1]
+        CA = w.shape[-2] if w is not None else 0
+        gate = 0 if d is None else (1 if d.shape[-1] == 1 else 2)
+        blocks = _blocks(K, V, CR, CA)
+        s0 = kd.new_empty(B, H, NC, K, V)
+        u = kd.new_empty(B, H, NC, CA, V)
+        ht = kd.new_empty(B, H, K, V)
+        dummy = kd
+        grid = (triton.cdiv(V, blocks["BV"]), B * H)
+        _state_fwd_kernel[grid](
+            h0 if h0 is not None else dummy, d if d is not None else dummy, kd, vf,
+            w if w is not None else dummy, uv if uv is not None else dummy, ad if ad is not None else dummy,
+            s0, u, ht, NC, K=K, V=V, CR=CR, CA=CA, GATE=gate, HAS_H0=h0 is not None,
+            PRECISION=_precision(kd), **blocks,
+        )
+        ctx.save_for_backward(h0, d, kd, vf, w, uv, ad, s0, u)
+        ctx.gate = gate
+        return s0, u, ht
+
+    @staticmethod
+    def backward(ctx, ds0, du, dht):
+        h0, d, kd, vf, w, uv, ad, s0, u = ctx.saved_tensors
+        B, H, NC, CR, K = kd.shape
+        V = vf.shape[-1]
+        CA = u.shape[-2]
+        blocks = _blocks(K, V, CR, CA)
+        ds0 = torch.zeros_like(s0) if ds0 is None else ds0.contiguous()
+        du = torch.zeros_like(u) if du is None else du.contiguous()
+        dh_next = torch.empty_like(s0)
+        du_tot = torch.empty_like(u)
+        dh0 = kd.new_empty(B, H, K, V)
+        dummy = kd
+        grid = (triton.cdiv(V, blocks["BV"]), B * H)
+        _state_bwd_kernel[grid](
+            dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
+            w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0, NC,
+            K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=ctx.gate,
+            HAS_DHT=dht is not None, PRECISION=_precision(kd),
+        )
+        # Everything else is parallel over chunks: one batched matmul each.
+        d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V
+        d_kd = vf @ dh_next.transpose(-1, -2)
+        d_d = None
+        if d is not None:
+            prod = s0 * dh_next
+            d_d = prod.sum((-1, -2))[..., None] if ctx.gate == 1 else prod.sum(-1)
+        d_w = d_uv = d_ad = None
+        if CA:
+            d_ad = -(u @ dh_next.transpose(-1, -2))
+            d_w = du_tot @ s0.transpose(-1, -2)
+            d_uv = du_tot
+        return (dh0 if h0 is not None else None), d_d, d_kd, d_vf, d_w, d_uv, d_ad
+
+
+def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None):
+    """States entering each chunk, the pseudo-values, and the final state.
+
+    h0 [B, H, K, V] or None; d [B, H, NC, 1|K] (exp of the chunk's total log-decay) or
+    None; kd [B, H, NC, C*Rkv, K]; vf [B, H, NC, C*Rkv, V]; w, ad [B, H, NC, C*Rab, K]
+    and uv [B, H, NC, C*Rab, V], or all None (Rab = 0). All fp32.
+    Returns (S [B, H, NC, K, V], U [B, H, NC, C*Rab, V], S_final [B, H, K, V]).
+    """
+    c = lambda x: x.contiguous() if x is not None else None  # noqa: E731
+    return _ChunkStatePassing.apply(c(h0), c(d), c(kd), c(vf), c(w), c(uv), c(ad))

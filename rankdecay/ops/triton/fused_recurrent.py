@@ -1,0 +1,90 @@
+"""The per-token recurrence in one Triton kernel, for decoding.
+
+    S_t = Diag(exp g_t) S_{t-1} - sum_r a_{t,r} (b_{t,r}^T S_{t-1}) + sum_j k_{t,j} v_{t,j}^T
+    o_t = scale * S_t^T q_t
+
+One program per (value block, sequence x head) keeps its [K, BV] slice of the state
+in registers for the whole sequence; the ranks Rab, Rkv and the gate kind are
+compile-time constants, so one kernel serves every mechanism.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fused_recurrent_fwd_kernel(
+    q, k, v, a, b, g, h0, o, ht, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    RKV: tl.constexpr, RAB: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + p_h, mask=m_h, other=0.0).to(tl.float32)
+    for t in range(T):
+        tok = (i_n * T + t) * H + i_h  # row of [N, T, H]
+        if RAB > 0:
+            low_rank = tl.zeros([BK, BV], dtype=tl.float32)
+            for r in tl.static_range(RAB):
+                b_r = tl.load(b + (tok * RAB + r) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                a_r = tl.load(a + (tok * RAB + r) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                bS = tl.sum(b_r[:, None] * S, axis=0)  # b_r^T S_{t-1}: [BV]
+                low_rank += a_r[:, None] * bS[None, :]
+        if GATE == 1:
+            S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+        elif GATE == 2:
+            S = S * tl.exp(tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+        if RAB > 0:
+            S = S - low_rank
+        for j in tl.static_range(RKV):
+            k_j = tl.load(k + (tok * RKV + j) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            v_j = tl.load(v + (tok * RKV + j) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            S += k_j[:, None] * v_j[None, :]
+        q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0), mask=m_v)
+    if STORE_HT:
+        tl.store(ht + p_h, S, mask=m_h)
+
+
+def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Tensor | None,
+                         inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical inputs (``rankdecay.ops._inputs``): q [N, T, H, K], k [N, T, H, Rkv, K],
+    v [N, T, H, Rkv, V], a/b [N, T, H, Rab, K] or None, g [N, T, H, 1|K] or None,
+    initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] fp32, S_T [N, H, K, V] fp32).
+
+    With ``inplace``, the final state is written into ``initial_state`` (which must be
+    fp32 and contiguous) and that tensor is returned: a decode step allocates nothing.
+    """
+    N, T, H, K = q.shape
+    Rkv, V = v.shape[-2], v.shape[-1]
+    Rab = a.shape[-2] if a is not None else 0
+    gate = 0 if g is None else (1 if g.shape[-1] == 1 else 2)
+    if inplace:
+        if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, K, V, dtype=torch.float32)
+    o = q.new_empty(N, T, H, V, dtype=torch.float32)
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 32 if BK > 128 else 64)
+    dummy = q  # never read when its constexpr flag is off
+    grid = (triton.cdiv(V, BV), N * H)
+    _fused_recurrent_fwd_kernel[grid](
+        q.contiguous(), k.contiguous(), v.contiguous(),
+        a.contiguous() if a is not None else dummy, b.contiguous() if b is not None else dummy,
+        g.contiguous() if g is not None else dummy,
+        initial_state.contiguous() if initial_state is not None else dummy, o, ht, scale, T,
+        H=H, K=K, V=V, BK=BK, BV=BV, RKV=Rkv, RAB=Rab, GATE=gate, HAS_H0=initial_state is not None,
+        STORE_HT=True, num_warps=4 if BK * BV <= 8192 else 8,
+    )
+    return o, ht

@@ -1,0 +1,150 @@
+"""The Triton paths against the PyTorch chunked path: outputs, final states, every gradient.
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on tiny shapes;
+on a GPU the same tests run on CUDA, plus the realistic-size bf16 tests at the end.
+"""
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rankdecay import ops
+
+from ..conftest import assert_matches, rel_rms
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic sizes need a CUDA GPU (recorded in BENCHMARKS.md)")
+
+
+def random_inputs(B, T, H, K, V, Rab, Rkv, gate, *, dtype=torch.float32, strong=False, beta_max=1.0, seed=0):
+    """Delta-rule-like DPLR inputs (a = βk-ish, b = k, unit keys) that keep the state bounded."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = rnd(B, T, H, K)
+    k = F.normalize(rnd(B, T, H, Rkv, K), dim=-1)
+    v = rnd(B, T, H, Rkv, V)
+    a = b = None
+    if Rab:
+        b = F.normalize(rnd(B, T, H, Rab, K), dim=-1)
+        a = b * (beta_max / Rab) * torch.rand(B, T, H, Rab, 1, generator=gen)
+    g = None
+    if gate is not None:
+        shape = (B, T, H) if gate == "scalar" else (B, T, H, K)
+        g = -30 * torch.rand(*shape, generator=gen) if strong else F.logsigmoid(rnd(*shape) + 2)
+    h0 = rnd(B, H, K, V)
+    cast = lambda x: None if x is None else x.to(DEVICE, dtype)  # noqa: E731
+    return [cast(x) for x in (q, k, v, a, b, g)] + [h0.to(DEVICE)]
+
+
+def run(mode, inputs, grads=True, **kw):
+    q, k, v, a, b, g, h0 = [None if x is None else x.detach().clone().requires_grad_(grads) for x in inputs]
+    o, s = ops.dplr(q, k, v, a, b, g, initial_state=h0, output_final_state=True, mode=mode, **kw)
+    if not grads:
+        return [o.detach(), s.detach()]
+    ((o.float() * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() + s.sin().sum()).backward()
+    return [o.detach(), s.detach()] + [x.grad for x in (q, k, v, a, b, g, h0) if x is not None]
+
+
+NAMES = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dg", "dh0"]
+
+
+def names(inputs):
+    present = [x is not None for x in inputs]
+    return ["o", "final_state"] + [n for n, p in zip(NAMES[2:], present) if p]
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("Rkv", [1, 2])
+@pytest.mark.parametrize("Rab", [0, 1, 2, 4])
+def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate):
+    inputs = random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate)  # 37: not a multiple of the chunk
+    got, ref = run("triton", inputs, chunk_size=16), run("chunk", inputs, chunk_size=16)
+    for name, x, y in zip(names(inputs), got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("Rab,Rkv", [(0, 1), (2, 1), (4, 2)])
+def test_fused_recurrent_matches_naive(Rab, Rkv, gate):
+    inputs = random_inputs(2, 13, 3, 20, 12, Rab, Rkv, gate)  # K, V not powers of two
+    with torch.no_grad():
+        got, ref = run("fused_recurrent", inputs, grads=False), run("naive", inputs, grads=False)
+    for name, x, y in zip(["o", "final_state"], got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
+
+
+def test_awkward_sizes_and_extremes():
+    """T = 1, K = V = 20, chunk size 8 (< 16, padded inside the kernel), log-gates of -30 per step, β = 2."""
+    for T, gate in ((1, "channel"), (45, "channel"), (45, "scalar")):
+        inputs = random_inputs(1, T, 2, 20, 20, 2, 1, gate, strong=True, beta_max=2.0)
+        got, ref = run("triton", inputs, chunk_size=8), run("chunk", inputs, chunk_size=8)
+        for name, x, y in zip(names(inputs), got, ref):
+            assert_matches(x, y, 1e-5, f"T={T} gate={gate}: {name}")
+
+
+def test_cu_seqlens():
+    inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar")
+    h0 = torch.randn(3, 2, 16, 16, device=DEVICE)
+    inputs[-1] = h0
+    cu = torch.tensor([0, 7, 7, 50], device=DEVICE)  # an empty sequence, too
+    got, ref = run("triton", inputs, chunk_size=16, cu_seqlens=cu), run("chunk", inputs, chunk_size=16, cu_seqlens=cu)
+    for name, x, y in zip(names(inputs), got, ref):
+        assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
+
+
+def test_mechanisms_route_through_triton():
+    """Every mechanism function reaches the kernels through mode="triton"."""
+    B, T, H, K = 1, 20, 2, 16
+    q, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, K, device=DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEVICE), dim=-1)
+    beta, g = torch.rand(B, T, H, device=DEVICE), F.logsigmoid(torch.randn(B, T, H, device=DEVICE))
+    lam = F.logsigmoid(torch.randn(B, T, H, K, device=DEVICE))
+    mask = ops.head_in_head_mask(torch.rand(H, 4, 4, device=DEVICE))
+    calls = {
+        "gated_delta_rule": lambda m: ops.gated_delta_rule(q, k, v, g, beta, mode=m, chunk_size=16),
+        "hdla": lambda m: ops.hdla(q, k, v, lam, 2 * beta, mode=m, chunk_size=16),
+        "hh_delta_rule": lambda m: ops.hh_delta_rule(q, k, v, beta, mask, g, mode=m, chunk_size=16),
+        "gla": lambda m: ops.gla(q, k, v, lam, mode=m, chunk_size=16),
+    }
+    for name, call in calls.items():
+        assert_matches(call("triton")[0], call("chunk")[0], 1e-5, name)
+        with torch.no_grad():
+            assert_matches(call("fused_recurrent")[0], call("naive")[0], 1e-5, name)
+
+
+def test_clear_errors():
+    q = torch.randn(1, 4, 1, 16, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match="computes in fp32"):
+        ops.dplr(q, q, q, mode="triton")
+    q = q.float().requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward"):
+        ops.dplr(q, q, q, mode="fused_recurrent")
+
+
+# --- GPU only: realistic sizes, bf16 -------------------------------------------------
+
+
+@GPU
+@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (4, 1, "scalar"), (0, 1, "channel"),
+                                          (2, 2, "scalar")])
+def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate):
+    """bf16 inputs: the Triton path's error (against fp64) is no worse than the fp32 PyTorch path's."""
+    inputs = random_inputs(2, 1000, 4, 128, 128, Rab, Rkv, gate, dtype=torch.bfloat16)
+    exact = run("chunk", [None if x is None else x.double() for x in inputs])
+    got, ref = run("triton", inputs), run("chunk", inputs)
+    for name, x, y, e in zip(names(inputs), got, ref, exact):
+        err, ref_err = rel_rms(x, e), rel_rms(y, e)
+        assert err <= 1.5 * ref_err + 1e-6, f"{name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"
+
+
+@GPU
+def test_gpu_long_sequence_stays_finite():
+    inputs = random_inputs(1, 65536, 2, 64, 64, 1, 1, "scalar", beta_max=2.0, strong=False)
+    with torch.no_grad():
+        (o, s), (o_ref, s_ref) = run("triton", inputs, grads=False), run("chunk", inputs, grads=False)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_matches(o, o_ref, 1e-5, "o")
+    assert_matches(s, s_ref, 1e-5, "final state")
