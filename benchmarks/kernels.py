@@ -202,8 +202,8 @@ def main() -> None:
         import fla
 
         print(f"fla {getattr(fla, '__version__', '?')}")
-    except ImportError:
-        print("fla not installed: no fla column")
+    except ImportError as e:
+        print(f"fla not importable ({e}): no fla column")
     print(HEADER)
     B, T, H, K, V = args.shape
     rows = []

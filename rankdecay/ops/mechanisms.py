@@ -141,6 +141,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
+    if mode == "fused_recurrent" and cu_seqlens is None and q.dtype != torch.float64:
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state)
     k_, beta_ = _up(k), _up(beta)
     a = (beta_[..., None] * k_)[..., None, :]  # [B, T, H, 1, K]
     alpha = _gate_factor(g)
@@ -280,3 +282,23 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     n = m_org / m_org.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(m_org.dtype).tiny)
     n = n / n.norm(dim=-1, keepdim=True).clamp_min(eps)
     return n @ n.transpose(-1, -2)
+
+
+def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state):
+    """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built."""
+    from .backends import backends, triton_runs_on
+
+    if not triton_runs_on(q):
+        raise RuntimeError(f"mode='fused_recurrent' needs triton and a CUDA tensor; {backends()['triton'][1]}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
+                           "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")
+    B, T, H, K = q.shape
+    if initial_state is not None:
+        check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[B, H, K, V]")
+    from .triton import fused_recurrent_gated_delta_rule
+
+    c = lambda x: x.contiguous() if x is not None else None  # noqa: E731
+    o, state = fused_recurrent_gated_delta_rule(c(q), c(k), c(v), c(g), c(beta), K ** -0.5 if scale is None else scale,
+                                                c(initial_state))
+    return o, (state if output_final_state else None)

@@ -85,6 +85,15 @@ def test_awkward_sizes_and_extremes():
             assert_matches(x, y, 1e-5, f"T={T} gate={gate}: {name}")
 
 
+@pytest.mark.parametrize("Rab,Rkv,C", [(4, 2, 32), (3, 2, 64)])
+def test_many_rows_per_chunk_are_tiled(Rab, Rkv, C):
+    """C * Rab and C * Rkv beyond one 64-row tile: the kernels loop over row blocks."""
+    inputs = random_inputs(1, 70, 1, 16, 16, Rab, Rkv, "channel")
+    got, ref = run("triton", inputs, chunk_size=C), run("chunk", inputs, chunk_size=C)
+    for name, x, y in zip(names(inputs), got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} C={C}: {name}")
+
+
 def test_cu_seqlens():
     inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar")
     h0 = torch.randn(3, 2, 16, 16, device=DEVICE)
@@ -146,5 +155,22 @@ def test_gpu_long_sequence_stays_finite():
     with torch.no_grad():
         (o, s), (o_ref, s_ref) = run("triton", inputs, grads=False), run("chunk", inputs, grads=False)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_matches(o, o_ref, 1e-5, "o")
+    assert_matches(s, s_ref, 1e-5, "final state")
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+def test_gated_delta_rule_decode_fast_path(gate):
+    """gated_delta_rule(mode="fused_recurrent") takes its own kernel (no DPLR factors)."""
+    B, T, H, K, V = 2, 9, 3, 20, 24
+    q, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEVICE), dim=-1)
+    beta = 2 * torch.rand(B, T, H, device=DEVICE)
+    g = None if gate is None else F.logsigmoid(torch.randn((B, T, H) if gate == "scalar" else (B, T, H, K),
+                                                           device=DEVICE))
+    h0 = torch.randn(B, H, K, V, device=DEVICE)
+    with torch.no_grad():
+        o, s = ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, mode="fused_recurrent")
+        o_ref, s_ref = ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, mode="naive")
     assert_matches(o, o_ref, 1e-5, "o")
     assert_matches(s, s_ref, 1e-5, "final state")

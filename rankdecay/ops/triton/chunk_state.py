@@ -29,38 +29,43 @@ def _state_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BCR: tl.constexpr, BCA: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
+    # so that the tiles in shared memory stay small whatever the ranks.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_cr = tl.arange(0, BCR)
-    o_ca = tl.arange(0, BCA)
     m_k, m_v = o_k < K, o_v < V
-    m_a = o_ca < CA
     m_h = m_k[:, None] & m_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    Uc = tl.zeros([BCA, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
     for n in range(NC):
         c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
         tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
-        if CA > 0:
-            W = tl.load(w + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :], other=0.0)
-            Uc = tl.dot(W, S, input_precision=PRECISION) + tl.load(uv + c * CA * V + o_ca[:, None] * V + o_v[None, :], mask=m_a[:, None] & m_v[None, :],
-                          other=0.0)
-            tl.store(u + c * CA * V + o_ca[:, None] * V + o_v[None, :], Uc, mask=m_a[:, None] & m_v[None, :])
+        acc = tl.zeros([BK, BV], dtype=tl.float32)  # everything this chunk adds to d ⊙ S
+        for r0 in tl.static_range(0, CR, BCR):
+            o_r = r0 + tl.arange(0, BCR)
+            m_r = o_r < CR
+            Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                         other=0.0)
+            Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :],
+                         other=0.0)
+            acc += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
+        for a0 in tl.static_range(0, CA, BCA):
+            o_a = a0 + tl.arange(0, BCA)
+            m_av = (o_a < CA)[:, None] & m_v[None, :]
+            m_ak = (o_a < CA)[:, None] & m_k[None, :]
+            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+            Uc = tl.dot(W, S, input_precision=PRECISION)
+            Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
+            tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
+            Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+            acc -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
         elif GATE == 2:
             S = S * tl.load(d + c * K + o_k, mask=m_k, other=0.0)[:, None]
-        m_r = o_cr < CR
-        Kd = tl.load(kd + c * CR * K + o_cr[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-        Vf = tl.load(vf + c * CR * V + o_cr[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
-        S += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
-        if CA > 0:
-            Ad = tl.load(ad + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :],
-                         other=0.0)
-            S -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
+        S += acc
     tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
 
 
@@ -73,9 +78,7 @@ def _state_bwd_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_ca = tl.arange(0, BCA)
     m_k, m_v = o_k < K, o_v < V
-    m_a = o_ca < CA
     m_h = m_k[:, None] & m_v[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -91,23 +94,26 @@ def _state_bwd_kernel(
             dS_prev += dS * tl.load(d + c * K + o_k, mask=m_k, other=0.0)[:, None]
         else:
             dS_prev += dS
-        if CA > 0:
-            Ad = tl.load(ad + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :],
-                         other=0.0)
-            dU = tl.load(du + c * CA * V + o_ca[:, None] * V + o_v[None, :], mask=m_a[:, None] & m_v[None, :],
-                         other=0.0)
+        for a0 in tl.static_range(0, CA, BCA):
+            o_a = a0 + tl.arange(0, BCA)
+            m_av = (o_a < CA)[:, None] & m_v[None, :]
+            m_ak = (o_a < CA)[:, None] & m_k[None, :]
+            Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+            dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
             dU -= tl.dot(Ad, dS, input_precision=PRECISION)
-            tl.store(du_tot + c * CA * V + o_ca[:, None] * V + o_v[None, :], dU, mask=m_a[:, None] & m_v[None, :])
-            W = tl.load(w + c * CA * K + o_ca[:, None] * K + o_k[None, :], mask=m_a[:, None] & m_k[None, :], other=0.0)
+            tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
+            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
             dS_prev += tl.dot(tl.trans(W), dU, input_precision=PRECISION)
         dS = dS_prev
     tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
 
 
 def _blocks(K: int, V: int, CR: int, CA: int) -> dict:
+    """Tile sizes: the whole key dim, a slice of the values, <= 64 rows of a chunk at a time."""
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BK <= 128 else 32))
-    return dict(BK=BK, BV=BV, BCR=max(16, triton.next_power_of_2(CR)), BCA=max(16, triton.next_power_of_2(max(CA, 1))))
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BK <= 64 else 32))
+    rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
+    return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=4, num_stages=1)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -155,7 +161,8 @@ class _ChunkStatePassing(torch.autograd.Function):
             dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
             w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0, NC,
             K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=ctx.gate,
-            HAS_DHT=dht is not None, PRECISION=_precision(kd),
+            HAS_DHT=dht is not None, PRECISION=_precision(kd), num_warps=blocks["num_warps"],
+            num_stages=blocks["num_stages"],
         )
         # Everything else is parallel over chunks: one batched matmul each.
         d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V

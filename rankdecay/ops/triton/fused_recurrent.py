@@ -88,3 +88,66 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
         STORE_HT=True, num_warps=4 if BK * BV <= 8192 else 8,
     )
     return o, ht
+
+
+@triton.jit
+def _fused_recurrent_gdn_kernel(
+    q, k, v, beta, g, h0, o, ht, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
+    # a per-channel α applies after the reflection, as in ops.gated_delta_rule)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + p_h, mask=m_h, other=0.0).to(tl.float32)
+    for t in range(T):
+        tok = (i_n * T + t) * H + i_h
+        k_t = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        v_t = tl.load(v + tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_t = tl.load(beta + tok).to(tl.float32)
+        if GATE == 2:  # Diag(α)(I - β k kᵀ) S + β k vᵀ: the per-channel decay acts after the reflection
+            kS = tl.sum(k_t[:, None] * S, axis=0)
+            S = (S - b_t * k_t[:, None] * kS[None, :]) * tl.exp(
+                tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+            S += b_t * k_t[:, None] * v_t[None, :]
+        else:
+            if GATE == 1:
+                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+            u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
+            S += k_t[:, None] * u[None, :]
+        tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
+    tl.store(ht + p_h, S, mask=m_h)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, inplace: bool = False):
+    """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
+    fast path). q, k [N, T, H, K], v [N, T, H, V], beta [N, T, H], g None, [N, T, H] or
+    [N, T, H, K], initial_state [N, H, K, V]. Returns (o [N, T, H, V] in q's dtype,
+    S_T [N, H, K, V] fp32); with ``inplace`` the state is updated in ``initial_state``."""
+    N, T, H, K = q.shape
+    V = v.shape[-1]
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    if inplace:
+        if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, K, V, dtype=torch.float32)
+    o = torch.empty_like(v)
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 32 if BK > 64 else 64)
+    grid = (triton.cdiv(V, BV), N * H)
+    _fused_recurrent_gdn_kernel[grid](
+        q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
+        scale, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, HAS_H0=initial_state is not None, num_warps=4,
+    )
+    return o, ht
