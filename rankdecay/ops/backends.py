@@ -55,3 +55,14 @@ def chunk_flops_per_token(K: int, V: int, chunk_size: int = 64, Rab: int = 0, Rk
     state = 2 * K * V * (1 + cols + Rab)
     ut = C * Rab * Rab * (K + V) if Rab else 0
     return float(intra + state + ut)
+
+
+def check_triton_mode(mode: str, q: torch.Tensor, tensors) -> None:
+    """Clear errors when ``mode`` ("triton" / "fused_recurrent") cannot run on these inputs."""
+    if not triton_runs_on(q):
+        raise RuntimeError(f"mode={mode!r} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
+                           f"{backends()['triton'][1]}")
+    if mode == "fused_recurrent" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
+                           "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import backends, triton_runs_on
+from .backends import check_triton_mode, triton_runs_on
 from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
@@ -62,15 +62,9 @@ def dplr(
     if mode == "auto":
         mode = "triton" if dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
     if mode in ("triton", "fused_recurrent"):
-        if not triton_runs_on(q):
-            raise RuntimeError(f"mode={mode!r} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
-                               f"{backends()['triton'][1]}")
         if dtype != torch.float32:
             raise ValueError(f"mode={mode!r} computes in fp32; fp64 inputs take mode='chunk' or 'naive'")
-    if mode == "fused_recurrent" and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, a, b, g, initial_state)):
-        raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
-                           "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")
+        check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state))
     q, k, v, a, b, g = x.q, x.k, x.v, x.a, x.b, x.g
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)

@@ -286,13 +286,9 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state):
     """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built."""
-    from .backends import backends, triton_runs_on
+    from .backends import check_triton_mode
 
-    if not triton_runs_on(q):
-        raise RuntimeError(f"mode='fused_recurrent' needs triton and a CUDA tensor; {backends()['triton'][1]}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
-                           "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")
+    check_triton_mode("fused_recurrent", q, (q, k, v, g, beta, initial_state))
     B, T, H, K = q.shape
     if initial_state is not None:
         check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[B, H, K, V]")
