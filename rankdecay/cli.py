@@ -33,8 +33,8 @@ def _init(args) -> int:
 
     overrides = {}
     for item in args.set or []:
-        key, _, value = item.partition("=")
-        if not _:
+        key, sep, value = item.partition("=")
+        if not sep:
             raise SystemExit(f"--set expects key=value, got {item!r}")
         overrides[key] = _parse_value(value)
     torch.manual_seed(args.seed)

@@ -57,8 +57,10 @@ def chunk_flops_per_token(K: int, V: int, chunk_size: int = 64, Rab: int = 0, Rk
     return float(intra + state + ut)
 
 
-def check_triton_mode(mode: str, q: torch.Tensor, tensors) -> None:
+def check_triton_mode(mode: str, q: torch.Tensor, tensors, compute_dtype: torch.dtype) -> None:
     """Clear errors when ``mode`` ("triton" / "fused_recurrent") cannot run on these inputs."""
+    if compute_dtype != torch.float32:
+        raise ValueError(f"mode={mode!r} computes in fp32; fp64 inputs take mode='chunk' or 'naive'")
     if not triton_runs_on(q):
         raise RuntimeError(f"mode={mode!r} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
                            f"{backends()['triton'][1]}")

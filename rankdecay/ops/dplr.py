@@ -62,9 +62,7 @@ def dplr(
     if mode == "auto":
         mode = "triton" if dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
     if mode in ("triton", "fused_recurrent"):
-        if dtype != torch.float32:
-            raise ValueError(f"mode={mode!r} computes in fp32; fp64 inputs take mode='chunk' or 'naive'")
-        check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state))
+        check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state), dtype)
     q, k, v, a, b, g = x.q, x.k, x.v, x.a, x.b, x.g
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import check_float, check_shape
+from ._inputs import canonicalize, check_float, check_shape
+from .backends import check_triton_mode
 from .dplr import dplr
 
 
@@ -141,7 +142,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
-    if mode == "fused_recurrent" and cu_seqlens is None and q.dtype != torch.float64:
+    if mode == "fused_recurrent" and cu_seqlens is None:
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state)
     k_, beta_ = _up(k), _up(beta)
     a = (beta_[..., None] * k_)[..., None, :]  # [B, T, H, 1, K]
@@ -285,16 +286,13 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state):
-    """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built."""
-    from .backends import check_triton_mode
-
-    check_triton_mode("fused_recurrent", q, (q, k, v, g, beta, initial_state))
-    B, T, H, K = q.shape
-    if initial_state is not None:
-        check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[B, H, K, V]")
+    """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built. The
+    arguments are validated as ``dplr`` validates them."""
+    x = canonicalize(q, k, v, None, None, g, scale, initial_state, None, 64, "fused_recurrent")
+    check_triton_mode("fused_recurrent", q, (q, k, v, g, beta, initial_state), x.compute_dtype)
     from .triton import fused_recurrent_gated_delta_rule
 
-    c = lambda x: x.contiguous() if x is not None else None  # noqa: E731
-    o, state = fused_recurrent_gated_delta_rule(c(q), c(k), c(v), c(g), c(beta), K ** -0.5 if scale is None else scale,
-                                                c(initial_state))
+    c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    o, state = fused_recurrent_gated_delta_rule(c(x.q), c(x.k), c(x.v), c(x.g), c(beta), x.scale,
+                                                c(x.initial_state))
     return o, (state if output_final_state else None)

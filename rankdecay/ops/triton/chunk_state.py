@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_recurrent import gate_kind
+
 
 @triton.jit
 def _state_fwd_kernel(
@@ -128,7 +130,7 @@ class _ChunkStatePassing(torch.autograd.Function):
         B, H, NC, CR, K = kd.shape
         V = vf.shape[-1]
         CA = w.shape[-2] if w is not None else 0
-        gate = 0 if d is None else (1 if d.shape[-1] == 1 else 2)
+        gate = gate_kind(d)
         blocks = _blocks(K, V, CR, CA)
         s0 = kd.new_empty(B, H, NC, K, V)
         u = kd.new_empty(B, H, NC, CA, V)

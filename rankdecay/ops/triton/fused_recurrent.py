@@ -18,7 +18,7 @@ import triton.language as tl
 def _fused_recurrent_fwd_kernel(
     q, k, v, a, b, g, h0, o, ht, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    RKV: tl.constexpr, RAB: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    RKV: tl.constexpr, RAB: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -51,8 +51,21 @@ def _fused_recurrent_fwd_kernel(
             S += k_j[:, None] * v_j[None, :]
         q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
         tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0), mask=m_v)
-    if STORE_HT:
-        tl.store(ht + p_h, S, mask=m_h)
+    tl.store(ht + p_h, S, mask=m_h)
+
+
+def gate_kind(g: torch.Tensor | None) -> int:
+    """The kernels' GATE constant for a canonical log-gate [..., 1 | K]: 0 none, 1 scalar, 2 per channel."""
+    return 0 if g is None else (1 if g.shape[-1] == 1 else 2)
+
+
+def _final_state_buffer(q: torch.Tensor, initial_state: torch.Tensor | None, inplace: bool, shape) -> torch.Tensor:
+    """Where a kernel writes the final state: ``initial_state`` itself with ``inplace``, else a new fp32 tensor."""
+    if not inplace:
+        return q.new_empty(shape, dtype=torch.float32)
+    if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+        raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
+    return initial_state
 
 
 def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Tensor | None,
@@ -67,13 +80,7 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
     N, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
-    gate = 0 if g is None else (1 if g.shape[-1] == 1 else 2)
-    if inplace:
-        if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
-        ht = initial_state
-    else:
-        ht = q.new_empty(N, H, K, V, dtype=torch.float32)
+    ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
     o = q.new_empty(N, T, H, V, dtype=torch.float32)
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 32 if BK > 128 else 64)
@@ -84,8 +91,8 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
         a.contiguous() if a is not None else dummy, b.contiguous() if b is not None else dummy,
         g.contiguous() if g is not None else dummy,
         initial_state.contiguous() if initial_state is not None else dummy, o, ht, scale, T,
-        H=H, K=K, V=V, BK=BK, BV=BV, RKV=Rkv, RAB=Rab, GATE=gate, HAS_H0=initial_state is not None,
-        STORE_HT=True, num_warps=4 if BK * BV <= 8192 else 8,
+        H=H, K=K, V=V, BK=BK, BV=BV, RKV=Rkv, RAB=Rab, GATE=gate_kind(g),
+        HAS_H0=initial_state is not None, num_warps=4 if BK * BV <= 8192 else 8,
     )
     return o, ht
 
@@ -130,24 +137,19 @@ def _fused_recurrent_gdn_kernel(
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, inplace: bool = False):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
-    fast path). q, k [N, T, H, K], v [N, T, H, V], beta [N, T, H], g None, [N, T, H] or
-    [N, T, H, K], initial_state [N, H, K, V]. Returns (o [N, T, H, V] in q's dtype,
+    fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
+    k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
+    initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] in q's dtype,
     S_T [N, H, K, V] fp32); with ``inplace`` the state is updated in ``initial_state``."""
     N, T, H, K = q.shape
     V = v.shape[-1]
-    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    if inplace:
-        if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
-        ht = initial_state
-    else:
-        ht = q.new_empty(N, H, K, V, dtype=torch.float32)
-    o = torch.empty_like(v)
+    ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
+    o = q.new_empty(N, T, H, V)
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 32 if BK > 64 else 64)
     grid = (triton.cdiv(V, BV), N * H)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
-        scale, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, HAS_H0=initial_state is not None, num_warps=4,
+        scale, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, num_warps=4,
     )
     return o, ht
