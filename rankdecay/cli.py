@@ -1,4 +1,4 @@
-"""The ``rankdecay`` command: ``rankdecay info``, ``rankdecay init``, ``rankdecay generate``."""
+"""The ``rankdecay`` command: ``info``, ``init``, ``train``, ``eval``, ``generate``."""
 from __future__ import annotations
 
 import argparse
@@ -90,6 +90,28 @@ def _generate(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .train import train
+    from .train.config import config_from_args
+
+    cfg = config_from_args(args)
+    train(cfg)
+    return 0
+
+
+def _eval(args) -> int:
+    from .train import evaluate_model, save_eval
+
+    res = evaluate_model(args.model_dir, data=args.data, seq_len=args.seq_len, max_windows=args.max_windows,
+                         batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                         progress=not args.no_progress)
+    print(res.markdown())
+    out = Path(args.out) if args.out else Path(args.model_dir) / "eval"
+    paths = save_eval(res, out)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankdecay", description="Linear attention with rank-enhanced decay.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -105,6 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config field, e.g. --set hh_rank=2 --set 'layer_mixers=[\"gdn\",\"swa\"]'")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_init)
+
+    p = sub.add_parser("train", help="train a language model (no arguments: the tiny preset on the Python "
+                       "standard library's sources, a few minutes on a CPU)",
+                       description="Train a language model. Options: preset < --config file < flags. Under torchrun "
+                                   "(torchrun --nproc-per-node N -m rankdecay train ...) it runs data-parallel.")
+    from .train.config import add_train_arguments
+
+    add_train_arguments(p)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="validation loss, perplexity, bits per byte and loss by position of a saved model")
+    p.add_argument("model_dir", help="a saved model (a `rankdecay train` output folder or checkpoint)")
+    p.add_argument("--data", nargs="+", default=None, help="sources (default: the data the model was trained on)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: 4x the training length)")
+    p.add_argument("--max-windows", type=int, default=64, help="most windows to evaluate (default 64)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--out", default=None, help="folder for eval.json/.md/_positions.png (default: MODEL_DIR/eval)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("generate", help="continue prompts with a saved model")
     p.add_argument("model_dir", help="a directory saved by save_pretrained (or `rankdecay init`)")
@@ -125,7 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our commands print their own one-line summaries
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        # Bad input (a path, a preset, a size): one clear line, no traceback.
+        # RANKDECAY_DEBUG=1 shows the traceback.
+        import os
+
+        if os.environ.get("RANKDECAY_DEBUG"):
+            raise
+        print(f"rankdecay {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
