@@ -256,6 +256,9 @@ class _Interrupt:
 
 def train(cfg: TrainConfig) -> dict:
     """Run training as configured; returns a summary (final losses, tokens/s, paths)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # checkpoints are written without "Writing model shards" bars
     dist_ = Dist(cfg.device)
     try:
         return _train(cfg, dist_)
