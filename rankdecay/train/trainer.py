@@ -49,7 +49,7 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and self.world > 1:
+        if device == "cuda":  # one GPU per process: torchrun's LOCAL_RANK picks it
             device = f"cuda:{self.local_rank}"
         self.device = torch.device(device)
         if self.device.type == "cuda":
