@@ -80,8 +80,13 @@ def build_tokenizer(spec: str):
         tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
     else:
         tok = AutoTokenizer.from_pretrained(spec)
-    if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer: {spec} has no end-of-sequence token; documents need a separator")
+    if tok.eos_token_id is None:  # a bare tokenizer.json: find its end-of-text token by the usual names
+        vocab = tok.get_vocab()
+        name = next((n for n in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]") if n in vocab), None)
+        if name is None:
+            raise ValueError(f"tokenizer: {spec} has no end-of-sequence token (looked for <|endoftext|>, </s>, "
+                             "<eos>, [SEP]); documents need a separator")
+        tok.eos_token = name
     return tok
 
 

@@ -192,3 +192,27 @@ def test_sigint_saves_a_checkpoint_and_leaves_it_intact(tmp_path, docs):
     assert main(["train", "--data", str(docs), *SMALL, "--steps", str(state["step"] + 2), "--eval-every", "0",
                  "--out-dir", str(out), "--resume"]) == 0
     assert checkpoints(out)[-1].name == f"checkpoint-{state['step'] + 2:07d}"
+
+
+def test_a_local_tokenizer_file_trains_saves_and_generates(tmp_path, docs, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(p) for p in sorted(docs.iterdir())],
+              trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(docs), *SMALL, "--steps", "3", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--out-dir", str(out)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    n = tok.get_vocab_size()
+    assert model.config.vocab_size == 64 * -(-n // 64)  # padded to a multiple of 64
+    assert model.config.eos_token_id == tok.token_to_id("</s>")
+    assert (out / "tokenizer.json").exists()
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "alpha", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("alpha")
+    assert main(["eval", str(out), "--seq-len", "32", "--max-windows", "2", "--no-progress"]) == 0
