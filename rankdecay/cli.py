@@ -71,6 +71,8 @@ def _generate(args) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
     tokenizer = load_tokenizer(args.model_dir, model.config.vocab_size)
     prompts = args.prompt
+    if getattr(tokenizer, "pad_token", "") is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masked out; only needed to pad a batch of prompts
     tokenizer.padding_side = "left"  # generation continues from the right end of every row
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}

@@ -87,6 +87,8 @@ def build_tokenizer(spec: str):
             raise ValueError(f"tokenizer: {spec} has no end-of-sequence token (looked for <|endoftext|>, </s>, "
                              "<eos>, [SEP]); documents need a separator")
         tok.eos_token = name
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # batched generation pads on the left; pads are masked out
     return tok
 
 
