@@ -1,4 +1,4 @@
-"""The ``rankdecay`` command: ``info``, ``init``, ``train``, ``eval``, ``generate``."""
+"""The ``rankdecay`` command: ``info``, ``init``, ``train``, ``eval``, ``prune``, ``generate``."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,20 @@ def _eval(args) -> int:
     return 0
 
 
+def _prune(args) -> int:
+    from .prune.run import run_prune
+
+    out = args.out or f"{str(args.model_dir).rstrip('/')}-{args.method}-{round(100 * args.ratio)}"
+    report = run_prune(args.model_dir, args.method, args.ratio, out, calib=args.calib,
+                       calib_samples=args.calib_samples, seq_len=args.seq_len, select=args.select, budget=args.budget,
+                       tolerance=args.tolerance, rft_steps=args.rft, rft_lr=args.rft_lr,
+                       rft_batch_size=args.rft_batch_size, eval_windows=args.eval_windows, device=args.device,
+                       seed=args.seed, progress=not args.no_progress)
+    print(report["markdown"])
+    print(f"\nwrote the pruned model and prune_report.md/.json/prune_spectra.png to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankdecay", description="Linear attention with rank-enhanced decay.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -150,6 +164,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for eval.json/.md/_positions.png (default: MODEL_DIR/eval)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_eval)
+
+    from .prune import METHODS
+
+    p = sub.add_parser("prune", help="prune key/query channels of a saved model (state reduction), "
+                                     "report bits/byte, rank metrics and mixer speed, optionally recover")
+    p.add_argument("model_dir", help="a saved model (e.g. a `rankdecay train` output folder)")
+    p.add_argument("--method", default="drrqr", choices=METHODS)
+    p.add_argument("--ratio", type=float, default=0.5, help="fraction of key channels to drop, in [0, 1)")
+    p.add_argument("--calib", nargs="+", default=None, help="calibration data (default: the model's training data)")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows (default 128)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training length)")
+    p.add_argument("--select", default="kq", choices=["kq", "k", "q"], help="score keys and queries, or one")
+    p.add_argument("--budget", default="uniform", choices=["uniform", "adaptive"])
+    p.add_argument("--tolerance", type=float, default=1.1, help="DRRQR's f >= 1")
+    p.add_argument("--rft", type=int, default=0, metavar="STEPS", help="recovery fine-tuning steps (0: none)")
+    p.add_argument("--rft-lr", type=float, default=1e-4)
+    p.add_argument("--rft-batch-size", type=int, default=8)
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--out", default=None, help="output folder (default: MODEL_DIR-METHOD-PERCENT)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_prune)
 
     p = sub.add_parser("generate", help="continue prompts with a saved model")
     p.add_argument("model_dir", help="a directory saved by save_pretrained (or `rankdecay init`)")

@@ -36,7 +36,8 @@ def _recurrent_mode(x: torch.Tensor) -> str:
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype)
+    """L2 normalisation over the last dim in at least fp32 (fp64 inputs stay fp64)."""
+    return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
 class LinearMixer(nn.Module, abc.ABC):
@@ -59,6 +60,11 @@ class LinearMixer(nn.Module, abc.ABC):
             With a cache, inputs of <= 64 tokens use the recurrent path either way.
         norm_eps: epsilon of the output norm.
         layer_idx: this layer's slot in a :class:`Cache`.
+        shared_qk_conv: one convolution filter per head for q and for k (shared by the
+            head's key channels; state-reduction paper App. D.6), so that rotations of the
+            key space (PCA pruning) commute with the convolution.
+        scale: the query scale of the op (default ``head_k_dim ** -0.5``); a pruned model
+            keeps its original scale (``rankdecay.prune``).
     """
 
     kv_per_token = 1  # keys and values per token (Gated DeltaProduct: n_h)
@@ -80,6 +86,8 @@ class LinearMixer(nn.Module, abc.ABC):
         mode: str = "chunk",
         norm_eps: float = 1e-6,
         layer_idx: int = 0,
+        scale: float | None = None,
+        shared_qk_conv: bool = False,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("conv_size", conv_size),
@@ -104,6 +112,9 @@ class LinearMixer(nn.Module, abc.ABC):
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.qk_norm, self.chunk_size, self.mode, self.layer_idx = qk_norm, chunk_size, mode, layer_idx
+        self.scale = head_k_dim ** -0.5 if scale is None else float(scale)
+        self.shared_qk_conv = shared_qk_conv
+        self.qk_hook = None  # called as qk_hook(self, q, k) with the op's q and k (calibration, diagnostics)
         self.use_short_conv, self.use_output_gate, self.output_norm = use_short_conv, use_output_gate, output_norm
         n = self.kv_per_token
         key_dim, value_dim = num_heads * head_k_dim, num_heads * head_v_dim
@@ -111,8 +122,8 @@ class LinearMixer(nn.Module, abc.ABC):
         self.k_proj = nn.Linear(hidden_size, n * key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, n * value_dim, bias=False)
         if use_short_conv:
-            self.q_conv = ShortConvolution(key_dim, conv_size)
-            self.k_conv = ShortConvolution(n * key_dim, conv_size)
+            self.q_conv = ShortConvolution(key_dim, conv_size, groups=num_heads if shared_qk_conv else None)
+            self.k_conv = ShortConvolution(n * key_dim, conv_size, groups=n * num_heads if shared_qk_conv else None)
             self.v_conv = ShortConvolution(n * value_dim, conv_size)
         if use_output_gate:
             self.g_proj = nn.Linear(hidden_size, value_dim, bias=False)
@@ -170,6 +181,8 @@ class LinearMixer(nn.Module, abc.ABC):
             q = _l2norm(q)
         if self.qk_norm in ("l2", "k"):
             k = _l2norm(k)
+        if self.qk_hook is not None:
+            self.qk_hook(self, q, k)
 
         recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
         o, final_state = self.mix(
@@ -195,7 +208,7 @@ class LinearMixer(nn.Module, abc.ABC):
                 f"conv={self.use_short_conv}, qk_norm={self.qk_norm}, mode={self.mode}")
 
     def _op_kwargs(self, initial_state, cu_seqlens, mode):
-        return dict(initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+        return dict(scale=self.scale, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
                     chunk_size=self.chunk_size, mode=mode)
 
 

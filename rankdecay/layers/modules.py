@@ -49,12 +49,26 @@ class ShortConvolution(nn.Module):
     sequences) no tap reaches across the start of a sequence.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu"):
+    def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu", groups: int | None = None):
         super().__init__()
         self.kernel_size = kernel_size
         self.activation = activation
-        self.weight = nn.Parameter(torch.empty(dim, kernel_size))
-        nn.init.kaiming_uniform_(self.weight.view(dim, 1, kernel_size), a=5 ** 0.5)
+        self.dim = dim
+        # groups: one filter shared by the dim / groups channels of each group (a head):
+        # "shared convolutions" (state-reduction paper App. D.6), which commute with any
+        # rotation of a head's channels.
+        if groups is not None and (groups < 1 or dim % groups):
+            raise ValueError(f"groups must divide dim = {dim}, got {groups!r}")
+        self.groups = groups
+        n = groups or dim
+        self.weight = nn.Parameter(torch.empty(n, kernel_size))
+        nn.init.kaiming_uniform_(self.weight.view(n, 1, kernel_size), a=5 ** 0.5)
+
+    def filters(self) -> torch.Tensor:
+        """The per-channel filters [dim, kernel] (shared filters repeated over their group)."""
+        if self.groups is None:
+            return self.weight
+        return self.weight.repeat_interleave(self.dim // self.groups, dim=0)
 
     def forward(self, x, state=None, starts=None):
         B, T, D = x.shape
@@ -63,7 +77,7 @@ class ShortConvolution(nn.Module):
             state = x.new_zeros(B, D, past)
         full = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, past + T, D]
         y = torch.zeros_like(x)
-        w = self.weight.to(x.dtype)
+        w = self.filters().to(x.dtype)
         t = torch.arange(T, device=x.device)
         for i in range(self.kernel_size):  # y_t = sum_i w_i x_{t - i}; the newest input pairs with the last weight
             tap = full[:, past - i : past - i + T] * w[:, past - i]

@@ -41,6 +41,9 @@ class RankDecayConfig(PretrainedConfig):
         num_householder: n_h of Gated DeltaProduct.
         hh_rank, hh_mask: Head-in-Head groups per head r and "static" / "data" masks.
         chunk_size, mixer_mode: chunked-path chunk size; "chunk" or "recurrent".
+        shared_qk_conv: one short-conv filter per head for q and k (state-reduction App. D.6).
+        attn_scale: the linear mixers' query scale (default head_k_dim ** -0.5; a model
+            pruned by ``rankdecay.prune`` keeps the scale of its original key size).
         swa_window, swa_num_heads, swa_head_dim, rope_theta: the attention layers.
         intermediate_size: SwiGLU width (default: fla's rule from hidden_size).
         use_cache: return a decoding cache by default.
@@ -66,6 +69,8 @@ class RankDecayConfig(PretrainedConfig):
         hh_mask: str = "static",
         chunk_size: int = 64,
         mixer_mode: str = "chunk",
+        attn_scale: float | None = None,
+        shared_qk_conv: bool = False,
         swa_window: int = 2048,
         swa_num_heads: int | None = None,
         swa_head_dim: int | None = None,
@@ -85,7 +90,8 @@ class RankDecayConfig(PretrainedConfig):
         self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
         self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
         self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
-        self.chunk_size, self.mixer_mode = chunk_size, mixer_mode
+        self.chunk_size, self.mixer_mode, self.attn_scale = chunk_size, mixer_mode, attn_scale
+        self.shared_qk_conv = shared_qk_conv
         self.swa_window, self.swa_num_heads, self.swa_head_dim, self.rope_theta = (
             swa_window, swa_num_heads, swa_head_dim, rope_theta)
         if intermediate_size is None:

@@ -22,7 +22,8 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
         return SlidingWindowAttention(config.hidden_size, heads, config.swa_head_dim, window_size=config.swa_window,
                                       rope_theta=config.rope_theta, layer_idx=layer_idx)
     common = dict(use_short_conv=config.use_short_conv, conv_size=config.conv_size, chunk_size=config.chunk_size,
-                  mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx)
+                  mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx,
+                  scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv)
     if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
     cls, extra = {
