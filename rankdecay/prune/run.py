@@ -60,9 +60,11 @@ def run_prune(model_dir, method: str, ratio: float, out: str | Path, calib: list
               eval_windows: int = 32, diag_tokens: int = 128, device: str = "auto", seed: int = 0,
               progress: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from ..data import load_tokenizer
 
+    hf_logging.disable_progress_bar()
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not a saved model (no config.json)")

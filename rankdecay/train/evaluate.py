@@ -84,9 +84,11 @@ def evaluate_model(model_dir: str | Path, data: list[str] | None = None, seq_len
                    val_fraction: float | None = None, progress: bool = True) -> EvalResult:
     """Evaluate a saved model on the validation split of ``data`` (default: the data it was trained on)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from ..data import load_tokenizer
 
+    hf_logging.disable_progress_bar()
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not a saved model (no config.json)")

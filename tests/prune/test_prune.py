@@ -237,3 +237,22 @@ def test_prune_command_end_to_end(tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "alpha", "--max-new-tokens", "4"]) == 0
     assert main(["prune", str(run), "--method", "l1", "--ratio", "1.0", "--out", str(tmp_path / "x")]) == 2
     assert "ratio" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a CUDA GPU (run recorded in BENCHMARKS.md)")
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn"])
+def test_cuda_pruned_model_runs_on_the_kernels_and_decodes(mixer):
+    model = tiny(mixer)
+    small, _ = prune(model, "drrqr", 0.5, calib(), budget="adaptive")
+    x = torch.randint(0, 256, (2, 100))
+    with torch.no_grad():
+        ref = small(x).logits
+        gpu = small.cuda()
+        out = gpu(x.cuda()).logits.cpu()                       # chunked path with the Triton kernels
+        assert (out - ref).abs().max().item() < 1e-3
+        cache, steps = None, []
+        for t in range(100):                                   # fused recurrent decode kernel
+            o = gpu(x[:, t:t + 1].cuda(), past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            steps.append(o.logits.cpu())
+        assert (torch.cat(steps, 1) - ref).abs().max().item() < 1e-3
