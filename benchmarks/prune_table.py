@@ -48,11 +48,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "prune_table.json").write_text(json.dumps({"model": args.model_dir, "baseline_bpb": base, "rows": rows},
                                                      indent=2) + "\n")
-    import matplotlib
+    from rankdecay._plot import finish, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, key, title in ((axes[0], "after", "after pruning"), (axes[1], "after_rft", "after recovery")):
         for method in args.methods:
@@ -61,11 +59,8 @@ def main() -> None:
         ax.axhline(base, color="gray", ls="--", label="unpruned")
         ax.set_title(title)
         ax.set_xlabel("fraction of key channels pruned")
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation bits/byte")
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(out / "prune_table.png", dpi=120)
+    finish(fig, axes, out / "prune_table.png")
 
 
 if __name__ == "__main__":

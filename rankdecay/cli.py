@@ -122,7 +122,7 @@ def _prune(args) -> int:
                        calib_samples=args.calib_samples, seq_len=args.seq_len, select=args.select, budget=args.budget,
                        tolerance=args.tolerance, rft_steps=args.rft, rft_lr=args.rft_lr,
                        rft_batch_size=args.rft_batch_size, eval_windows=args.eval_windows, device=args.device,
-                       seed=args.seed, progress=not args.no_progress)
+                       seed=args.seed, progress=not args.no_progress, pca_adversarial=args.pca_adversarial)
     print(report["markdown"])
     print(f"\nwrote the pruned model and prune_report.md/.json/prune_spectra.png to {out}")
     return 0
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--select", default="kq", choices=["kq", "k", "q"], help="score keys and queries, or one")
     p.add_argument("--budget", default="uniform", choices=["uniform", "adaptive"])
     p.add_argument("--tolerance", type=float, default=1.1, help="DRRQR's f >= 1")
+    p.add_argument("--pca-adversarial", action="store_true",
+                   help="pca keeps the lowest-variance components (the paper's App. E.4.2 control)")
     p.add_argument("--rft", type=int, default=0, metavar="STEPS", help="recovery fine-tuning steps (0: none)")
     p.add_argument("--rft-lr", type=float, default=1e-4)
     p.add_argument("--rft-batch-size", type=int, default=8)

@@ -92,11 +92,11 @@ def diagnostics_table(named: dict[str, dict]) -> str:
 def plot_diagnostics(named: dict[str, dict], path, layer: int | None = None, head: int = 0):
     """Two panels: the normalised singular values of one head's last state, and the mean rank
     utilisation by position, for each named model (paper Figs. 3-4)."""
-    import matplotlib
+    from .._plot import finish, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return None
     first = next(iter(named.values()))
     layer = sorted(first["layers"])[0] if layer is None else layer
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -111,10 +111,4 @@ def plot_diagnostics(named: dict[str, dict], path, layer: int | None = None, hea
     b.set_title("rank utilisation by position (mean over layers, heads)")
     b.set_xlabel("token (after the skipped prefix)")
     b.set_ylabel("u(S_t)")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish(fig, [a, b], path)

@@ -58,7 +58,7 @@ def run_prune(model_dir, method: str, ratio: float, out: str | Path, calib: list
               calib_samples: int = 128, seq_len: int | None = None, select: str = "kq", budget: str = "uniform",
               tolerance: float = 1.1, rft_steps: int = 0, rft_lr: float = 1e-4, rft_batch_size: int = 8,
               eval_windows: int = 32, diag_tokens: int = 128, device: str = "auto", seed: int = 0,
-              progress: bool = True) -> dict:
+              progress: bool = True, pca_adversarial: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -87,7 +87,8 @@ def run_prune(model_dir, method: str, ratio: float, out: str | Path, calib: list
     diag_ids = torch.from_numpy(val.tokens(range(min(4, val.num_windows)))[:, :diag_tokens].astype(np.int64)).to(dev)
 
     t0 = time.perf_counter()
-    pruned, info = prune(model, method, ratio, calib_ids, select=select, budget=budget, tolerance=tolerance, seed=seed)
+    pruned, info = prune(model, method, ratio, calib_ids, select=select, budget=budget, tolerance=tolerance, seed=seed,
+                         pca_adversarial=pca_adversarial)
     info["seconds"] = time.perf_counter() - t0
     report = {"model": str(model_dir), "method": method, "ratio": ratio, "select": select, "budget": budget,
               "head_k_dim": [model.config.head_k_dim or model.config.hidden_size // model.config.num_heads,
@@ -128,7 +129,8 @@ def run_prune(model_dir, method: str, ratio: float, out: str | Path, calib: list
 
 def report_markdown(r: dict, rank_table: str) -> str:
     k0, k1 = r["head_k_dim"]
-    lines = [f"# {r['method']} at {r['ratio']:.0%} ({r['select']}, {r['budget']} budget): head_k_dim {k0} -> {k1}",
+    name = r["method"] + (" (adversarial)" if r["info"].get("pca_adversarial") else "")
+    lines = [f"# {name} at {r['ratio']:.0%} ({r['select']}, {r['budget']} budget): head_k_dim {k0} -> {k1}",
              f"model {r['model']}; calibration: {r['calibration']}", "",
              "| | loss | perplexity | bits/byte |", "|---|---:|---:|---:|"]
     for key, name in (("before", "before"), ("after", "after pruning"), ("after_rft", "after recovery")):

@@ -151,12 +151,10 @@ def save_eval(res: EvalResult, out_dir: str | Path) -> list[Path]:
     paths = [out_dir / "eval.json", out_dir / "eval.md"]
     paths[0].write_text(json.dumps(res.__dict__, indent=2) + "\n")
     paths[1].write_text(res.markdown() + "\n")
-    try:
-        import matplotlib
+    from .._plot import finish, pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return paths
     fig, ax = plt.subplots(figsize=(6, 4))
     mids = [(b["start"] + b["end"]) / 2 for b in res.buckets]
@@ -167,10 +165,4 @@ def save_eval(res: EvalResult, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("token position")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("loss by position")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    png = out_dir / "eval_positions.png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return paths + [png]
+    return paths + [finish(fig, [ax], out_dir / "eval_positions.png")]

@@ -490,12 +490,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_metrics(metrics_path: Path, png: Path) -> Path | None:
     """Training and validation loss against tokens seen (PNG); None without matplotlib."""
-    try:
-        import matplotlib
+    from .._plot import finish, pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     records = read_metrics(metrics_path)
     train = [r for r in records if r.get("split") == "train"]
@@ -509,9 +507,4 @@ def plot_metrics(metrics_path: Path, png: Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(png.parent.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return finish(fig, [ax], png)
