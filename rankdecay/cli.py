@@ -128,6 +128,27 @@ def _prune(args) -> int:
     return 0
 
 
+def _synth(args) -> int:
+    from .train.synth import run_synth
+
+    out = args.out or f"synth-{args.task}-{args.preset}"
+    lrs = [float(x) for x in args.lr_sweep] if args.lr_sweep else None
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        overrides[key] = _parse_value(value)
+    table = run_synth(args.task, [m.strip() for m in args.mechanisms.split(",")], args.preset, args.seeds, lrs, out,
+                      steps=args.steps, batch_size=args.batch_size, overrides=overrides, jobs=args.jobs,
+                      device=args.device, progress=not args.no_progress)
+    from .train.synth import SUITES, markdown
+
+    print(markdown(table, args.task, SUITES[args.task][args.preset].label))
+    print(f"\nwrote results.md/.csv/.json/.png to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankdecay", description="Linear attention with rank-enhanced decay.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -189,6 +210,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_prune)
+
+    from .train.synth import SUITES
+
+    p = sub.add_parser("synth", help="synthetic benchmarks (MQAR, MAD, state tracking, passkey): train each "
+                                     "mechanism, evaluate, tabulate")
+    p.add_argument("task", choices=sorted(SUITES))
+    p.add_argument("--mechanisms", default="gdn,hdla,hh-gdn,deltanet", help="comma-separated mixers")
+    p.add_argument("--preset", default="cpu", choices=["cpu", "paper"],
+                   help="cpu: minutes on 2 cores; paper: the papers' shapes and sweeps")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--lr-sweep", nargs="+", default=None, help="learning rates (default: the preset's)")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes (e.g. 4 on one "
+                                                        "GPU: the models are small)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model config override, e.g. allow_neg_eigval=true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_synth)
 
     p = sub.add_parser("generate", help="continue prompts with a saved model")
     p.add_argument("model_dir", help="a directory saved by save_pretrained (or `rankdecay init`)")

@@ -102,12 +102,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg: TrainConfig, tokenizer):
+def build_model(cfg: TrainConfig, tokenizer, data_overrides: dict | None = None):
     from ..models import RankDecayConfig, RankDecayForCausalLM
 
     if cfg.init_from:
         return RankDecayForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
-    overrides = dict(cfg.model)
+    overrides = {**(data_overrides or {}), **cfg.model}
+    if tokenizer is None:
+        return RankDecayForCausalLM(RankDecayConfig.from_preset(cfg.model_preset, mixer=cfg.mixer, **overrides))
     if isinstance(tokenizer, ByteTokenizer):
         specials = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
@@ -176,6 +178,40 @@ def evaluate_loss(model, sampler: WindowSampler, num_windows: int, micro: int, d
             "val_bpb": total / math.log(2) / nbytes if nbytes else float("nan")}
 
 
+class TextData:
+    """What the trainer trains on, for text: the corpus, its windows and its evaluation.
+
+    The trainer needs only ``tokenizer`` (or None), ``description``, ``model_overrides``,
+    ``batches(step, rank, world, batch_size, micro, device)`` (this process's micro-batches of
+    global step ``step``: dicts with ``input_ids``, ``labels`` and optional ``cu_seqlens``) and
+    ``evaluate(model, micro, dist_, amp) -> dict`` of ``val_*`` metrics, and optionally
+    ``wrap_model(model)`` (a read-out around the language model). Other data (the synthetic tasks)
+    provide the same.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.corpus = Corpus.load(cfg.data, self.tokenizer, cfg.val_fraction, cfg.text_suffixes)
+        self.train = WindowSampler(self.corpus.train, cfg.seq_len, cfg.seed)
+        self.val = WindowSampler(self.corpus.val, cfg.seq_len, cfg.seed, shuffle=False)
+        self.description = self.corpus.description
+        self.model_overrides: dict = {}
+        self._bytes = None
+
+    def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
+        base = step * batch_size + rank * (batch_size // world)
+        return [make_batch(self.train.tokens(range(base + i * micro, base + (i + 1) * micro)), self.cfg.pack,
+                           self.tokenizer.eos_token_id, device) for i in range(batch_size // world // micro)]
+
+    def evaluate(self, model, micro: int, dist_: "Dist", amp) -> dict:
+        if self._bytes is None:
+            vocab = getattr(getattr(model, "module", model), "config").vocab_size
+            self._bytes = token_bytes(self.tokenizer, vocab)
+        return evaluate_loss(model, self.val, self.cfg.eval_batches * micro, micro, dist_, self.cfg.pack,
+                             self.tokenizer.eos_token_id, amp, self._bytes)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoints(out_dir: Path) -> list[Path]:
     """Complete checkpoint folders of ``out_dir``, oldest first."""
@@ -223,7 +259,8 @@ def save_checkpoint(path: Path, raw_model, wrapped, optimizer, step: int, cfg: T
 
 
 def save_tokenizer(tokenizer, directory: Path) -> None:
-    tokenizer.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -254,14 +291,17 @@ class _Interrupt:
             signal.signal(sig, old)
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run training as configured; returns a summary (final losses, tokens/s, paths)."""
+def train(cfg: TrainConfig, data=None) -> dict:
+    """Run training as configured; returns a summary (final losses, tokens/s, paths).
+
+    ``data``: what to train on (default: ``TextData(cfg)``, the text sources of ``cfg``); see
+    ``TextData`` for the interface (``rankdecay.train.synth.SyntheticData`` provides the synthetic tasks)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # checkpoints are written without "Writing model shards" bars
     dist_ = Dist(cfg.device)
     try:
-        return _train(cfg, dist_)
+        return _train(cfg, dist_, data)
     finally:
         dist_.close()
 
@@ -271,7 +311,7 @@ def _log(dist_: Dist, *msg):
         print(*msg, flush=True)
 
 
-def _train(cfg: TrainConfig, dist_: Dist) -> dict:
+def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
     out_dir = cfg.resolved_out_dir()
     G, W = cfg.batch_size, dist_.world
     if G % W:
@@ -284,11 +324,8 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    corpus = Corpus.load(cfg.data, tokenizer, cfg.val_fraction, cfg.text_suffixes)
-    train_sampler = WindowSampler(corpus.train, cfg.seq_len, cfg.seed)
-    val_sampler = WindowSampler(corpus.val, cfg.seq_len, cfg.seed, shuffle=False)
-    eos_id = tokenizer.eos_token_id
+    data = data if data is not None else TextData(cfg)
+    tokenizer = data.tokenizer
 
     start_step, resume_state = 0, None
     existing = checkpoints(out_dir)
@@ -305,7 +342,9 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
         if existing and dist_.main:
             raise ValueError(f"out_dir {out_dir} already holds checkpoints; pass --resume to continue, or "
                              "choose another --out-dir")
-        model = build_model(cfg, tokenizer)
+        model = build_model(cfg, tokenizer, data.model_overrides)
+    if hasattr(data, "wrap_model"):  # e.g. a task-specific read-out around the language model
+        model = data.wrap_model(model)
     model.to(dist_.device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -345,7 +384,6 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
 
-    bytes_table = token_bytes(tokenizer, raw_model.config.vocab_size)
     n_params = raw_model.num_params()
     flops_per_token = raw_model.flops_per_token(cfg.seq_len, training=True)
     peak = cfg.peak_tflops
@@ -363,7 +401,7 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
             metrics_path.write_text("".join(line + "\n" for line in kept))
         elif resume_state is None:
             metrics_path.write_text("")
-    _log(dist_, f"data: {corpus.description}")
+    _log(dist_, f"data: {data.description}")
     _log(dist_, f"model: {cfg.model_preset} {raw_model.config.mixers[0]} x {raw_model.config.num_hidden_layers} "
                 f"layers, {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token (fwd+bwd)")
     _log(dist_, f"run: {cfg.steps} steps x {G} sequences x {cfg.seq_len} tokens "
@@ -377,8 +415,7 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
                 f.write(json.dumps(record) + "\n")
 
     def eval_now(step: int) -> dict:
-        res = evaluate_loss(wrapped, val_sampler, cfg.eval_batches * micro, micro, dist_, cfg.pack, eos_id, amp,
-                            bytes_table)
+        res = data.evaluate(wrapped, micro, dist_, amp)
         log({"step": step, "split": "val", **res})
         return res
 
@@ -405,9 +442,7 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
     with _Interrupt() as interrupt:
         for step in range(start_step, cfg.steps):
             step_t0 = time.perf_counter()
-            base = step * G + dist_.rank * (G // W)
-            batches = [make_batch(train_sampler.tokens(range(base + i * micro, base + (i + 1) * micro)), cfg.pack,
-                                  eos_id, dist_.device) for i in range(accum)]
+            batches = data.batches(step, dist_.rank, W, G, micro, dist_.device)
             n_targets = dist_.all_sum([float(sum((b["labels"][:, 1:] != -100).sum().item() for b in batches))])[0]
             loss_sum = 0.0
             for i, batch in enumerate(batches):
@@ -477,9 +512,9 @@ def _train(cfg: TrainConfig, dist_: Dist) -> dict:
             if item.name != STATE_FILE:
                 shutil.copy2(item, out_dir / item.name)
         plot_path = plot_metrics(metrics_path, out_dir / "loss.png")
-        _log(dist_, f"done: train loss {last.get('loss', float('nan')):.4f}, validation loss {val['val_loss']:.4f} "
-                    f"({val['val_bpb']:.3f} bits/byte); model in {out_dir}" + (f", curves in {plot_path}"
-                                                                                if plot_path else ""))
+        extra = "".join(f", {k[4:]} {v:.4f}" for k, v in val.items() if k in ("val_bpb", "val_acc"))
+        _log(dist_, f"done: train loss {last.get('loss', float('nan')):.4f}, validation loss {val['val_loss']:.4f}"
+                    f"{extra}; model in {out_dir}" + (f", curves in {plot_path}" if plot_path else ""))
     dist_.barrier()
     return {"out_dir": str(out_dir), "steps": cfg.steps, **{k: v for k, v in last.items() if k != "split"}, **val}
 

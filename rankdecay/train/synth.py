@@ -1,0 +1,387 @@
+"""``rankdecay synth``: train each mechanism on a synthetic task with the shared trainer, evaluate, tabulate.
+
+A *suite* is a task with settings (e.g. MQAR at several lengths), a model shape and a training
+budget, in a ``cpu`` preset (minutes on 2 cores) and a ``paper`` preset (the papers'
+hyper-parameters: Head-in-Head Tables 7-8, HDLA App. D, Zoology, MAD). Every (mechanism,
+setting, learning rate, seed) is one ``train(cfg, data=SyntheticData(...))`` run; the reported
+accuracy per (mechanism, setting) is the best learning rate's mean over seeds, as the papers
+report the best of their sweeps. Accuracy is token accuracy on the scored positions of the
+held-out test set (generated from a different seed).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ..data import synthetic as S
+from .config import TrainConfig
+from .trainer import Dist, train
+
+
+class SyntheticData:
+    """A synthetic task as trainer data (see ``TextData`` for the interface)."""
+
+    def __init__(self, task: str, params: dict, train_size: int, test_size: int, vocab_size: int, seed: int = 0,
+                 test_params: dict | None = None):
+        if task not in S.TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(S.TASKS)}")
+        gen = S.TASKS[task]
+        takes_train = "train" in gen.__code__.co_varnames[:gen.__code__.co_argcount]
+        train_kw = {**params, **({"train": True} if takes_train else {})}
+        test_kw = {**params, **(test_params or {}), **({"train": False} if takes_train else {})}
+        self.train_x, self.train_y = gen(train_size, seed=S.split_seed(seed, "train"), **train_kw)
+        self.test_x, self.test_y = gen(test_size, seed=S.split_seed(seed, "test"), **test_kw)
+        if int(max(self.train_x.max(), self.test_x.max())) >= vocab_size:
+            raise ValueError(f"{task}: tokens up to {int(self.train_x.max())} need vocab_size > that, got {vocab_size}")
+        self.tokenizer = None
+        self.seed = seed
+        self.model_overrides = {"vocab_size": 8 * -(-vocab_size // 8), "bos_token_id": None, "eos_token_id": None,
+                                "pad_token_id": None}
+        self.description = (f"{task} {params} (test {test_kw}): {train_size} training and {test_size} test "
+                            f"sequences of {self.train_x.shape[1]} / {self.test_x.shape[1]} tokens, vocab {vocab_size}")
+        self._perm_epoch, self._perm = None, None
+        self.task = task
+        self.seq_len = self.train_x.shape[1]
+
+    def wrap_model(self, model):
+        """The model the trainer trains: the language model itself, or for MAD's compression task
+        the language model with MAD's reconstruction decoder on the last position."""
+        return CompressionModel(model, self.seq_len + 1) if self.task == "compression" else model
+
+    @staticmethod
+    def model_batch(x: np.ndarray, y: np.ndarray, device) -> dict:
+        """Inputs with one dummy token appended and labels ``[IGNORE] + targets``, so that the
+        model's shift scores ``logits[t]`` against ``targets[t]`` for every t (the last one included)."""
+        n = len(x)
+        ids = np.concatenate([x, np.zeros((n, 1), dtype=np.int64)], 1)
+        labels = np.concatenate([np.full((n, 1), S.IGNORE, dtype=np.int64), y], 1)
+        return {"input_ids": torch.from_numpy(ids).to(device), "labels": torch.from_numpy(labels).to(device)}
+
+    def _example(self, sample: int) -> int:
+        n = len(self.train_x)
+        epoch = sample // n
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, 7, epoch]).permutation(n)
+            self._perm_epoch = epoch
+        return int(self._perm[sample % n])
+
+    def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
+        base = step * batch_size + rank * (batch_size // world)
+        out = []
+        for i in range(batch_size // world // micro):
+            idx = [self._example(s) for s in range(base + i * micro, base + (i + 1) * micro)]
+            out.append(self.model_batch(self.train_x[idx], self.train_y[idx], device))
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model, micro: int, dist_: Dist, amp) -> dict:
+        was = model.training
+        model.eval()
+        loss = correct = count = 0.0
+        rows = list(range(dist_.rank, len(self.test_x), dist_.world))
+        for i in range(0, max(len(rows), 1), micro):
+            chunk = rows[i:i + micro] or [0]
+            weight = 1.0 if rows[i:i + micro] else 0.0
+            batch = self.model_batch(self.test_x[chunk], self.test_y[chunk], dist_.device)
+            ctx = torch.autocast(dist_.device.type, dtype=amp) if amp else torch.autocast("cpu", enabled=False)
+            with ctx:
+                logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
+            tgt = batch["labels"][:, 1:]
+            ok = tgt != S.IGNORE
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt.clamp_min(0), reduction="none")
+            loss += weight * float((ce * ok).sum())
+            correct += weight * float(((logits.argmax(-1) == tgt) & ok).sum())
+            count += weight * float(ok.sum())
+        loss, correct, count = dist_.all_sum([loss, correct, count])
+        model.train(was)
+        return {"val_loss": loss / max(count, 1), "val_acc": correct / max(count, 1)}
+
+
+def _sincos(n: int, d: int) -> torch.Tensor:
+    """Sinusoidal position embeddings ``[n, d]``."""
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
+    out = torch.zeros(n, d)
+    out[:, 0::2] = torch.sin(pos * freq)
+    out[:, 1::2] = torch.cos(pos * freq)[:, :d // 2]
+    return out
+
+
+class CompressionModel(torch.nn.Module):
+    """MAD's compression protocol: the sequence is encoded by the model's backbone, only the
+    last input position's hidden state (the ``<compress>`` token) is kept, and a small decoder
+    (RMSNorm, Linear, GELU twice, then RMSNorm and a vocabulary projection; no expansion) reads
+    token ``t`` back from that vector plus a sinusoidal embedding of ``t``.
+
+    Inputs follow ``SyntheticData.model_batch`` (one dummy token appended, so the encoding is
+    taken at position ``-2``); ``logits[:, t]`` predicts token ``t`` of the sequence. Attributes
+    not found here (``config``, ``save_pretrained``, ``num_params`` ...) are the language model's;
+    ``save_pretrained`` saves the language model only, not the decoder.
+    """
+
+    def __init__(self, lm, max_len: int):
+        super().__init__()
+        self.lm = lm
+        d, vocab = lm.config.hidden_size, lm.config.vocab_size
+        self.register_buffer("positions", _sincos(max_len, d), persistent=False)
+        self.decoder = torch.nn.Sequential(
+            torch.nn.RMSNorm(d), torch.nn.Linear(d, d), torch.nn.GELU(),
+            torch.nn.RMSNorm(d), torch.nn.Linear(d, d), torch.nn.GELU(),
+            torch.nn.RMSNorm(d), torch.nn.Linear(d, vocab))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("lm"), name)
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False, **_) -> SimpleNamespace:
+        T = input_ids.shape[1]
+        if T > self.positions.shape[0]:
+            raise ValueError(f"input_ids has {T} positions, the decoder was built for {self.positions.shape[0]}")
+        h = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, -2]
+        return SimpleNamespace(logits=self.decoder(h[:, None, :] + self.positions[:T].to(h.dtype)))
+
+
+# ----------------------------------------------------------------------------- suites
+@dataclass
+class Suite:
+    """One task's benchmark: settings, model shape, data sizes and training budget.
+
+    ``batch_size`` may be a list (one per setting, as MQAR's); the number of steps is
+    ``epochs x train_size / batch_size`` (the papers count epochs over a fixed training set)."""
+    task: str
+    vocab_size: int
+    settings: list            # generator parameters per setting, e.g. [{"seq_len": 64, "num_kv_pairs": 4}]
+    model: dict               # model config overrides (shape)
+    train_size: int
+    test_size: int
+    epochs: float
+    batch_size: int | list
+    lrs: list
+    weight_decay: float = 0.1
+    min_lr: float = 1e-5
+    test_params: dict = field(default_factory=dict)  # e.g. longer test sequences (length generalisation)
+    label: str = "setting"
+
+    def batch_for(self, i: int) -> int:
+        return self.batch_size[i] if isinstance(self.batch_size, (list, tuple)) else self.batch_size
+
+    def steps_for(self, i: int) -> int:
+        return max(1, math.ceil(self.epochs * self.train_size / self.batch_for(i)))
+
+
+CPU_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_heads=4, head_k_dim=16, head_v_dim=16,
+                 intermediate_size=128, chunk_size=32, hh_rank=2)
+# Head-in-Head Table 7 (MAD, after von Oswald et al. 2025): d 128, 2 layers, 8 heads of d_k = d_v = 16.
+MAD_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_heads=8, head_k_dim=16, head_v_dim=16,
+                 intermediate_size=256, chunk_size=64, hh_rank=4)
+# Head-in-Head Table 8 (MQAR): d 128, 2 layers, 2 heads of d_v = 64.
+MQAR_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_heads=2, head_k_dim=64, head_v_dim=64,
+                  intermediate_size=256, chunk_size=64, hh_rank=4)
+MAD_LRS = [3e-3, 1e-3, 5e-4, 1e-4]          # Head-in-Head Table 7 (weight decay 0.1 of their {0.01, 0.1})
+MQAR_LRS = [float(x) for x in np.logspace(-4, -2, 4)]  # Head-in-Head Table 8 / Zoology
+
+
+def _mad(task: str, settings: dict, train_size: int = 12800, cpu: bool = False) -> Suite:
+    """MAD's task defaults (mad-lab configs/tasks), 12,800 / 1,280 sequences, 200 epochs at batch 32
+    (Head-in-Head Table 7); the cpu preset shrinks sequences, data and epochs."""
+    if cpu:
+        return Suite(task, settings["vocab_size"], [settings], CPU_MODEL, train_size, 512, 300 * 32 / train_size, 32,
+                     [3e-3])
+    return Suite(task, settings["vocab_size"], [settings], MAD_MODEL, train_size, 1280, 200, 32, MAD_LRS)
+
+
+SUITES: dict[str, dict[str, Suite]] = {
+    "mqar": {
+        "cpu": Suite("mqar", 32, [{"seq_len": L, "num_kv_pairs": 8, "vocab_size": 32} for L in (32, 64)],
+                     CPU_MODEL, 20000, 512, 600 * 32 / 20000, 32, [3e-3], label="seq_len"),
+        # Zoology / Head-in-Head Table 8: 64 epochs, batch 128/64/64 at 512/1024/2048 with 64/128/256 pairs.
+        "paper": Suite("mqar", 8192, [{"seq_len": L, "num_kv_pairs": P, "vocab_size": 8192}
+                                      for L, P in ((512, 64), (1024, 128), (2048, 256))],
+                       MQAR_MODEL, 100000, 3000, 64, [128, 64, 64], MQAR_LRS, label="seq_len"),
+    },
+    "in_context_recall": {
+        "cpu": _mad("in_context_recall", {"seq_len": 64, "vocab_size": 16}, 6400, cpu=True),
+        "paper": _mad("in_context_recall", {"seq_len": 128, "vocab_size": 16})},
+    "fuzzy_in_context_recall": {
+        "cpu": _mad("fuzzy_in_context_recall", {"seq_len": 64, "vocab_size": 16}, 6400, cpu=True),
+        "paper": _mad("fuzzy_in_context_recall", {"seq_len": 128, "vocab_size": 16})},
+    "noisy_in_context_recall": {
+        "cpu": _mad("noisy_in_context_recall", {"seq_len": 64, "vocab_size": 32, "noise_vocab_size": 16,
+                                                "frac_noise": 0.2}, 6400, cpu=True),
+        "paper": _mad("noisy_in_context_recall", {"seq_len": 128, "vocab_size": 32, "noise_vocab_size": 16,
+                                                  "frac_noise": 0.2})},
+    "selective_copying": {
+        "cpu": _mad("selective_copying", {"seq_len": 64, "vocab_size": 16, "num_tokens_to_copy": 8}, 6400, cpu=True),
+        "paper": _mad("selective_copying", {"seq_len": 256, "vocab_size": 16, "num_tokens_to_copy": 16})},
+    "compression": {
+        "cpu": _mad("compression", {"seq_len": 16, "vocab_size": 16}, 6400, cpu=True),
+        "paper": _mad("compression", {"seq_len": 32, "vocab_size": 16})},
+    "memorization": {  # MAD: 256 training sequences of one fixed key -> value map
+        "cpu": _mad("memorization", {"seq_len": 32, "vocab_size": 64}, 256, cpu=True),
+        "paper": _mad("memorization", {"seq_len": 32, "vocab_size": 256}, 256)},
+    "parity": {
+        # train on lengths up to L, test on 4L (Grazzi et al.: length generalisation)
+        "cpu": Suite("parity", 3, [{"seq_len": 32, "min_len": 2}], CPU_MODEL, 20000, 256, 300 * 32 / 20000, 32,
+                     [3e-3], test_params={"seq_len": 128, "min_len": 64}),
+        "paper": Suite("parity", 3, [{"seq_len": 64, "min_len": 3}], MAD_MODEL, 100000, 1000, 13, 64, MAD_LRS,
+                       test_params={"seq_len": 256, "min_len": 128}),
+    },
+    "modular_arithmetic": {
+        "cpu": Suite("modular_arithmetic", 12, [{"seq_len": 16, "modulus": 5}], CPU_MODEL, 20000, 256,
+                     300 * 32 / 20000, 32, [3e-3]),
+        "paper": Suite("modular_arithmetic", 12, [{"seq_len": 64, "modulus": 5, "brackets": b} for b in (False, True)],
+                       MAD_MODEL, 100000, 1000, 13, 64, MAD_LRS, label="brackets"),
+    },
+    "passkey": {
+        "cpu": Suite("passkey", 16, [{"seq_len": L, "digits": 3} for L in (64, 256)], CPU_MODEL, 6400, 256,
+                     300 * 32 / 6400, 32, [3e-3], label="seq_len"),
+        "paper": Suite("passkey", 16, [{"seq_len": L, "digits": 5} for L in (512, 2048, 8192)], MQAR_MODEL, 20000,
+                       500, 8, 32, MAD_LRS, label="seq_len"),
+    },
+}
+
+
+def _one_run(spec: dict) -> dict:
+    """Train and evaluate one (mechanism, setting, lr, seed); returns its result row."""
+    suite = spec["suite"]
+    data = SyntheticData(suite.task, spec["setting"], suite.train_size, suite.test_size, suite.vocab_size,
+                         spec["seed"], {**suite.test_params})
+    n_steps = spec["steps"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig.from_sources(preset="tiny", overrides=dict(
+            mixer=spec["mixer"], model={**suite.model, **spec["overrides"]}, steps=n_steps,
+            batch_size=spec["batch_size"], lr=spec["lr"], min_lr=min(suite.min_lr, spec["lr"] / 10),
+            warmup_steps=max(1, n_steps // 20), weight_decay=suite.weight_decay, beta2=0.98, eval_every=0,
+            save_every=0, eval_batches=1, log_every=max(1, n_steps // 10), out_dir=tmp, seed=spec["seed"],
+            progress=spec["progress"], device=spec["device"], seq_len=max(2, data.train_x.shape[1])))
+        res = train(cfg, data=data)
+    return {"task": suite.task, "preset": spec["preset"], "mixer": spec["mixer"], "setting": spec["setting"],
+            "lr": spec["lr"], "seed": spec["seed"], "steps": n_steps, "batch_size": spec["batch_size"],
+            "acc": res["val_acc"], "loss": res["val_loss"], "tokens_per_s": res.get("tokens_per_s")}
+
+
+def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int = 1, lrs: list | None = None,
+              out: str | Path = "synth", steps: int | None = None, batch_size: int | None = None,
+              overrides: dict | None = None, device: str = "auto", progress: bool = True, jobs: int = 1) -> list[dict]:
+    """Train and evaluate every (mechanism, setting, lr, seed); write ``results.{md,csv,json,png}`` to ``out``.
+
+    ``jobs > 1`` runs that many trainings at once in separate processes (small models leave a GPU
+    mostly idle; on a CPU, jobs share the cores). Results are rewritten after every finished run."""
+    if task not in SUITES:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(SUITES)}")
+    if preset not in SUITES[task]:
+        raise ValueError(f"preset must be one of {', '.join(SUITES[task])}, got {preset!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    from ..models.config import MIXERS
+
+    bad = [m for m in mechanisms if m not in MIXERS]
+    if bad or not mechanisms:
+        raise ValueError(f"unknown mechanism(s) {', '.join(map(repr, bad)) or '(none given)'}; choose from "
+                         f"{', '.join(MIXERS)}")
+    suite = SUITES[task][preset]
+    lrs = lrs or suite.lrs
+    out = Path(out)
+    specs = [dict(suite=suite, preset=preset, setting=setting, mixer=mixer, lr=lr, seed=seed,
+                  steps=steps or suite.steps_for(si), batch_size=batch_size or suite.batch_for(si),
+                  overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1)
+             for si, setting in enumerate(suite.settings) for mixer in mechanisms for lr in lrs
+             for seed in range(seeds)]
+    runs: list[dict] = []
+    table: list[dict] = []
+
+    def done(row: dict) -> None:
+        nonlocal table
+        runs.append(row)
+        table = summarise(runs, suite.label)
+        write_results(table, runs, out, task, suite.label)  # after every run: partial results survive
+        print(f"[{len(runs)}/{len(specs)} done] {row['mixer']} {row['setting']} lr {row['lr']:.2g} seed {row['seed']}:"
+              f" test accuracy {row['acc']:.4f}", flush=True)
+
+    for i, spec in enumerate(specs):
+        print(f"[{i + 1}/{len(specs)}] {task} {spec['mixer']} {spec['setting']} lr {spec['lr']:.2g} seed "
+              f"{spec['seed']}: {spec['steps']} steps x {spec['batch_size']}", flush=True)
+    if jobs == 1:
+        for spec in specs:
+            done(_one_run(spec))
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+            for fut in as_completed([pool.submit(_one_run, spec) for spec in specs]):
+                done(fut.result())
+    return table
+
+
+def summarise(runs: list[dict], label: str) -> list[dict]:
+    """Best learning rate (by mean accuracy over seeds) per (mechanism, setting)."""
+    groups: dict = {}
+    for r in runs:
+        key = (r["mixer"], json.dumps(r["setting"], sort_keys=True))
+        groups.setdefault(key, {}).setdefault(r["lr"], []).append(r["acc"])
+    table = []
+    for (mixer, setting), by_lr in groups.items():
+        lr, accs = max(by_lr.items(), key=lambda kv: np.mean(kv[1]))
+        s = json.loads(setting)
+        table.append({"mixer": mixer, "setting": s, "x": _x(s, label), "best_lr": lr, "acc": float(np.mean(accs)),
+                      "acc_std": float(np.std(accs)), "seeds": len(accs)})
+    return table
+
+
+def _x(setting: dict, label: str):
+    """The value a setting is tabulated/plotted under: ``setting[label]``, or all of it compactly."""
+    if label in setting:
+        return setting[label]
+    return ", ".join(f"{k}={v}" for k, v in setting.items() if k != "vocab_size") or "-"
+
+
+def write_results(table: list[dict], runs: list[dict], out: Path, task: str, label: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"summary": table, "runs": runs}, indent=2, default=float) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mixer", label, "best_lr", "acc", "acc_std", "seeds"])
+        for r in table:
+            w.writerow([r["mixer"], r["x"], r["best_lr"], f"{r['acc']:.4f}", f"{r['acc_std']:.4f}", r["seeds"]])
+    (out / "results.md").write_text(markdown(table, task, label) + "\n")
+    from .._plot import finish, pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    settings = sorted({json.dumps(r["setting"], sort_keys=True) for r in table})
+    for mixer in dict.fromkeys(r["mixer"] for r in table):
+        rows = {json.dumps(r["setting"], sort_keys=True): r for r in table if r["mixer"] == mixer}
+        xs = [str(rows[s]["x"]) for s in settings if s in rows]
+        ax.plot(xs, [rows[s]["acc"] for s in settings if s in rows], "o-", label=mixer)
+    ax.set_xlabel(label)
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(task)
+    finish(fig, [ax], out / "results.png")
+
+
+def markdown(table: list[dict], task: str, label: str) -> str:
+    settings = list(dict.fromkeys(str(r["x"]) for r in table))
+    lines = [f"{task}: test accuracy (best learning rate; mean over seeds)", "",
+             f"| mechanism | " + " | ".join((f"{label}={s}" if label != "setting" else s) for s in settings) + " |",
+             "|---|" + "---:|" * len(settings)]
+    for mixer in dict.fromkeys(r["mixer"] for r in table):
+        cells = []
+        for s in settings:
+            r = next((r for r in table if r["mixer"] == mixer and str(r["x"]) == s), None)
+            cells.append("-" if r is None else f"{r['acc']:.3f}" + (f" ± {r['acc_std']:.3f}" if r["seeds"] > 1 else ""))
+        lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

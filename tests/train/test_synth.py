@@ -1,0 +1,99 @@
+"""`rankdecay synth`: the synthetic tasks train through the shared trainer and learn above chance."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rankdecay.cli import main
+from rankdecay.train.synth import SUITES, SyntheticData, summarise
+
+
+def test_model_batch_scores_every_target_including_the_last():
+    x = np.array([[1, 2, 3]])
+    y = np.array([[-100, 7, 9]])
+    b = SyntheticData.model_batch(x, y, "cpu")
+    assert b["input_ids"].tolist() == [[1, 2, 3, 0]]
+    # the model scores logits[t] against labels[t + 1] = targets[t]
+    assert b["labels"][0, 1:].tolist() == [-100, 7, 9]
+
+
+def test_synthetic_data_batches_shard_one_global_batch():
+    d = SyntheticData("parity", {"seq_len": 8}, 64, 16, 3, seed=0)
+    one = d.batches(3, 0, 1, 8, 8, "cpu")[0]["input_ids"]
+    halves = [d.batches(3, r, 2, 8, 4, "cpu")[0]["input_ids"] for r in (0, 1)]
+    assert torch.equal(one, torch.cat(halves))
+    with pytest.raises(ValueError, match="vocab_size"):
+        SyntheticData("parity", {"seq_len": 8}, 4, 4, 1)
+
+
+def test_summary_takes_the_best_learning_rate_mean_over_seeds():
+    runs = [{"mixer": "gdn", "setting": {"seq_len": 8}, "lr": lr, "seed": s, "acc": acc}
+            for lr, s, acc in ((1e-3, 0, 0.5), (1e-3, 1, 0.7), (3e-3, 0, 0.9), (3e-3, 1, 0.3))]
+    (row,) = summarise(runs, "seq_len")
+    assert row["best_lr"] == 1e-3 and row["acc"] == pytest.approx(0.6) and row["seeds"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, mixer, extra, chance, margin", [
+    ("parity", "deltanet", ["--set", "allow_neg_eigval=true"], 1 / 2, 0.25),   # state tracking, tested 4x longer
+    ("in_context_recall", "gdn", ["--steps", "200"], 1 / 8, 0.25),            # MAD recall: 8 values
+    ("compression", "gdn", [], 1 / 15, 0.1),                                   # MAD compression: decoder read-out
+    ("mqar", "gdn", ["--steps", "300"], 1 / 16, 0.1),                          # MQAR: 16 values, slow to learn
+    ("passkey", "gdn", [], 1 / 10, 0.25),                                      # needle retrieval: digits
+])
+def test_tiny_synth_runs_learn_above_chance(tmp_path, capsys, monkeypatch, task, mixer, extra, chance, margin):
+    suite = SUITES[task]["cpu"]
+    monkeypatch.setitem(SUITES[task], "cpu", dataclasses.replace(suite, settings=suite.settings[:1]))  # one setting
+    out = tmp_path / task
+    assert main(["synth", task, "--mechanisms", mixer, "--no-progress", "--out", str(out), *extra]) == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    acc = summary[0]["acc"]
+    assert acc > chance + margin, f"{task}: test accuracy {acc:.3f} vs chance {chance:.3f}"
+    assert (out / "results.md").exists() and (out / "results.csv").exists() and (out / "results.png").exists()
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_compression_model_reads_only_the_compress_token():
+    from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+
+    torch.manual_seed(0)
+    lm = RankDecayForCausalLM(RankDecayConfig.from_preset("tiny", vocab_size=16, hidden_size=32, num_hidden_layers=1,
+                                                          num_heads=2, head_k_dim=16, head_v_dim=16))
+    data = SyntheticData("compression", {"seq_len": 8, "vocab_size": 16}, 4, 4, 16)
+    model = data.wrap_model(lm)
+    batch = SyntheticData.model_batch(data.train_x, data.train_y, "cpu")
+    logits = model(input_ids=batch["input_ids"]).logits
+    assert logits.shape == (4, 9, 16)
+    other = batch["input_ids"].clone()
+    other[:, -1] = 5  # the appended dummy is not read
+    assert torch.equal(model(input_ids=other).logits, logits)
+    other[:, 0] = (other[:, 0] + 1) % 15  # the sequence is, through the <compress> position
+    assert not torch.allclose(model(input_ids=other).logits, logits)
+    assert model.config is lm.config and model.num_params() == lm.num_params()  # the LM's attributes
+    with pytest.raises(ValueError, match="positions"):
+        model(input_ids=torch.zeros(1, 12, dtype=torch.long))
+
+
+def test_every_task_has_both_presets():
+    for task, presets in SUITES.items():
+        assert set(presets) == {"cpu", "paper"}, task
+        for suite in presets.values():
+            for i, setting in enumerate(suite.settings):  # every preset generates, in the declared vocabulary
+                d = SyntheticData(task, setting, 2, 2, suite.vocab_size, test_params=suite.test_params)
+                assert d.train_x.max() < suite.vocab_size and suite.steps_for(i) >= 1
+
+
+def test_parallel_jobs_give_the_sequential_results(tmp_path, monkeypatch):
+    from rankdecay.train.synth import run_synth
+
+    suite = SUITES["parity"]["cpu"]
+    monkeypatch.setitem(SUITES["parity"], "cpu", dataclasses.replace(suite, train_size=64, test_size=16))
+    kw = dict(mechanisms=["gdn", "deltanet"], steps=4, batch_size=4, progress=False)
+    one = run_synth("parity", out=tmp_path / "one", **kw)
+    two = run_synth("parity", out=tmp_path / "two", jobs=2, **kw)
+    key = lambda rows: sorted((r["mixer"], r["acc"]) for r in rows)  # noqa: E731
+    assert key(one) == key(two) and len(one) == 2
+    with pytest.raises(ValueError, match="unknown mechanism"):
+        run_synth("parity", mechanisms=["gdn", "mamba9"], out=tmp_path / "bad")
