@@ -6,7 +6,7 @@ what=$1; out=$2
 mech=gdn,hdla,hh-gdn,deltanet
 case $what in
   mqar)  # MQAR at 512 / 1024 (Head-in-Head Table 8 shapes, a reduced budget), and parity (beta in [0,1] vs [0,2])
-    python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --lr-sweep 2e-3 --steps 2000 \
+    python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --only seq_len=512,1024 --lr-sweep 2e-3 --steps 2000 \
       --batch-size 64 --jobs 4 --no-progress --out $out/mqar > $out/mqar.log 2>&1 &
     for neg in false true; do
       python -m rankdecay.cli synth parity --preset paper --mechanisms deltanet --set allow_neg_eigval=$neg \

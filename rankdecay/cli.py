@@ -139,8 +139,14 @@ def _synth(args) -> int:
         if not sep:
             raise ValueError(f"--set expects key=value, got {item!r}")
         overrides[key] = _parse_value(value)
+    only = {}
+    for item in args.only or []:
+        key, sep, values = item.partition("=")
+        if not sep:
+            raise ValueError(f"--only expects key=v1,v2, got {item!r}")
+        only[key] = values.split(",")
     table = run_synth(args.task, [m.strip() for m in args.mechanisms.split(",")], args.preset, args.seeds, lrs, out,
-                      steps=args.steps, batch_size=args.batch_size, overrides=overrides, jobs=args.jobs,
+                      steps=args.steps, batch_size=args.batch_size, overrides=overrides, jobs=args.jobs, only=only,
                       device=args.device, progress=not args.no_progress)
     from .train.synth import SUITES, markdown
 
@@ -223,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-sweep", nargs="+", default=None, help="learning rates (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--only", action="append", metavar="KEY=V1,V2", help="run only the preset's settings with "
+                                                                         "these values, e.g. seq_len=512,1024")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes (e.g. 4 on one "
                                                         "GPU: the models are small)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model config override, e.g. allow_neg_eigval=true")

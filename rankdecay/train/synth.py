@@ -272,9 +272,11 @@ def _one_run(spec: dict) -> dict:
 
 def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int = 1, lrs: list | None = None,
               out: str | Path = "synth", steps: int | None = None, batch_size: int | None = None,
-              overrides: dict | None = None, device: str = "auto", progress: bool = True, jobs: int = 1) -> list[dict]:
+              overrides: dict | None = None, device: str = "auto", progress: bool = True, jobs: int = 1,
+              only: dict | None = None) -> list[dict]:
     """Train and evaluate every (mechanism, setting, lr, seed); write ``results.{md,csv,json,png}`` to ``out``.
 
+    ``only={"seq_len": [512, 1024]}`` keeps the settings whose values are listed.
     ``jobs > 1`` runs that many trainings at once in separate processes (small models leave a GPU
     mostly idle; on a CPU, jobs share the cores). Results are rewritten after every finished run."""
     if task not in SUITES:
@@ -292,10 +294,14 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
     suite = SUITES[task][preset]
     lrs = lrs or suite.lrs
     out = Path(out)
+    chosen = [(si, st) for si, st in enumerate(suite.settings)
+              if all(str(st.get(k)) in {str(v) for v in vs} for k, vs in (only or {}).items())]
+    if not chosen:
+        raise ValueError(f"no {task} setting matches {only}; the {preset} settings are {suite.settings}")
     specs = [dict(suite=suite, preset=preset, setting=setting, mixer=mixer, lr=lr, seed=seed,
                   steps=steps or suite.steps_for(si), batch_size=batch_size or suite.batch_for(si),
                   overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1)
-             for si, setting in enumerate(suite.settings) for mixer in mechanisms for lr in lrs
+             for si, setting in chosen for mixer in mechanisms for lr in lrs
              for seed in range(seeds)]
     runs: list[dict] = []
     table: list[dict] = []

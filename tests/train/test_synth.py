@@ -97,3 +97,5 @@ def test_parallel_jobs_give_the_sequential_results(tmp_path, monkeypatch):
     assert key(one) == key(two) and len(one) == 2
     with pytest.raises(ValueError, match="unknown mechanism"):
         run_synth("parity", mechanisms=["gdn", "mamba9"], out=tmp_path / "bad")
+    with pytest.raises(ValueError, match="no parity setting matches"):
+        run_synth("parity", mechanisms=["gdn"], out=tmp_path / "bad", only={"seq_len": [99]})
