@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The synthetic-benchmark GPU runs recorded in RESULTS.md (one H100; several small trainings share it).
-# usage: bash benchmarks/synth_gpu.sh mqar|mad OUT_DIR
+# usage: bash benchmarks/synth_gpu.sh mqar|mqar-small|mad OUT_DIR
 set -euo pipefail
 what=$1; out=$2
 mech=gdn,hdla,hh-gdn,deltanet
@@ -13,10 +13,14 @@ case $what in
         --lr-sweep 1e-3 --steps 1500 --no-progress --out $out/parity-neg-$neg > $out/parity-$neg.log 2>&1 &
     done
     wait ;;
+  mqar-small)  # MQAR at 512 / 1024 with vocabulary 512 (8192 learned nothing in 2000 steps: see RESULTS.md)
+    python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --only seq_len=512,1024 \
+      --set vocab_size=512 --vocab 512 --lr-sweep 2e-3 --steps 1200 --batch-size 64 --jobs 4 --no-progress \
+      --out $out/mqar-v512 > $out/mqar-v512.log 2>&1 ;;
   mad)   # the six MAD tasks (Head-in-Head Table 7 shapes, a reduced budget)
     for task in in_context_recall fuzzy_in_context_recall noisy_in_context_recall selective_copying compression \
                 memorization; do
-      python -m rankdecay.cli synth $task --preset paper --mechanisms $mech --lr-sweep 1e-3 3e-3 --steps 800 \
+      python -m rankdecay.cli synth $task --preset paper --mechanisms $mech --lr-sweep 1e-3 3e-3 --steps 600 \
         --jobs 2 --no-progress --out $out/$task > $out/$task.log 2>&1 &
     done
     wait ;;
