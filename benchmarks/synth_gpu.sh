@@ -15,7 +15,7 @@ case $what in
     wait ;;
   mqar-small)  # MQAR at 512 / 1024 with vocabulary 512 (8192 learned nothing in 2000 steps: see RESULTS.md)
     python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --only seq_len=512,1024 \
-      --set vocab_size=512 --vocab 512 --lr-sweep 2e-3 --steps 1200 --batch-size 64 --jobs 4 --no-progress \
+      --task-set vocab_size=512 --lr-sweep 2e-3 --steps 1000 --batch-size 64 --jobs 4 --no-progress \
       --out $out/mqar-v512 > $out/mqar-v512.log 2>&1 ;;
   mad)   # the six MAD tasks (Head-in-Head Table 7 shapes, a reduced budget)
     for task in in_context_recall fuzzy_in_context_recall noisy_in_context_recall selective_copying compression \

@@ -139,6 +139,12 @@ def _synth(args) -> int:
         if not sep:
             raise ValueError(f"--set expects key=value, got {item!r}")
         overrides[key] = _parse_value(value)
+    task_params = {}
+    for item in args.task_set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--task-set expects key=value, got {item!r}")
+        task_params[key] = _parse_value(value)
     only = {}
     for item in args.only or []:
         key, sep, values = item.partition("=")
@@ -147,6 +153,7 @@ def _synth(args) -> int:
         only[key] = values.split(",")
     table = run_synth(args.task, [m.strip() for m in args.mechanisms.split(",")], args.preset, args.seeds, lrs, out,
                       steps=args.steps, batch_size=args.batch_size, overrides=overrides, jobs=args.jobs, only=only,
+                      task_params=task_params,
                       device=args.device, progress=not args.no_progress)
     from .train.synth import SUITES, markdown
 
@@ -229,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-sweep", nargs="+", default=None, help="learning rates (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--task-set", action="append", metavar="KEY=VALUE",
+                   help="task generator parameter for every setting, e.g. vocab_size=512")
     p.add_argument("--only", action="append", metavar="KEY=V1,V2", help="run only the preset's settings with "
                                                                          "these values, e.g. seq_len=512,1024")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once in separate processes (e.g. 4 on one "

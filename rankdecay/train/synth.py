@@ -11,6 +11,7 @@ held-out test set (generated from a different seed).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import tempfile
@@ -273,10 +274,11 @@ def _one_run(spec: dict) -> dict:
 def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int = 1, lrs: list | None = None,
               out: str | Path = "synth", steps: int | None = None, batch_size: int | None = None,
               overrides: dict | None = None, device: str = "auto", progress: bool = True, jobs: int = 1,
-              only: dict | None = None) -> list[dict]:
+              only: dict | None = None, task_params: dict | None = None) -> list[dict]:
     """Train and evaluate every (mechanism, setting, lr, seed); write ``results.{md,csv,json,png}`` to ``out``.
 
-    ``only={"seq_len": [512, 1024]}`` keeps the settings whose values are listed.
+    ``only={"seq_len": [512, 1024]}`` keeps the settings whose values are listed;
+    ``task_params={"vocab_size": 512}`` changes the generator's parameters in every setting.
     ``jobs > 1`` runs that many trainings at once in separate processes (small models leave a GPU
     mostly idle; on a CPU, jobs share the cores). Results are rewritten after every finished run."""
     if task not in SUITES:
@@ -298,6 +300,10 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
               if all(str(st.get(k)) in {str(v) for v in vs} for k, vs in (only or {}).items())]
     if not chosen:
         raise ValueError(f"no {task} setting matches {only}; the {preset} settings are {suite.settings}")
+    if task_params:
+        chosen = [(si, {**st, **task_params}) for si, st in chosen]
+        if "vocab_size" in task_params:
+            suite = dataclasses.replace(suite, vocab_size=int(task_params["vocab_size"]))
     specs = [dict(suite=suite, preset=preset, setting=setting, mixer=mixer, lr=lr, seed=seed,
                   steps=steps or suite.steps_for(si), batch_size=batch_size or suite.batch_for(si),
                   overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1)
