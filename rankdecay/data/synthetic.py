@@ -246,11 +246,12 @@ def memorization(n: int, seq_len: int = 32, vocab_size: int = 256, map_seed: int
 
 
 # ----------------------------------------------------------------------------- state tracking
-def parity(n: int, seq_len: int = 64, min_len: int | None = None, seed: int = 0):
+def parity(n: int, seq_len: int = 64, min_len: int | None = None, score_from: int = 0, seed: int = 0):
     """Parity (Grazzi et al. 2025): bits ``0``/``1``; the target at every position is the parity
     of the bits so far (tokens 0/1), so length generalisation can be read position by position.
     With ``min_len``, each sequence has a random length in [min_len, seq_len], left-padded with
-    ``<pad> = 2`` (unscored)."""
+    ``<pad> = 2`` (unscored). ``score_from``: only the parities of prefixes longer than this are
+    scored (a test set for length generalisation scores beyond the training length only)."""
     rng = np.random.default_rng(seed)
     bits = rng.integers(0, 2, size=(n, seq_len))
     targets = np.cumsum(bits, axis=1) % 2
@@ -260,6 +261,9 @@ def parity(n: int, seq_len: int = 64, min_len: int | None = None, seed: int = 0)
         for i, L in enumerate(lengths):
             inputs[i, :seq_len - L], targets[i, :seq_len - L] = 2, IGNORE
             targets[i, seq_len - L:] = np.cumsum(inputs[i, seq_len - L:]) % 2
+    if score_from:
+        prefix_len = np.cumsum(inputs != 2, axis=1)  # bits so far at each position
+        targets[prefix_len <= score_from] = IGNORE
     return inputs, targets
 
 

@@ -94,6 +94,11 @@ def test_parity_labels_and_variable_lengths():
         bits = row[row != 2]
         assert 5 <= len(bits) <= 20 and tgt[-len(bits):].tolist() == (np.cumsum(bits) % 2).tolist()
         assert (tgt[:20 - len(bits)] == IGNORE).all()
+    x, y = parity(50, seq_len=20, min_len=12, score_from=10, seed=0)
+    full = parity(50, seq_len=20, min_len=12, seed=0)[1]
+    for row, tgt, ref in zip(x, y, full):
+        n_bits = np.cumsum(row != 2)
+        assert (tgt[n_bits <= 10] == IGNORE).all() and np.array_equal(tgt[n_bits > 10], ref[n_bits > 10])
 
 
 def test_modular_arithmetic_values():
