@@ -18,6 +18,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True, help="path prefix for .md and .png")
+    ap.add_argument("--rows", choices=["mechanism", "folder", "parent"], default="mechanism",
+                    help="label rows by mechanism, by folder name, or by the parent folder name (one mechanism in two configurations: CONFIG/TASK folders)")
     args = ap.parse_args()
     acc: dict[str, dict[str, float]] = {}
     tasks = []
@@ -26,9 +28,13 @@ def main() -> None:
             continue
         runs = json.loads((folder / "results.json").read_text())
         task = runs["runs"][0]["task"]
-        tasks.append(task)
+        several = len({json.dumps(r["setting"], sort_keys=True) for r in runs["summary"]}) > 1
         for row in runs["summary"]:
-            acc.setdefault(row["mixer"], {})[task] = 100 * row["acc"]
+            column = f"{task} ({runs.get('label', 'setting')}={row['x']})" if several else task
+            if column not in tasks:
+                tasks.append(column)
+            name = {"mechanism": row["mixer"], "folder": folder.name, "parent": folder.parent.name}[args.rows]
+            acc.setdefault(name, {})[column] = 100 * row["acc"]
     lines = ["| mechanism | " + " | ".join(tasks) + " | average |", "|---|" + "---:|" * (len(tasks) + 1)]
     for mixer, by_task in acc.items():
         vals = [by_task.get(t) for t in tasks]

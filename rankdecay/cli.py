@@ -31,12 +31,7 @@ def _init(args) -> int:
     from .data import ByteTokenizer
     from .models import RankDecayConfig, RankDecayForCausalLM
 
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        overrides[key] = _parse_value(value)
+    overrides = _pairs(args.set, "--set")
     torch.manual_seed(args.seed)
     config = RankDecayConfig.from_preset(args.preset, mixer=args.mixer, **overrides)
     model = RankDecayForCausalLM(config)
@@ -55,6 +50,17 @@ def _parse_value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _pairs(items, flag: str, parse=_parse_value) -> dict:
+    """``["k=v", ...]`` from a repeated flag as a dict, values parsed by ``parse``."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} expects key=value, got {item!r}")
+        out[key] = parse(value)
+    return out
 
 
 def _generate(args) -> int:
@@ -133,28 +139,11 @@ def _synth(args) -> int:
 
     out = args.out or f"synth-{args.task}-{args.preset}"
     lrs = [float(x) for x in args.lr_sweep] if args.lr_sweep else None
-    overrides = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        overrides[key] = _parse_value(value)
-    task_params = {}
-    for item in args.task_set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--task-set expects key=value, got {item!r}")
-        task_params[key] = _parse_value(value)
-    only = {}
-    for item in args.only or []:
-        key, sep, values = item.partition("=")
-        if not sep:
-            raise ValueError(f"--only expects key=v1,v2, got {item!r}")
-        only[key] = values.split(",")
     table = run_synth(args.task, [m.strip() for m in args.mechanisms.split(",")], args.preset, args.seeds, lrs, out,
-                      steps=args.steps, batch_size=args.batch_size, overrides=overrides, jobs=args.jobs, only=only,
-                      task_params=task_params,
-                      device=args.device, progress=not args.no_progress)
+                      steps=args.steps, batch_size=args.batch_size, overrides=_pairs(args.set, "--set"),
+                      jobs=args.jobs, only=_pairs(args.only, "--only", lambda v: v.split(",")),
+                      task_params=_pairs(args.task_set, "--task-set"), device=args.device,
+                      progress=not args.no_progress)
     from .train.synth import SUITES, markdown
 
     print(markdown(table, args.task, SUITES[args.task][args.preset].label))

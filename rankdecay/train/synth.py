@@ -361,7 +361,7 @@ def _x(setting: dict, label: str):
 
 def write_results(table: list[dict], runs: list[dict], out: Path, task: str, label: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"summary": table, "runs": runs}, indent=2, default=float) + "\n")
+    (out / "results.json").write_text(json.dumps({"task": task, "label": label, "summary": table, "runs": runs}, indent=2, default=float) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["mixer", label, "best_lr", "acc", "acc_std", "seeds"])
