@@ -1,4 +1,4 @@
-"""The ``rankdecay`` command: ``info``, ``init``, ``train``, ``eval``, ``prune``, ``generate``."""
+"""The ``rankdecay`` command: ``info``, ``init``, ``train``, ``eval``, ``prune``, ``synth``, ``generate``."""
 from __future__ import annotations
 
 import argparse
@@ -135,7 +135,7 @@ def _prune(args) -> int:
 
 
 def _synth(args) -> int:
-    from .train.synth import run_synth
+    from .train.synth import SUITES, markdown, run_synth
 
     out = args.out or f"synth-{args.task}-{args.preset}"
     lrs = [float(x) for x in args.lr_sweep] if args.lr_sweep else None
@@ -144,8 +144,6 @@ def _synth(args) -> int:
                       jobs=args.jobs, only=_pairs(args.only, "--only", lambda v: v.split(",")),
                       task_params=_pairs(args.task_set, "--task-set"), device=args.device,
                       progress=not args.no_progress)
-    from .train.synth import SUITES, markdown
-
     print(markdown(table, args.task, SUITES[args.task][args.preset].label))
     print(f"\nwrote results.md/.csv/.json/.png to {out}")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
 import json
 import math
 import tempfile
@@ -24,7 +25,7 @@ import torch
 
 from ..data import synthetic as S
 from .config import TrainConfig
-from .trainer import Dist, train
+from .trainer import Dist, eval_chunks, sample_ranges, token_losses, train
 
 
 class SyntheticData:
@@ -35,13 +36,14 @@ class SyntheticData:
         if task not in S.TASKS:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(S.TASKS)}")
         gen = S.TASKS[task]
-        takes_train = "train" in gen.__code__.co_varnames[:gen.__code__.co_argcount]
+        takes_train = "train" in inspect.signature(gen).parameters
         train_kw = {**params, **({"train": True} if takes_train else {})}
         test_kw = {**params, **(test_params or {}), **({"train": False} if takes_train else {})}
         self.train_x, self.train_y = gen(train_size, seed=S.split_seed(seed, "train"), **train_kw)
         self.test_x, self.test_y = gen(test_size, seed=S.split_seed(seed, "test"), **test_kw)
-        if int(max(self.train_x.max(), self.test_x.max())) >= vocab_size:
-            raise ValueError(f"{task}: tokens up to {int(self.train_x.max())} need vocab_size > that, got {vocab_size}")
+        top = int(max(self.train_x.max(), self.test_x.max()))
+        if top >= vocab_size:
+            raise ValueError(f"{task}: tokens up to {top} need vocab_size > {top}, got {vocab_size}")
         self.tokenizer = None
         self.seed = seed
         self.model_overrides = {"vocab_size": 8 * -(-vocab_size // 8), "bos_token_id": None, "eos_token_id": None,
@@ -75,10 +77,9 @@ class SyntheticData:
         return int(self._perm[sample % n])
 
     def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
-        base = step * batch_size + rank * (batch_size // world)
         out = []
-        for i in range(batch_size // world // micro):
-            idx = [self._example(s) for s in range(base + i * micro, base + (i + 1) * micro)]
+        for samples in sample_ranges(step, rank, world, batch_size, micro):
+            idx = [self._example(s) for s in samples]
             out.append(self.model_batch(self.train_x[idx], self.train_y[idx], device))
         return out
 
@@ -87,19 +88,11 @@ class SyntheticData:
         was = model.training
         model.eval()
         loss = correct = count = 0.0
-        rows = list(range(dist_.rank, len(self.test_x), dist_.world))
-        for i in range(0, max(len(rows), 1), micro):
-            chunk = rows[i:i + micro] or [0]
-            weight = 1.0 if rows[i:i + micro] else 0.0
+        for chunk, weight in eval_chunks(len(self.test_x), micro, dist_):
             batch = self.model_batch(self.test_x[chunk], self.test_y[chunk], dist_.device)
-            ctx = torch.autocast(dist_.device.type, dtype=amp) if amp else torch.autocast("cpu", enabled=False)
-            with ctx:
-                logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
-            tgt = batch["labels"][:, 1:]
-            ok = tgt != S.IGNORE
-            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt.clamp_min(0), reduction="none")
-            loss += weight * float((ce * ok).sum())
-            correct += weight * float(((logits.argmax(-1) == tgt) & ok).sum())
+            ce, ok, logits = token_losses(model, batch, amp, return_logits=True)
+            loss += weight * float(ce.sum())
+            correct += weight * float(((logits.argmax(-1) == batch["labels"][:, 1:]) & ok).sum())
             count += weight * float(ok.sum())
         loss, correct, count = dist_.all_sum([loss, correct, count])
         model.train(was)
@@ -257,7 +250,7 @@ def _one_run(spec: dict) -> dict:
     """Train and evaluate one (mechanism, setting, lr, seed); returns its result row."""
     suite = spec["suite"]
     data = SyntheticData(suite.task, spec["setting"], suite.train_size, suite.test_size, suite.vocab_size,
-                         spec["seed"], {**suite.test_params})
+                         spec["seed"], suite.test_params)
     n_steps = spec["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig.from_sources(preset="tiny", overrides=dict(
@@ -265,7 +258,7 @@ def _one_run(spec: dict) -> dict:
             batch_size=spec["batch_size"], lr=spec["lr"], min_lr=min(suite.min_lr, spec["lr"] / 10),
             warmup_steps=max(1, n_steps // 20), weight_decay=suite.weight_decay, beta2=0.98, eval_every=0,
             save_every=0, eval_batches=1, log_every=max(1, n_steps // 10), out_dir=tmp, seed=spec["seed"],
-            progress=spec["progress"], device=spec["device"], seq_len=max(2, data.train_x.shape[1])))
+            progress=spec["progress"], device=spec["device"], seq_len=max(2, data.seq_len)))
         res = train(cfg, data=data)
     return {"task": suite.task, "preset": spec["preset"], "mixer": spec["mixer"], "setting": spec["setting"],
             "lr": spec["lr"], "seed": spec["seed"], "steps": n_steps, "batch_size": spec["batch_size"],

@@ -135,16 +135,34 @@ def autocast_dtype(dtype: str, device: torch.device):
 
 
 # ----------------------------------------------------------------------------- loss
-def token_losses(model, batch: dict, amp_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token next-token losses [B, T-1] (fp32) and the target mask, for ``make_batch`` output."""
+def token_losses(model, batch: dict, amp_dtype, return_logits: bool = False):
+    """Per-token next-token losses [B, T-1] (fp32) and the target mask, for ``make_batch`` output;
+    with ``return_logits`` also the logits that scored them, [B, T-1, vocab] (fp32)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     with ctx:
         logits = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False).logits
     targets = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets.clamp_min(0),
-                                             reduction="none")
+    logits = logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
     valid = targets != -100
-    return loss * valid, valid
+    return (loss * valid, valid, logits) if return_logits else (loss * valid, valid)
+
+
+def eval_chunks(n: int, micro: int, dist_: "Dist"):
+    """This process's share of ``n`` evaluation items in micro-batches, as ``(indices, weight)``.
+    A process with nothing (left) to do still gets one chunk ``[0]`` of weight 0: FSDP needs
+    every process in each collective forward."""
+    mine = list(range(dist_.rank, n, dist_.world))
+    for i in range(0, max(len(mine), 1), micro):
+        chunk = mine[i:i + micro]
+        yield (chunk, 1.0) if chunk else ([0], 0.0)
+
+
+def sample_ranges(step: int, rank: int, world: int, batch_size: int, micro: int) -> list[range]:
+    """Global sample indices of this process's micro-batches of step ``step``: the global batch
+    ``batch_size`` is split evenly over ``world`` processes, each share into micro-batches."""
+    base = step * batch_size + rank * (batch_size // world)
+    return [range(base + i * micro, base + (i + 1) * micro) for i in range(batch_size // world // micro)]
 
 
 @torch.no_grad()
@@ -156,15 +174,7 @@ def evaluate_loss(model, sampler: WindowSampler, num_windows: int, micro: int, d
     model.eval()
     total = targets = nbytes = 0.0
     table = torch.as_tensor(bytes_per_token)
-    num_windows = min(num_windows, sampler.num_windows)
-    mine = list(range(dist_.rank, num_windows, dist_.world))
-    for i in range(0, max(len(mine), 1), micro):
-        chunk = mine[i:i + micro]
-        if not chunk:  # this rank has nothing left; FSDP still needs it in the collective forward
-            chunk = [0]
-            weight = 0.0
-        else:
-            weight = 1.0
+    for chunk, weight in eval_chunks(min(num_windows, sampler.num_windows), micro, dist_):
         batch = make_batch(sampler.tokens(chunk), pack, eos_id, dist_.device)
         loss, valid = token_losses(model, batch, amp_dtype)
         total += weight * loss.sum().item()
@@ -200,9 +210,8 @@ class TextData:
         self._bytes = None
 
     def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
-        base = step * batch_size + rank * (batch_size // world)
-        return [make_batch(self.train.tokens(range(base + i * micro, base + (i + 1) * micro)), self.cfg.pack,
-                           self.tokenizer.eos_token_id, device) for i in range(batch_size // world // micro)]
+        return [make_batch(self.train.tokens(r), self.cfg.pack, self.tokenizer.eos_token_id, device)
+                for r in sample_ranges(step, rank, world, batch_size, micro)]
 
     def evaluate(self, model, micro: int, dist_: "Dist", amp) -> dict:
         if self._bytes is None:
