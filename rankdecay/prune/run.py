@@ -1,7 +1,6 @@
 """``rankdecay prune``: prune a saved model, measure it before and after, optionally recover it."""
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -10,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..train.data import Corpus, WindowSampler, make_batch, token_bytes
+from ..train.data import WindowSampler, make_batch, token_bytes
+from ..train.evaluate import load_saved
 from ..train.trainer import CONFIG_FILE, token_losses
 from .api import prune
 from .core import linear_mixers
@@ -59,24 +59,10 @@ def run_prune(model_dir, method: str, ratio: float, out: str | Path, calib: list
               tolerance: float = 1.1, rft_steps: int = 0, rft_lr: float = 1e-4, rft_batch_size: int = 8,
               eval_windows: int = 32, diag_tokens: int = 128, device: str = "auto", seed: int = 0,
               progress: bool = True, pca_adversarial: bool = False) -> dict:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from ..data import load_tokenizer
-
-    hf_logging.disable_progress_bar()
     model_dir, out = Path(model_dir), Path(out)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir} is not a saved model (no config.json)")
-    train_cfg = json.loads((model_dir / CONFIG_FILE).read_text()) if (model_dir / CONFIG_FILE).exists() else {}
-    sources = calib or train_cfg.get("data") or ["stdlib"]
+    model, tokenizer, corpus, train_cfg, sources = load_saved(model_dir, device, calib)
+    dev = next(model.parameters()).device
     seq_len = seq_len or train_cfg.get("seq_len") or 256
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
-    tokenizer = load_tokenizer(model_dir, model.config.vocab_size)
-    corpus = Corpus.load(list(sources), tokenizer, train_cfg.get("val_fraction", 0.02),
-                         train_cfg.get("text_suffixes") or [".py", ".txt", ".md", ".rst"])
     train = WindowSampler(corpus.train, seq_len, seed)
     val = WindowSampler(corpus.val, seq_len, seed, shuffle=False)
     # Calibration: the first calib_samples windows of a seeded order over the training split;

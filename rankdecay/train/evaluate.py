@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .data import Corpus, make_batch, token_bytes
-from .trainer import CONFIG_FILE, autocast_dtype, token_losses
+from .trainer import CONFIG_FILE, autocast_dtype, resolve_device, token_losses
 
 
 @dataclass
@@ -78,11 +78,11 @@ def select_windows(split, seq_len: int, max_windows: int, min_docs: int = 4) -> 
     return windows, how
 
 
-@torch.no_grad()
-def evaluate_model(model_dir: str | Path, data: list[str] | None = None, seq_len: int | None = None,
-                   max_windows: int = 64, batch_size: int = 4, device: str = "auto", dtype: str = "auto",
-                   val_fraction: float | None = None, progress: bool = True) -> EvalResult:
-    """Evaluate a saved model on the validation split of ``data`` (default: the data it was trained on)."""
+def load_saved(model_dir: str | Path, device: str = "auto", data: list[str] | None = None,
+               val_fraction: float | None = None):
+    """A model saved by ``rankdecay train`` (or any ``save_pretrained`` folder) with its tokenizer,
+    the training config it saved (``{}`` if none), and the corpus it was trained on (or ``data``),
+    split as in training. Returns ``(model, tokenizer, corpus, train_cfg, data)``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -93,19 +93,25 @@ def evaluate_model(model_dir: str | Path, data: list[str] | None = None, seq_len
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not a saved model (no config.json)")
     train_cfg = json.loads((model_dir / CONFIG_FILE).read_text()) if (model_dir / CONFIG_FILE).exists() else {}
-    data = data or train_cfg.get("data") or ["stdlib"]
+    data = list(data or train_cfg.get("data") or ["stdlib"])
     val_fraction = val_fraction or train_cfg.get("val_fraction", 0.02)
     suffixes = train_cfg.get("text_suffixes") or [".py", ".txt", ".md", ".rst"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(resolve_device(device)).eval()
+    tokenizer = load_tokenizer(model_dir, model.config.vocab_size)
+    return model, tokenizer, Corpus.load(data, tokenizer, val_fraction, suffixes), train_cfg, data
+
+
+@torch.no_grad()
+def evaluate_model(model_dir: str | Path, data: list[str] | None = None, seq_len: int | None = None,
+                   max_windows: int = 64, batch_size: int = 4, device: str = "auto", dtype: str = "auto",
+                   val_fraction: float | None = None, progress: bool = True) -> EvalResult:
+    """Evaluate a saved model on the validation split of ``data`` (default: the data it was trained on)."""
+    if seq_len is not None and seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    model, tokenizer, corpus, train_cfg, data = load_saved(model_dir, device, data, val_fraction)
+    dev = next(model.parameters()).device
     train_len = train_cfg.get("seq_len")
     seq_len = seq_len or (4 * train_len if train_len else 2048)
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
-    tokenizer = load_tokenizer(model_dir, model.config.vocab_size)
-    corpus = Corpus.load(list(data), tokenizer, val_fraction, suffixes)
     windows, how = select_windows(corpus.val, seq_len, max_windows)
     amp = autocast_dtype(dtype, dev)
     table = torch.as_tensor(token_bytes(tokenizer, model.config.vocab_size))

@@ -40,6 +40,13 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 
 
 # ----------------------------------------------------------------------------- processes
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU; anything else as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
 class Dist:
     """This process's place in a ``torchrun`` job (or a job of one)."""
 
@@ -47,11 +54,9 @@ class Dist:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":  # one GPU per process: torchrun's LOCAL_RANK picks it
-            device = f"cuda:{self.local_rank}"
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # one GPU per process: LOCAL_RANK picks it
+            self.device = torch.device("cuda", self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.started = False
