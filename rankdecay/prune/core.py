@@ -19,7 +19,6 @@ import copy
 import math
 
 import torch
-import torch.nn as nn
 
 from ..layers import GLA, HDLA, HeadInHead, LinearMixer
 
@@ -233,7 +232,3 @@ def zero_channels(model, keep: dict[int, list[torch.Tensor]]):
             m.k_proj.weight[~mask.flatten().repeat(n)] = 0
     return out
 
-
-def lora_targets(model) -> list[nn.Linear]:
-    """The linear layers recovery fine-tuning adapts (everything but the embeddings and the head)."""
-    return [mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and not name.startswith("lm_head")]

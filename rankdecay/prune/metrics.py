@@ -29,14 +29,13 @@ def state_diagnostics(model, ids: torch.Tensor, skip: int = 16, capacity_k: int 
     B, T = ids.shape
     if T <= skip:
         raise ValueError(f"need more than skip = {skip} tokens, got {T}")
-    util = {i: [] for i in mixers}
     erank = {i: [] for i in mixers}
     sims, prev = [], {}
     cache, last = None, {}
     for t in range(T):
         out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        for i, m in mixers.items():
+        for i in mixers:
             S = cache.layers[i]["recurrent"].double()  # [B, H, K, V]
             flat = S.flatten(2)
             if i in prev:
@@ -50,18 +49,17 @@ def state_diagnostics(model, ids: torch.Tensor, skip: int = 16, capacity_k: int 
                 fro2 = (S ** 2).sum((-2, -1))
                 top2 = torch.linalg.matrix_norm(S, ord=2) ** 2
                 er = torch.where(top2 > 0, fro2 / top2.clamp_min(1e-300), torch.zeros_like(fro2))
-                cap = min(capacity_k or m.head_k_dim, m.head_v_dim)
                 erank[i].append(er.cpu())
-                util[i].append((er / cap).cpu())
             last[i] = S
     res = {"layers": {}, "similarity": None}
     for i, m in mixers.items():
-        u = torch.stack(util[i]).mean((0, 1))   # [H]
+        util = torch.stack(erank[i]) / min(capacity_k or m.head_k_dim, m.head_v_dim)  # [steps, B, H]
+        u = util.mean((0, 1))   # [H]
         e = torch.stack(erank[i]).mean((0, 1))
         sv = torch.linalg.svdvals(last[i]).mean(0)  # [H, min(K, V)]
         sv = sv / sv[:, :1].clamp_min(1e-300)
         res["layers"][i] = {"utilization": u, "effective_rank": e, "spectrum": sv,
-                            "utilization_by_position": torch.stack(util[i]).mean((1, 2))}
+                            "utilization_by_position": util.mean((1, 2))}
     if sims:
         s = torch.cat(sims).float()
         hist = torch.histc(s, bins=100, min=-1, max=1)

@@ -39,28 +39,31 @@ class LoRALinear(nn.Module):
         return self.base
 
 
-def _swap_linears(model, make):
+def _swap_children(model, make) -> None:
+    """Replace each submodule for which ``make(full_name, module)`` returns a module (modules
+    present before the call only: what ``make`` returns is not visited)."""
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and not full.startswith("lm_head"):
-                setattr(mod, child_name, make(child))
+            new = make(f"{name}.{child_name}" if name else child_name, child)
+            if new is not None:
+                setattr(mod, child_name, new)
 
 
 def add_lora(model, rank: int = 16, alpha: float = 32.0) -> None:
+    """Freeze ``model`` and wrap every linear layer but the LM head in a ``LoRALinear``; the
+    short-convolution filters stay trainable."""
     for p in model.parameters():
         p.requires_grad_(False)
-    _swap_linears(model, lambda lin: LoRALinear(lin, rank, alpha))
+    _swap_children(model, lambda full, child: LoRALinear(child, rank, alpha)
+                   if isinstance(child, nn.Linear) and not full.startswith("lm_head") else None)
     for name, p in model.named_parameters():
         if "_conv." in name:  # q_conv / k_conv / v_conv filters train in full
             p.requires_grad_(True)
 
 
 def merge_lora(model) -> None:
-    for name, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if isinstance(child, LoRALinear):
-                setattr(mod, child_name, child.merged())
+    """Fold every ``LoRALinear`` back into a plain linear layer; all parameters trainable again."""
+    _swap_children(model, lambda full, child: child.merged() if isinstance(child, LoRALinear) else None)
     for p in model.parameters():
         p.requires_grad_(True)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .core import linear_mixers, top_channels
+from .core import group_size, linear_mixers, top_channels
 from .rrqr import strong_rrqr
 
 
@@ -117,8 +117,6 @@ def channel_scores(model, method: str, cal: Calibration | None, select: str = "k
 
 
 def select_by_scores(model, scores: dict, budgets: dict) -> dict:
-    from .core import group_size
-
     return {i: [top_channels(scores[i][h], budgets[i][h], group_size(m)) for h in range(m.num_heads)]
             for i, m in linear_mixers(model).items()}
 
@@ -126,8 +124,6 @@ def select_by_scores(model, scores: dict, budgets: dict) -> dict:
 def select_drrqr(model, cal: Calibration, budgets: dict, select: str = "kq", tolerance: float = 1.1) -> tuple:
     """Strong-RRQR column selection on the activation matrix [K; Q] of each head (Algorithm 2);
     for Head-in-Head, within each group. Returns ``(keep, stats)``."""
-    from .core import group_size
-
     keep, stats = {}, []
     for i, m in linear_mixers(model).items():
         heads = []
