@@ -180,6 +180,24 @@ def _join(arrays: list[np.ndarray]) -> Split:
 
 
 # ----------------------------------------------------------------------------- batches
+class EpochOrder:
+    """Which of ``n`` items sample ``i`` is: item ``perm_e[i % n]`` of epoch ``e = i // n``, with
+    ``perm_e`` a permutation seeded by ``(*key, e)`` (the identity when ``shuffle`` is off)."""
+
+    def __init__(self, n: int, key: tuple, shuffle: bool = True):
+        self.n, self.key, self.shuffle = n, tuple(key), shuffle
+        self._epoch, self._perm = None, None
+
+    def __call__(self, sample: int) -> int:
+        if not self.shuffle:
+            return sample % self.n
+        epoch = sample // self.n
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([*self.key, epoch]).permutation(self.n)
+            self._epoch = epoch
+        return int(self._perm[sample % self.n])
+
+
 class WindowSampler:
     """A fixed, seeded order of a split's windows, epoch after epoch.
 
@@ -195,20 +213,11 @@ class WindowSampler:
         if self.num_windows < 1:
             raise ValueError(f"seq_len {seq_len} is longer than the data ({len(split.tokens):,} tokens in this "
                              "split); use a shorter --seq-len or more data")
-        self._perm_epoch, self._perm = None, None
-
-    def window(self, sample: int) -> int:
-        if not self.shuffle:
-            return sample % self.num_windows
-        epoch = sample // self.num_windows
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[sample % self.num_windows])
+        self.window = EpochOrder(self.num_windows, (seed,), shuffle)  # sample -> window index
 
     def tokens(self, samples) -> np.ndarray:
         L = self.seq_len
-        return np.stack([self.split.tokens[self.window(s) * L:(self.window(s) + 1) * L] for s in samples])
+        return np.stack([self.split.tokens[w * L:(w + 1) * L] for w in map(self.window, samples)])
 
 
 def make_batch(tokens: np.ndarray, pack: str, eos_id: int, device) -> dict:

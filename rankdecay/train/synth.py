@@ -25,6 +25,7 @@ import torch
 
 from ..data import synthetic as S
 from .config import TrainConfig
+from .data import EpochOrder
 from .trainer import Dist, eval_chunks, sample_ranges, token_losses, train
 
 
@@ -45,12 +46,11 @@ class SyntheticData:
         if top >= vocab_size:
             raise ValueError(f"{task}: tokens up to {top} need vocab_size > {top}, got {vocab_size}")
         self.tokenizer = None
-        self.seed = seed
+        self._example = EpochOrder(len(self.train_x), (seed, 7))  # sample -> training sequence
         self.model_overrides = {"vocab_size": 8 * -(-vocab_size // 8), "bos_token_id": None, "eos_token_id": None,
                                 "pad_token_id": None}
         self.description = (f"{task} {params} (test {test_kw}): {train_size} training and {test_size} test "
                             f"sequences of {self.train_x.shape[1]} / {self.test_x.shape[1]} tokens, vocab {vocab_size}")
-        self._perm_epoch, self._perm = None, None
         self.task = task
         self.seq_len = self.train_x.shape[1]
 
@@ -67,14 +67,6 @@ class SyntheticData:
         ids = np.concatenate([x, np.zeros((n, 1), dtype=np.int64)], 1)
         labels = np.concatenate([np.full((n, 1), S.IGNORE, dtype=np.int64), y], 1)
         return {"input_ids": torch.from_numpy(ids).to(device), "labels": torch.from_numpy(labels).to(device)}
-
-    def _example(self, sample: int) -> int:
-        n = len(self.train_x)
-        epoch = sample // n
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, 7, epoch]).permutation(n)
-            self._perm_epoch = epoch
-        return int(self._perm[sample % n])
 
     def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
         out = []
