@@ -236,7 +236,7 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _state_dicts(model, optimizer, fsdp: bool):
+def _state_dicts(model, optimizer):
     """Full (unsharded) model and optimizer state dicts keyed by parameter name, on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -253,7 +253,7 @@ def _load_optimizer(model, optimizer, state: dict) -> None:
 def save_checkpoint(path: Path, raw_model, wrapped, optimizer, step: int, cfg: TrainConfig, tokenizer,
                     dist_: Dist, extra: dict) -> None:
     """Write ``path`` atomically (a temporary folder renamed into place) from rank 0."""
-    model_sd, optim_sd = _state_dicts(wrapped, optimizer, cfg.fsdp)
+    model_sd, optim_sd = _state_dicts(wrapped, optimizer)
     if dist_.main:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -538,7 +538,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> Path | None:
-    """Training and validation loss against tokens seen (PNG); None without matplotlib."""
+    """Training and validation loss against the step (PNG); None without matplotlib."""
     from .._plot import finish, pyplot
 
     plt = pyplot()
