@@ -42,14 +42,16 @@ def _check(name, value, low=None, high=None):
 
 # ----------------------------------------------------------------------------- MQAR
 def mqar(n: int, seq_len: int = 256, num_kv_pairs: int = 16, vocab_size: int = 8192, power_a: float = 0.01,
-         seed: int = 0):
+         random_non_queries: bool = False, seed: int = 0):
     """Multi-query associative recall (Zoology, Arora et al. 2023).
 
     Layout: ``k_1 v_1 k_2 v_2 ... k_P v_P`` (keys distinct, from ``[1, V/2)``; values from
     ``[V/2, V)``), then the rest of the sequence holds each key once more as a query, at even
     offsets whose distance from the context is drawn from a power law ``p(d) ~ d^(a - 1)``
-    (most queries come soon after the context, some far), other positions random tokens. The
-    target at a query key is its value. Token 0 is never used (free for padding).
+    (most queries come soon after the context, some far). The other positions hold token 0
+    (as in the Zoology experiment configs the papers train with), or random tokens with
+    ``random_non_queries=True`` (Zoology's generator default: harder, since filler tokens can
+    look like queries). The target at a query key is its value; token 0 is never a key or value.
     """
     _check("num_kv_pairs", num_kv_pairs, 1)
     if seq_len < 4 * num_kv_pairs:
@@ -62,6 +64,8 @@ def mqar(n: int, seq_len: int = 256, num_kv_pairs: int = 16, vocab_size: int = 8
     p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
     p /= p.sum()
     inputs = rng.integers(1, vocab_size, size=(n, seq_len))
+    if not random_non_queries:
+        inputs[:] = 0
     targets = np.full((n, seq_len), IGNORE, dtype=np.int64)
     for i in range(n):
         keys = rng.choice(np.arange(1, vocab_size // 2), num_kv_pairs, replace=False)

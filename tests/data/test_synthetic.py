@@ -38,6 +38,17 @@ def test_mqar_answer_is_the_value_paired_with_the_key():
     assert np.median(gaps) < 48 / 2
 
 
+def test_mqar_filler_is_zero_unless_random_non_queries():
+    x, y = mqar(20, seq_len=128, num_kv_pairs=16, vocab_size=256, seed=1)
+    xr, yr = mqar(20, seq_len=128, num_kv_pairs=16, vocab_size=256, random_non_queries=True, seed=1)
+    filler = np.ones_like(x, dtype=bool)
+    filler[:, :32] = False
+    filler &= y == IGNORE
+    assert (x[filler] == 0).all() and (x[~filler] > 0).all()
+    assert (xr[filler] > 0).all() and (xr[filler] != 0).mean() == 1 and len(np.unique(xr[filler])) > 100
+    assert np.array_equal(x[~filler], xr[~filler]) and np.array_equal(y, yr)  # same pairs and queries
+
+
 def test_in_context_recall_single_query_probes_a_key_seen_before():
     x, y = in_context_recall(200, seq_len=32, vocab_size=16, train=False, multi_query=False, seed=0)
     assert x.shape == (200, 32)
