@@ -45,8 +45,11 @@ def dplr(
             (requires ``B == 1``); the state restarts at each boundary.
         chunk_size: tokens per chunk of the chunked algorithm.
         mode: ``"naive"`` (per-token loop in PyTorch), ``"chunk"`` (chunkwise WY/UT
-            algorithm in PyTorch), ``"triton"`` (the chunked algorithm with its
-            chunk-to-chunk state passing in Triton kernels, forward and backward),
+            algorithm in PyTorch), ``"triton"`` (the chunked algorithm in Triton: without
+            autograd (inference, prefill) fully fused — intra-chunk products, UT transform,
+            state passing and outputs — at the kernels' own chunk size, ``64 / max(padded
+            ranks)`` tokens, for ranks up to 4; with autograd the chunk-to-chunk state
+            passing is a Triton kernel, forward and backward, and the rest PyTorch),
             ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,
             no autograd) or ``"auto"``: ``"triton"`` for CUDA tensors when triton is
             installed and the compute dtype is fp32, else ``"chunk"``.
@@ -74,6 +77,10 @@ def dplr(
         from .triton import fused_recurrent_dplr
 
         o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
+    elif mode == "triton" and _fused_forward_applies(q, k, v, a, b, g, x.initial_state):
+        from .triton import chunk_dplr_fwd
+
+        o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")
@@ -81,3 +88,12 @@ def dplr(
     if x.lengths is not None:
         o = unpack_varlen(o, valid)
     return o.to(x.q.dtype), (state if output_final_state else None)
+
+
+def _fused_forward_applies(q, k, v, a, b, g, initial_state) -> bool:
+    """The fused Triton forward runs when no gradient is needed and the ranks are <= 4."""
+    from .triton.chunk_fwd import fused_chunk_size
+
+    tensors = (q, k, v, a, b, g, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return not needs_grad and fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is not None

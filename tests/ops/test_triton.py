@@ -67,6 +67,45 @@ def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate):
 
 
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("Rkv", [1, 2])
+@pytest.mark.parametrize("Rab", [0, 1, 2, 3, 4])
+def test_fused_forward_matches_pytorch_chunk(Rab, Rkv, gate):
+    """Without autograd mode="triton" is the fused forward (its own chunk size: 64 tokens for
+    ranks <= 1, 16 for rank 4; T = 70 leaves a partial chunk either way)."""
+    inputs = random_inputs(1, 70, 2, 16, 8, Rab, Rkv, gate)
+    with torch.no_grad():
+        got, ref = run("triton", inputs, grads=False), run("chunk", inputs, grads=False, chunk_size=16)
+    for name, x, y in zip(["o", "final_state"], got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
+
+
+def test_fused_forward_extremes():
+    """T = 1; K = V = 20 and 36 (masked key/value tiles); log-gates of -30 per step, one of -1e4; β = 2."""
+    for T, gate, K in ((1, "channel", 20), (45, "channel", 20), (45, "scalar", 20), (130, "channel", 36),
+                       (130, "scalar", 36)):
+        inputs = random_inputs(1, T, 2, K, 20, 2, 1, gate, strong=True, beta_max=2.0)
+        if T > 40:
+            inputs[5][:, 3] = -1e4
+        with torch.no_grad():
+            got, ref = run("triton", inputs, grads=False), run("chunk", inputs, grads=False, chunk_size=16)
+        for name, x, y in zip(["o", "final_state"], got, ref):
+            assert torch.isfinite(x).all(), f"T={T} gate={gate}: {name} not finite"
+            assert_matches(x, y, 1e-5, f"T={T} gate={gate} K={K}: {name}")
+
+
+def test_fused_forward_cu_seqlens_and_bf16():
+    inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar", dtype=torch.bfloat16)
+    inputs[-1] = torch.randn(3, 2, 16, 16, device=DEVICE)
+    cu = torch.tensor([0, 7, 7, 50], device=DEVICE)
+    with torch.no_grad():
+        got = run("triton", inputs, grads=False, cu_seqlens=cu)
+        ref = run("chunk", inputs, grads=False, cu_seqlens=cu)
+    for name, x, y in zip(["o", "final_state"], got, ref):
+        assert x.dtype == y.dtype
+        assert_matches(x.float(), y.float(), 1e-5 if name == "final_state" else 2 ** -9, f"cu_seqlens: {name}")  # o: bf16 rounding
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 @pytest.mark.parametrize("Rab,Rkv", [(0, 1), (2, 1), (4, 2)])
 def test_fused_recurrent_matches_naive(Rab, Rkv, gate):
     inputs = random_inputs(2, 13, 3, 20, 12, Rab, Rkv, gate)  # K, V not powers of two

@@ -3,6 +3,8 @@
 - ``fused_recurrent_dplr``: the per-token recurrence in one kernel (decoding; no autograd);
   ``fused_recurrent_gated_delta_rule``: the same for (Gated) DeltaNet without building
   the DPLR factors, the decode fast path.
+- ``chunk_dplr_fwd``: the whole chunked forward fused (intra-chunk products, the UT
+  transform, state passing, outputs) in three kernels; used without autograd.
 - ``chunk_state_passing``: the sequential part of the chunked algorithm — the state
   carried from chunk to chunk, with the pseudo-values U of each chunk — forward and
   backward, as a ``torch.autograd.Function``. The parallel parts (decayed products,
@@ -11,7 +13,8 @@
 
 Importing this package needs ``triton``; ``rankdecay.ops.backends()`` says whether it runs.
 """
+from .chunk_fwd import chunk_dplr_fwd
 from .chunk_state import chunk_state_passing
 from .fused_recurrent import fused_recurrent_dplr, fused_recurrent_gated_delta_rule
 
-__all__ = ["chunk_state_passing", "fused_recurrent_dplr", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_dplr_fwd", "chunk_state_passing", "fused_recurrent_dplr", "fused_recurrent_gated_delta_rule"]

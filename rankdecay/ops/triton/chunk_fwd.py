@@ -1,0 +1,353 @@
+"""The chunked forward with its parallel (intra-chunk) parts fused in Triton.
+
+Three kernels, in ``rankdecay.ops.chunk``'s notation (HDLA §3.2, eqs. 13-18):
+
+1. ``_intra_kernel``, one program per (chunk, sequence x head): the decayed products
+   M_QK, M_QA (j <= i) and L_BK, L_BA (j < i), the UT transform T = (I + L_BA)^{-1}
+   by forward substitution in registers, W = T (B ⊙ e^{G_{i-1}}), Ũ = T L_BK V, and
+   everything decayed to the chunk's end (K̃, Ã, e^{G_C}) or from its start (Q ⊙ e^G).
+2. ``chunk_state._state_fwd_kernel``: the state from chunk to chunk (S_n, U_n).
+3. ``_output_kernel``: O = (Q ⊙ e^G) S_n + M_QK V - M_QA U_n.
+
+Ranks are compile-time constants: the rows of a chunk are (token, rank) pairs, token
+major, with the rank padded to a power of two (padded rows are zero and change
+nothing), so one kernel family serves every (Rab, Rkv). A chunk holds
+``64 / max(padded ranks)`` tokens (at least 16), so that every row set fits a
+64-row tile whatever the ranks; the result does not depend on the chunk size.
+
+Decays are never formed as a quotient: with a scalar gate the log-cumsums are fp64
+vectors and their differences are taken in fp64; with a per-channel gate every
+exponent is a sum of log-gates over a token range, accumulated directly (no
+difference of two large cumsums), and the [C, C] products are built level by level
+as in ``rankdecay.ops.chunk._blocked_products``: at each level the rows of a block's
+second half meet the columns of its first half through the block's midpoint, both
+factors <= 1, as one tensor-core product.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_state import _blocks, _precision, _state_fwd_kernel
+from .fused_recurrent import gate_kind
+
+MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
+
+
+@triton.jit
+def _rows(i_b, i_h, i_c, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """The chunk's rows of a [B, T, H, R, D] tensor: token in chunk, rank, time, valid, flat row."""
+    r = tl.arange(0, TC * RP)
+    tok = r // RP
+    rk = r % RP
+    t = i_c * TC + tok
+    valid = (rk < R) & (t < T)
+    flat = ((i_b * T + t) * H + i_h) * R + rk
+    return tok, rk, t, valid, flat
+
+
+@triton.jit
+def _load_rows(x, flat, valid, o_d, m_d, D: tl.constexpr):
+    return tl.load(x + flat[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, CHANNEL: tl.constexpr):
+    """Log-gate at time t for each row where ok (else 0): [rows] or, per channel, [rows, BK]."""
+    ok = ok & (t >= 0) & (t < T)
+    off = (i_b * T + t) * H + i_h
+    if CHANNEL:
+        return tl.load(g + off[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    else:
+        return tl.load(g + off * KG, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _seg_cumsum(x, NSEG: tl.constexpr, SEG: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+    """Cumulative sums of [NSEG * SEG, BK] restarting every SEG rows."""
+    if NSEG == 1:
+        return tl.cumsum(x, axis=0, reverse=REVERSE)
+    else:
+        y = tl.cumsum(tl.reshape(x, (NSEG, SEG, BK)), axis=1, reverse=REVERSE)
+        return tl.reshape(y, (NSEG * SEG, BK))
+
+
+@triton.jit
+def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
+              H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
+              RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
+              STRICT: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """P[p, q] = sum_k x_pk y_qk exp(G^x_{tok p, k} - G^y_{tok q, k}) for tok q < tok p (STRICT) or <=.
+
+    G^y is the inclusive log-cumsum; G^x the exclusive one (STRICT: b rows, whose decay
+    starts before their own token) or the inclusive one (queries). Gx, Gy: fp64 row
+    vectors for a scalar gate (GATE 1), unused otherwise.
+    """
+    tokx, rkx, tx, vx, fx = _rows(i_b, i_h, i_c, T, H, TC, RX, RXP)
+    toky, rky, ty, vy, fy = _rows(i_b, i_h, i_c, T, H, TC, RY, RYP)
+    acc = tl.zeros([TC * RXP, TC * RYP], dtype=tl.float32)
+    if GATE == 2:
+        if not STRICT:  # a token against itself: no decay
+            same_tok = tokx[:, None] == toky[None, :]
+        for k0 in tl.static_range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K
+            X = _load_rows(x, fx, vx, o_k, m_k, K)
+            Y = _load_rows(y, fy, vy, o_k, m_k, K)
+            if not STRICT:
+                acc += tl.where(same_tok, tl.dot(X, tl.trans(Y), input_precision=PRECISION), 0.0)
+            for lvl in tl.static_range(LEVELS):
+                s: tl.constexpr = TC >> lvl  # blocks of s tokens; rows in the second half meet
+                h: tl.constexpr = s // 2     # columns in the first, through the token at h - 1
+                if STRICT:  # sum of g over (mid, tok): the gates strictly between
+                    gx = _g_at(g, i_b, i_h, tx - 1, (rkx == 0) & (tokx % h != 0), T, H, o_k, m_k, KG, True)
+                else:       # sum of g over (mid, tok]
+                    gx = _g_at(g, i_b, i_h, tx, rkx == 0, T, H, o_k, m_k, KG, True)
+                ex = _seg_cumsum(gx, TC // h, h * RXP, BK, False)
+                # (reverse sums count a token's gate on its last row, forward sums on its first)
+                gy = _g_at(g, i_b, i_h, ty + 1, (rky == RYP - 1) & (toky % h != h - 1), T, H, o_k, m_k, KG, True)
+                ey = _seg_cumsum(gy, TC // h, h * RYP, BK, True)  # sum of g over (tok, mid]
+                selx = (tokx % s) >= h
+                sely = (toky % s) < h
+                Xs = tl.where(selx[:, None], X * tl.exp(tl.where(selx[:, None], ex, 0.0)), 0.0)
+                Ys = tl.where(sely[:, None], Y * tl.exp(tl.where(sely[:, None], ey, 0.0)), 0.0)
+                same_block = (tokx // s)[:, None] == (toky // s)[None, :]
+                acc += tl.where(same_block, tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+    else:
+        for k0 in tl.static_range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K
+            X = _load_rows(x, fx, vx, o_k, m_k, K)
+            Y = _load_rows(y, fy, vy, o_k, m_k, K)
+            acc += tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+        if STRICT:
+            causal = tokx[:, None] > toky[None, :]
+        else:
+            causal = tokx[:, None] >= toky[None, :]
+        if GATE == 1:
+            diff = (Gx[:, None] - Gy[None, :]).to(tl.float32)
+            acc = acc * tl.exp(tl.where(causal, diff, float("-inf")))
+        else:
+            acc = tl.where(causal, acc, 0.0)
+    return acc
+
+
+@triton.jit
+def _unit_lower_inverse(L, N: tl.constexpr):
+    """(I + L)^{-1} for a strictly lower-triangular [N, N] L, by forward substitution:
+    row i of the inverse is e_i - sum_{j<i} L_ij (row j)."""
+    r = tl.arange(0, N)
+    inv = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in range(1, N):
+        is_row = r[:, None] == i
+        l_i = tl.sum(tl.where(is_row, L, 0.0), axis=0)
+        inv = tl.where(is_row, inv - tl.sum(l_i[:, None] * inv, axis=0)[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexpr):
+    """Scalar gate, per row: (inclusive, exclusive) fp64 log-cumsums from the chunk's start."""
+    zero = tl.zeros([1], dtype=tl.int32)
+    g_own = _g_at(g, i_b, i_h, t, rk == 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
+    incl = tl.cumsum(g_own, axis=0)
+    g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
+    return incl, incl - g_tok
+
+
+@triton.jit
+def _intra_kernel(
+    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, scale, T, NC,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
+    RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
+    NK: tl.constexpr = TC * RKVP
+    NA: tl.constexpr = TC * RABP
+    tokq, rkq, tq, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    tokk, rkk, tk, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
+    Gq = tl.zeros([1], dtype=tl.float64)
+    Gk = tl.zeros([1], dtype=tl.float64)
+    Ga = tl.zeros([1], dtype=tl.float64)
+    Gb = tl.zeros([1], dtype=tl.float64)
+    if GATE == 1:
+        Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG)
+        Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG)
+        G_end = tl.sum(Gq - Gq_ex, axis=0)  # the chunk's total log-decay
+    r_q = tl.arange(0, TC)
+    r_k = tl.arange(0, NK)
+
+    # O's intra-chunk products (the scale folded in)
+    M = _products(q, k, g, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
+                  PRECISION)
+    tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
+    if RAB > 0:
+        toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
+        r_a = tl.arange(0, NA)
+        if GATE == 1:
+            Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
+        M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
+                      PRECISION)
+        tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
+        # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
+        L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
+                      BK, PRECISION)
+        Tinv = _unit_lower_inverse(L, NA)
+        L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
+                      BK, PRECISION)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_v = o_v < V
+            Vr = _load_rows(v, fk, vk, o_v, m_v, V)
+            LV = tl.dot(L, Vr, input_precision=PRECISION)
+            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
+                     mask=m_v[None, :])
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], _load_rows(v, fk, vk, o_v, m_v, V),
+                 mask=m_v[None, :])
+
+    # Per key channel: Q ⊙ e^G, K ⊙ e^{G_C - G}, A ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), e^{G_C}
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Q = _load_rows(q, fq, vq, o_k, m_k, K)
+        Kr = _load_rows(k, fk, vk, o_k, m_k, K)
+        if GATE == 1:
+            Q = Q * tl.exp(Gq.to(tl.float32))[:, None]
+            Kr = Kr * tl.exp((G_end - Gk).to(tl.float32))[:, None]
+        elif GATE == 2:
+            g_q = _g_at(g, i_b, i_h, tq, rkq == 0, T, H, o_k, m_k, KG, True)
+            Q = Q * tl.exp(tl.cumsum(g_q, axis=0))
+            # to the chunk's end: the gates after the row's token
+            g_k = _g_at(g, i_b, i_h, tk + 1, (rkk == RKVP - 1) & (tokk < TC - 1), T, H, o_k, m_k, KG, True)
+            Kr = Kr * tl.exp(tl.cumsum(g_k, axis=0, reverse=True))
+            tl.store(dch + c * KG + o_k, tl.exp(tl.sum(g_q, axis=0)), mask=m_k)  # e^{G_C}
+        tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
+        tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
+        if RAB > 0:
+            A = _load_rows(a, fa, va, o_k, m_k, K)
+            Bm = _load_rows(b, fa, va, o_k, m_k, K)
+            if GATE == 1:
+                A = A * tl.exp((G_end - Ga).to(tl.float32))[:, None]
+                Bm = Bm * tl.exp(Gb.to(tl.float32))[:, None]
+            elif GATE == 2:
+                g_a = _g_at(g, i_b, i_h, ta + 1, (rka == RABP - 1) & (toka < TC - 1), T, H, o_k, m_k, KG, True)
+                A = A * tl.exp(tl.cumsum(g_a, axis=0, reverse=True))
+                g_b = _g_at(g, i_b, i_h, ta - 1, (rka == 0) & (toka > 0), T, H, o_k, m_k, KG, True)
+                Bm = Bm * tl.exp(tl.cumsum(g_b, axis=0))
+            tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
+            tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], tl.dot(Tinv, Bm, input_precision=PRECISION),
+                     mask=m_k[None, :])
+    if GATE == 1:
+        tl.store(dch + c + tl.arange(0, 1), tl.exp(G_end.to(tl.float32)) + tl.zeros([1], dtype=tl.float32))
+
+
+@triton.jit
+def _output_kernel(
+    qd, s0, mqk, vf, mqa, u, o, T, NC,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    r_q = tl.arange(0, TC)
+    r_k = tl.arange(0, NK)
+    acc = tl.zeros([TC, BV], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc += tl.dot(Q, S, input_precision=PRECISION)
+    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+    Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+    acc += tl.dot(Mk, Vf, input_precision=PRECISION)
+    if NA > 0:
+        r_a = tl.arange(0, NA)
+        Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
+        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        acc -= tl.dot(Ma, U, input_precision=PRECISION)
+    t = i_c * TC + r_q
+    tl.store(o + ((i_b * T + t[:, None]) * H + i_h) * V + o_v[None, :], acc, mask=(t < T)[:, None] & m_v[None, :])
+
+
+def _pow2(n: int) -> int:
+    return 0 if n == 0 else triton.next_power_of_2(n)
+
+
+def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
+    """Tokens per chunk of the fused forward (None: these ranks need the unfused path)."""
+    tc = MAX_ROWS // max(_pow2(Rab), _pow2(Rkv), 1)
+    return tc if tc >= 16 else None
+
+
+def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state):
+    """Forward of the chunked algorithm in three Triton kernels (no autograd).
+
+    Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
+    v [B, T, H, Rkv, V], a, b [B, T, H, Rab, K] or None, g [B, T, H, 1 | K] or None,
+    any float dtype; initial_state [B, H, K, V] or None. Returns (o [B, T, H, V] fp32,
+    final state [B, H, K, V] fp32). Needs ``fused_chunk_size(Rab, Rkv)``.
+    """
+    B, T, H, K = q.shape
+    Rkv, V = v.shape[-2], v.shape[-1]
+    Rab = a.shape[-2] if a is not None else 0
+    TC = fused_chunk_size(Rab, Rkv)
+    if TC is None:
+        raise ValueError(f"the fused forward takes ranks up to 4, got Rab={Rab}, Rkv={Rkv}")
+    NC = triton.cdiv(T, TC)
+    NK, NA = TC * _pow2(Rkv), TC * _pow2(Rab)
+    gate = gate_kind(g)
+    KG = 1 if g is None else g.shape[-1]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    a = a.contiguous() if a is not None else None
+    b = b.contiguous() if b is not None else None
+    g = g.contiguous() if g is not None else None
+    qd = torch.empty(B, H, NC, TC, K, **f32)
+    mqk = torch.empty(B, H, NC, TC, NK, **f32)
+    kd = torch.empty(B, H, NC, NK, K, **f32)
+    vf = torch.empty(B, H, NC, NK, V, **f32)
+    mqa = torch.empty(B, H, NC, TC, NA, **f32) if Rab else None
+    w = torch.empty(B, H, NC, NA, K, **f32) if Rab else None
+    ad = torch.empty_like(w) if Rab else None
+    uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
+    dch = torch.empty(B, H, NC, KG, **f32) if gate else None
+    prec = _precision(q)
+    BK = min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    dummy = qd
+    _intra_kernel[(NC, B * H)](
+        q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, qd, mqk,
+        mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
+        dch if gate else dummy, scale, T, NC, H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
+        RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate, LEVELS=TC.bit_length() - 1, PRECISION=prec,
+        num_warps=4 if gate != 2 else 8, num_stages=1,
+    )
+    blocks = _blocks(K, V, NK, NA)
+    s0 = torch.empty(B, H, NC, K, V, **f32)
+    u = torch.empty(B, H, NC, NA, V, **f32)
+    ht = torch.empty(B, H, K, V, **f32)
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
+        h0 if h0 is not None else dummy, dch if gate else dummy, kd, vf, w if Rab else dummy,
+        uv if Rab else dummy, ad if Rab else dummy, s0, u, ht, NC, K=K, V=V, CR=NK, CA=NA, GATE=gate,
+        HAS_H0=h0 is not None, PRECISION=prec, **blocks,
+    )
+    o = torch.empty(B, T, H, V, **f32)
+    BKo = min(64, max(16, triton.next_power_of_2(K)))
+    _output_kernel[(triton.cdiv(V, BV), NC, B * H)](
+        qd, s0, mqk, vf, mqa if Rab else dummy, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, BK=BKo, BV=BV,
+        PRECISION=prec, num_warps=4, num_stages=1,
+    )
+    return o, ht
