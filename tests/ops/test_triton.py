@@ -178,11 +178,13 @@ def test_clear_errors():
 @GPU
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (4, 1, "scalar"), (0, 1, "channel"),
                                           (2, 2, "scalar")])
-def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate):
+@pytest.mark.parametrize("grads", [True, False], ids=["autograd", "fused-forward"])
+def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate, grads):
     """bf16 inputs: the Triton path's error (against fp64) is no worse than the fp32 PyTorch path's."""
     inputs = random_inputs(2, 1000, 4, 128, 128, Rab, Rkv, gate, dtype=torch.bfloat16)
-    exact = run("chunk", [None if x is None else x.double() for x in inputs])
-    got, ref = run("triton", inputs), run("chunk", inputs)
+    with torch.set_grad_enabled(grads):
+        exact = run("chunk", [None if x is None else x.double() for x in inputs], grads=grads)
+        got, ref = run("triton", inputs, grads=grads), run("chunk", inputs, grads=grads)
     for name, x, y, e in zip(names(inputs), got, ref, exact):
         err, ref_err = rel_rms(x, e), rel_rms(y, e)
         assert err <= 1.5 * ref_err + 1e-6, f"{name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"

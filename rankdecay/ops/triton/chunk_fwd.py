@@ -4,7 +4,7 @@ Three kernels, in ``rankdecay.ops.chunk``'s notation (HDLA §3.2, eqs. 13-18):
 
 1. ``_intra_kernel``, one program per (chunk, sequence x head): the decayed products
    M_QK, M_QA (j <= i) and L_BK, L_BA (j < i), the UT transform T = (I + L_BA)^{-1}
-   by forward substitution in registers, W = T (B ⊙ e^{G_{i-1}}), Ũ = T L_BK V, and
+   (blockwise, in registers: ``_unit_lower_inverse``), W = T (B ⊙ e^{G_{i-1}}), Ũ = T L_BK V, and
    everything decayed to the chunk's end (K̃, Ã, e^{G_C}) or from its start (Q ⊙ e^G).
 2. ``chunk_state._state_fwd_kernel``: the state from chunk to chunk (S_n, U_n).
 3. ``_output_kernel``: O = (Q ⊙ e^G) S_n + M_QK V - M_QA U_n.
@@ -74,6 +74,29 @@ def _seg_cumsum(x, NSEG: tl.constexpr, SEG: tl.constexpr, BK: tl.constexpr, REVE
 
 
 @triton.jit
+def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.constexpr, o_k, m_k,
+                   KG: tl.constexpr, TC: tl.constexpr, RXP: tl.constexpr, RYP: tl.constexpr, S: tl.constexpr,
+                   STRICT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """One level of the per-channel products: in blocks of S tokens, the rows of each block's
+    second half against the columns of its first half, through the token at S/2 - 1."""
+    HS: tl.constexpr = S // 2
+    if STRICT:  # sum of g over (mid, tok): the gates strictly between
+        gx = _g_at(g, i_b, i_h, tx - 1, (rkx == 0) & (tokx % HS != 0), T, H, o_k, m_k, KG, True)
+    else:       # sum of g over (mid, tok]
+        gx = _g_at(g, i_b, i_h, tx, rkx == 0, T, H, o_k, m_k, KG, True)
+    ex = _seg_cumsum(gx, TC // HS, HS * RXP, BK, False)
+    # sum of g over (tok, mid]; reverse sums count a token's gate on its last row, forward sums on its first
+    gy = _g_at(g, i_b, i_h, ty + 1, (rky == RYP - 1) & (toky % HS != HS - 1), T, H, o_k, m_k, KG, True)
+    ey = _seg_cumsum(gy, TC // HS, HS * RYP, BK, True)
+    selx = (tokx % S) >= HS
+    sely = (toky % S) < HS
+    Xs = tl.where(selx[:, None], X * tl.exp(tl.where(selx[:, None], ex, 0.0)), 0.0)
+    Ys = tl.where(sely[:, None], Y * tl.exp(tl.where(sely[:, None], ey, 0.0)), 0.0)
+    same_block = (tokx // S)[:, None] == (toky // S)[None, :]
+    return tl.where(same_block, tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+
+
+@triton.jit
 def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
               H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
               RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
@@ -99,22 +122,8 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
             if not STRICT:
                 acc += tl.where(same_tok, tl.dot(X, tl.trans(Y), input_precision=PRECISION), 0.0)
             for lvl in tl.static_range(LEVELS):
-                s: tl.constexpr = TC >> lvl  # blocks of s tokens; rows in the second half meet
-                h: tl.constexpr = s // 2     # columns in the first, through the token at h - 1
-                if STRICT:  # sum of g over (mid, tok): the gates strictly between
-                    gx = _g_at(g, i_b, i_h, tx - 1, (rkx == 0) & (tokx % h != 0), T, H, o_k, m_k, KG, True)
-                else:       # sum of g over (mid, tok]
-                    gx = _g_at(g, i_b, i_h, tx, rkx == 0, T, H, o_k, m_k, KG, True)
-                ex = _seg_cumsum(gx, TC // h, h * RXP, BK, False)
-                # (reverse sums count a token's gate on its last row, forward sums on its first)
-                gy = _g_at(g, i_b, i_h, ty + 1, (rky == RYP - 1) & (toky % h != h - 1), T, H, o_k, m_k, KG, True)
-                ey = _seg_cumsum(gy, TC // h, h * RYP, BK, True)  # sum of g over (tok, mid]
-                selx = (tokx % s) >= h
-                sely = (toky % s) < h
-                Xs = tl.where(selx[:, None], X * tl.exp(tl.where(selx[:, None], ex, 0.0)), 0.0)
-                Ys = tl.where(sely[:, None], Y * tl.exp(tl.where(sely[:, None], ey, 0.0)), 0.0)
-                same_block = (tokx // s)[:, None] == (toky // s)[None, :]
-                acc += tl.where(same_block, tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+                acc += _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC,
+                                      RXP, RYP, TC >> lvl, STRICT, BK, PRECISION)
     else:
         for k0 in tl.static_range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -135,15 +144,30 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
 
 
 @triton.jit
-def _unit_lower_inverse(L, N: tl.constexpr):
-    """(I + L)^{-1} for a strictly lower-triangular [N, N] L, by forward substitution:
-    row i of the inverse is e_i - sum_{j<i} L_ij (row j)."""
+def _unit_lower_inverse(L, N: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16).
+
+    The 16 x 16 diagonal blocks D = I + L_diag are inverted together by forward
+    substitution, row i of every block at once (row i of D^{-1} is e_i - L_i D^{-1},
+    which reads only rows already final); then, with Z = D^{-1} L_off strictly block-lower
+    (so Z^{N/16} = 0), (I + L)^{-1} = (I + Z)^{-1} D^{-1} = (I - Z)(I + Z^2)... D^{-1}.
+    """
+    BS: tl.constexpr = 16
     r = tl.arange(0, N)
-    inv = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, N):
-        is_row = r[:, None] == i
-        l_i = tl.sum(tl.where(is_row, L, 0.0), axis=0)
-        inv = tl.where(is_row, inv - tl.sum(l_i[:, None] * inv, axis=0)[None, :], inv)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    same = (r[:, None] // BS) == (r[None, :] // BS)
+    Ld = tl.where(same, L, 0.0)
+    inv = eye
+    for i in range(1, BS):
+        inv = tl.where((r % BS == i)[:, None], eye - tl.dot(Ld, inv, input_precision=PRECISION), inv)
+    if N > BS:
+        Z = tl.dot(inv, tl.where(same, 0.0, L), input_precision=PRECISION)
+        P = eye - Z  # (I + Z)^{-1} = (I - Z)(I + Z^2)(I + Z^4)...
+        Zp = Z
+        for _ in tl.static_range(1, N // 32):  # log2(N / 16) factors in all (N <= 64)
+            Zp = tl.dot(Zp, Zp, input_precision=PRECISION)
+            P = tl.dot(P, eye + Zp, input_precision=PRECISION)
+        inv = tl.dot(P, inv, input_precision=PRECISION)
     return inv
 
 
@@ -197,7 +221,7 @@ def _intra_kernel(
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
                       BK, PRECISION)
-        Tinv = _unit_lower_inverse(L, NA)
+        Tinv = _unit_lower_inverse(L, NA, PRECISION)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                       BK, PRECISION)
         for v0 in tl.static_range(0, V, BV):
