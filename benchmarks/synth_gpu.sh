@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The synthetic-benchmark GPU runs recorded in RESULTS.md (one H100; several small trainings share it).
-# usage: bash benchmarks/synth_gpu.sh mqar|mqar-small|mad|state OUT_DIR
+# usage: bash benchmarks/synth_gpu.sh mqar|mqar-small|mqar-zero|mad|state OUT_DIR
 set -euo pipefail
 what=$1; out=$2
 mech=gdn,hdla,hh-gdn,deltanet
@@ -17,6 +17,9 @@ case $what in
     python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --only seq_len=512,1024 \
       --task-set vocab_size=512 --lr-sweep 2e-3 --steps 1000 --batch-size 64 --jobs 4 --no-progress \
       --out $out/mqar-v512 > $out/mqar-v512.log 2>&1 ;;
+  mqar-zero)  # MQAR at 512 with token-0 filler (the Zoology experiment configs; the default since 2026-11-22)
+    python -m rankdecay.cli synth mqar --preset paper --mechanisms $mech --only seq_len=512 --lr-sweep 2e-3 \
+      --steps 1500 --batch-size 64 --jobs 4 --no-progress --out $out/mqar-zero > $out/mqar-zero.log 2>&1 ;;
   state)  # DeltaNet with beta in [0, 1] vs [0, 2]: parity and modular arithmetic (without / with brackets)
     for neg in false true; do
       python -m rankdecay.cli synth parity --preset paper --mechanisms deltanet --set allow_neg_eigval=$neg \

@@ -91,9 +91,16 @@ def dplr(
 
 
 def _fused_forward_applies(q, k, v, a, b, g, initial_state) -> bool:
-    """The fused Triton forward runs when no gradient is needed and the ranks are <= 4."""
+    """The fused Triton forward runs when no gradient is needed and the ranks are <= 4.
+
+    Per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are exact under the
+    interpreter but do not yet run on Triton 3.6 / Hopper (an illegal memory access at
+    small K, out of shared memory at K = 128): on CUDA they keep the unfused path.
+    """
     from .triton.chunk_fwd import fused_chunk_size
 
     tensors = (q, k, v, a, b, g, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return not needs_grad and fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is not None
+    if needs_grad or fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
+        return False
+    return not (q.is_cuda and a is not None and g is not None and g.shape[-1] > 1)
