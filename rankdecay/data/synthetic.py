@@ -63,7 +63,7 @@ def mqar(n: int, seq_len: int = 256, num_kv_pairs: int = 16, vocab_size: int = 8
     space = (seq_len - ctx) // 2  # query slots at even offsets after the context
     p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
     p /= p.sum()
-    inputs = rng.integers(1, vocab_size, size=(n, seq_len))
+    inputs = rng.integers(1, vocab_size, size=(n, seq_len))  # drawn either way: same pairs and queries per seed
     if not random_non_queries:
         inputs[:] = 0
     targets = np.full((n, seq_len), IGNORE, dtype=np.int64)

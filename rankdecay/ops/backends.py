@@ -57,6 +57,11 @@ def chunk_flops_per_token(K: int, V: int, chunk_size: int = 64, Rab: int = 0, Rk
     return float(intra + state + ut)
 
 
+def needs_grad(tensors) -> bool:
+    """Whether autograd will record an op on these tensors (None entries are skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def check_triton_mode(mode: str, q: torch.Tensor, tensors, compute_dtype: torch.dtype) -> None:
     """Clear errors when ``mode`` ("triton" / "fused_recurrent") cannot run on these inputs."""
     if compute_dtype != torch.float32:
@@ -64,7 +69,6 @@ def check_triton_mode(mode: str, q: torch.Tensor, tensors, compute_dtype: torch.
     if not triton_runs_on(q):
         raise RuntimeError(f"mode={mode!r} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
                            f"{backends()['triton'][1]}")
-    if mode == "fused_recurrent" and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in tensors):
+    if mode == "fused_recurrent" and needs_grad(tensors):
         raise RuntimeError("mode='fused_recurrent' is for inference (it has no backward); "
                            "use mode='auto' or 'chunk' to train, or run under torch.no_grad()")

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
+from .backends import needs_grad
+
 
 def _causal_mask(n: int, strict: bool, device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril(-1 if strict else 0)
@@ -133,7 +135,7 @@ def _decayed_products_checkpointed(x, y, gx, gy, strict):
     # Recomputed in backward: the per-channel path scales x and y at every halving
     # level, more than the [C, C*R] result; keeping only the inputs keeps the
     # memory of the chunked path at O(C * R) per token.
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, y, gx, gy)):
+    if needs_grad((x, y, gx, gy)):
         return torch.utils.checkpoint.checkpoint(
             decayed_products, x, y, gx, gy, strict=strict, use_reentrant=False
         )

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import check_triton_mode, triton_runs_on
+from .backends import check_triton_mode, needs_grad, triton_runs_on
 from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
@@ -99,8 +99,6 @@ def _fused_forward_applies(q, k, v, a, b, g, initial_state) -> bool:
     """
     from .triton.chunk_fwd import fused_chunk_size
 
-    tensors = (q, k, v, a, b, g, initial_state)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if needs_grad or fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
+    if needs_grad((q, k, v, a, b, g, initial_state)) or fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
         return False
     return not (q.is_cuda and a is not None and g is not None and g.shape[-1] > 1)

@@ -175,9 +175,8 @@ def _unit_lower_inverse(L, N: tl.constexpr, PRECISION: tl.constexpr):
 def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexpr):
     """Scalar gate, per row: (inclusive, exclusive) fp64 log-cumsums from the chunk's start."""
     zero = tl.zeros([1], dtype=tl.int32)
-    g_own = _g_at(g, i_b, i_h, t, rk == 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
-    incl = tl.cumsum(g_own, axis=0)
     g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
+    incl = tl.cumsum(tl.where(rk == 0, g_tok, 0.0), axis=0)  # each token's gate counted once, on its first row
     return incl, incl - g_tok
 
 
@@ -224,18 +223,16 @@ def _intra_kernel(
         Tinv = _unit_lower_inverse(L, NA, PRECISION)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                       BK, PRECISION)
-        for v0 in tl.static_range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            m_v = o_v < V
-            Vr = _load_rows(v, fk, vk, o_v, m_v, V)
-            LV = tl.dot(L, Vr, input_precision=PRECISION)
-            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
-                     mask=m_v[None, :])
+    # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
-        tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], _load_rows(v, fk, vk, o_v, m_v, V),
-                 mask=m_v[None, :])
+        Vr = _load_rows(v, fk, vk, o_v, m_v, V)
+        tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
+        if RAB > 0:
+            LV = tl.dot(L, Vr, input_precision=PRECISION)
+            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
+                     mask=m_v[None, :])
 
     # Per key channel: Q ⊙ e^G, K ⊙ e^{G_C - G}, A ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), e^{G_C}
     for k0 in tl.static_range(0, K, BK):
