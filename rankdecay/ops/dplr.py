@@ -77,10 +77,13 @@ def dplr(
         from .triton import fused_recurrent_dplr
 
         o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
-    elif mode == "triton" and _fused_forward_applies(q, k, v, a, b, g, x.initial_state):
-        from .triton import chunk_dplr_fwd
+    elif mode == "triton" and _fused_applies(q, k, a, g):
+        from .triton import chunk_dplr, chunk_dplr_fwd
 
-        o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state)
+        if needs_grad((q, k, v, a, b, g, x.initial_state)):
+            o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
+        else:
+            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")
@@ -90,8 +93,8 @@ def dplr(
     return o.to(x.q.dtype), (state if output_final_state else None)
 
 
-def _fused_forward_applies(q, k, v, a, b, g, initial_state) -> bool:
-    """The fused Triton forward runs when no gradient is needed and the ranks are <= 4.
+def _fused_applies(q, k, a, g) -> bool:
+    """The fused Triton kernels run for ranks up to 4 (``chunk_fwd.fused_chunk_size``).
 
     Per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are exact under the
     interpreter but do not yet run on Triton 3.6 / Hopper (an illegal memory access at
@@ -99,6 +102,6 @@ def _fused_forward_applies(q, k, v, a, b, g, initial_state) -> bool:
     """
     from .triton.chunk_fwd import fused_chunk_size
 
-    if needs_grad((q, k, v, a, b, g, initial_state)) or fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
+    if fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
         return False
     return not (q.is_cuda and a is not None and g is not None and g.shape[-1] > 1)

@@ -149,7 +149,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     alpha = _gate_factor(g)
     if alpha is not None:
         a = a * alpha
-    return dplr(q, k, _up(v) * beta_[..., None], a, k_[..., None, :], g, scale=scale, initial_state=initial_state,
+    # k stays in its dtype (the fused kernels multiply 16-bit pairs exactly on tensor cores)
+    return dplr(q, k, _up(v) * beta_[..., None], a, k[..., None, :], g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
 
 

@@ -15,6 +15,7 @@ from ..conftest import assert_matches, rel_rms
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
+dplr_module = importlib.import_module("rankdecay.ops.dplr")  # the module (rankdecay.ops.dplr is the function)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic sizes need a CUDA GPU (recorded in BENCHMARKS.md)")
 
@@ -56,10 +57,20 @@ def names(inputs):
     return ["o", "final_state"] + [n for n, p in zip(NAMES[2:], present) if p]
 
 
+@pytest.fixture(params=["fused", "unfused"])
+def path(request, monkeypatch):
+    """mode="triton" with autograd: the fused kernels and their written-out backward (ranks <= 4),
+    or PyTorch intra-chunk parts around the Triton state kernel (higher ranks, and per-channel
+    gates with a low-rank decay on CUDA)."""
+    if request.param == "unfused":
+        monkeypatch.setattr(dplr_module, "_fused_applies", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 @pytest.mark.parametrize("Rkv", [1, 2])
 @pytest.mark.parametrize("Rab", [0, 1, 2, 4])
-def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate):
+def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate, path):
     inputs = random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate)  # 37: not a multiple of the chunk
     got, ref = run("triton", inputs, chunk_size=16), run("chunk", inputs, chunk_size=16)
     for name, x, y in zip(names(inputs), got, ref):
@@ -93,8 +104,11 @@ def test_fused_forward_extremes():
             assert_matches(x, y, 1e-5, f"T={T} gate={gate} K={K}: {name}")
 
 
-def test_fused_forward_cu_seqlens_and_bf16():
-    inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar", dtype=torch.bfloat16)
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_forward_cu_seqlens_and_16bit(dtype, gate):
+    """16-bit inputs: the undecayed products of 16-bit pairs are taken in their dtype (exact)."""
+    inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, gate, dtype=dtype)
     inputs[-1] = torch.randn(3, 2, 16, 16, device=DEVICE)
     cu = torch.tensor([0, 7, 7, 50], device=DEVICE)
     with torch.no_grad():
@@ -115,18 +129,22 @@ def test_fused_recurrent_matches_naive(Rab, Rkv, gate):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
 
 
-def test_awkward_sizes_and_extremes():
-    """T = 1, K = V = 20, chunk size 8 (< 16, padded inside the kernel), log-gates of -30 per step, β = 2."""
+def test_awkward_sizes_and_extremes(path):
+    """T = 1, K = V = 20, chunk size 8 (< 16, padded inside the kernel), log-gates of -30 per step
+    (and one of -1e4), β = 2: outputs, final states and every gradient."""
     for T, gate in ((1, "channel"), (45, "channel"), (45, "scalar")):
         inputs = random_inputs(1, T, 2, 20, 20, 2, 1, gate, strong=True, beta_max=2.0)
+        if T > 40:
+            inputs[5][:, 3] = -1e4
         got, ref = run("triton", inputs, chunk_size=8), run("chunk", inputs, chunk_size=8)
         for name, x, y in zip(names(inputs), got, ref):
             assert_matches(x, y, 1e-5, f"T={T} gate={gate}: {name}")
 
 
 @pytest.mark.parametrize("Rab,Rkv,C", [(4, 2, 32), (3, 2, 64)])
-def test_many_rows_per_chunk_are_tiled(Rab, Rkv, C):
-    """C * Rab and C * Rkv beyond one 64-row tile: the kernels loop over row blocks."""
+def test_many_rows_per_chunk_are_tiled(Rab, Rkv, C, monkeypatch):
+    """C * Rab and C * Rkv beyond one 64-row tile: the state kernels loop over row blocks."""
+    monkeypatch.setattr(dplr_module, "_fused_applies", lambda *args: False)  # the unfused path takes chunk_size
     inputs = random_inputs(1, 70, 1, 16, 16, Rab, Rkv, "channel")
     got, ref = run("triton", inputs, chunk_size=C), run("chunk", inputs, chunk_size=C)
     for name, x, y in zip(names(inputs), got, ref):

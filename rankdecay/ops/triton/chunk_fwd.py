@@ -101,7 +101,7 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
               H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
               RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
               STRICT: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, LP: tl.constexpr):
     """P[p, q] = sum_k x_pk y_qk exp(G^x_{tok p, k} - G^y_{tok q, k}) for tok q < tok p (STRICT) or <=.
 
     G^y is the inclusive log-cumsum; G^x the exclusive one (STRICT: b rows, whose decay
@@ -120,7 +120,11 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
             X = _load_rows(x, fx, vx, o_k, m_k, K)
             Y = _load_rows(y, fy, vy, o_k, m_k, K)
             if not STRICT:
-                acc += tl.where(same_tok, tl.dot(X, tl.trans(Y), input_precision=PRECISION), 0.0)
+                if LP:
+                    XY = tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
+                else:
+                    XY = tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+                acc += tl.where(same_tok, XY, 0.0)
             for lvl in tl.static_range(LEVELS):
                 acc += _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC,
                                       RXP, RYP, TC >> lvl, STRICT, BK, PRECISION)
@@ -128,15 +132,26 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
         for k0 in tl.static_range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            X = _load_rows(x, fx, vx, o_k, m_k, K)
-            Y = _load_rows(y, fy, vy, o_k, m_k, K)
-            acc += tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+            if LP:
+                X = tl.load(x + fx[:, None] * K + o_k[None, :], mask=vx[:, None] & m_k[None, :], other=0.0)
+                Y = tl.load(y + fy[:, None] * K + o_k[None, :], mask=vy[:, None] & m_k[None, :], other=0.0)
+                acc += tl.dot(X, tl.trans(Y))
+            else:
+                X = _load_rows(x, fx, vx, o_k, m_k, K)
+                Y = _load_rows(y, fy, vy, o_k, m_k, K)
+                acc += tl.dot(X, tl.trans(Y), input_precision=PRECISION)
         if STRICT:
             causal = tokx[:, None] > toky[None, :]
         else:
             causal = tokx[:, None] >= toky[None, :]
         if GATE == 1:
-            diff = (Gx[:, None] - Gy[None, :]).to(tl.float32)
+            # G as fp32 hi + lo: the hi difference is exact wherever it is small enough to matter
+            # (Sterbenz), so no [C, C] fp64 tile is needed to keep G_i - G_j exact.
+            xh = Gx.to(tl.float32)
+            yh = Gy.to(tl.float32)
+            xl = (Gx - xh.to(tl.float64)).to(tl.float32)
+            yl = (Gy - yh.to(tl.float64)).to(tl.float32)
+            diff = (xh[:, None] - yh[None, :]) + (xl[:, None] - yl[None, :])
             acc = acc * tl.exp(tl.where(causal, diff, float("-inf")))
         else:
             acc = tl.where(causal, acc, 0.0)
@@ -182,11 +197,13 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, scale, T, NC,
+    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lbk, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+    LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
 ):
+    # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype)
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -207,7 +224,7 @@ def _intra_kernel(
 
     # O's intra-chunk products (the scale folded in)
     M = _products(q, k, g, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
-                  PRECISION)
+                  PRECISION, LP_QK)
     tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
@@ -215,14 +232,17 @@ def _intra_kernel(
         if GATE == 1:
             Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
         M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
-                      PRECISION)
+                      PRECISION, LP_QA)
         tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
-                      BK, PRECISION)
+                      BK, PRECISION, LP_BA)
         Tinv = _unit_lower_inverse(L, NA, PRECISION)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
-                      BK, PRECISION)
+                      BK, PRECISION, LP_BK)
+        if SAVE:  # for the backward: T and L_BK
+            tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
+            tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
@@ -312,13 +332,25 @@ def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
     return tc if tc >= 16 else None
 
 
-def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state):
+def _lowp(*xs) -> bool:
+    """Every tensor 16-bit of one dtype: products of them are exact on tensor cores in that dtype.
+
+    (Not bf16 under the CPU interpreter, whose bf16 tl.dot is wrong on Triton 3.x: there it
+    stays fp32; the CPU tests cover this path with fp16.)
+    """
+    dt = {x.dtype for x in xs}
+    return len(dt) == 1 and (dt == {torch.float16} or (dt == {torch.bfloat16} and xs[0].is_cuda))
+
+
+def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
+                   _config: dict | None = None):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
     v [B, T, H, Rkv, V], a, b [B, T, H, Rab, K] or None, g [B, T, H, 1 | K] or None,
     any float dtype; initial_state [B, H, K, V] or None. Returns (o [B, T, H, V] fp32,
-    final state [B, H, K, V] fp32). Needs ``fused_chunk_size(Rab, Rkv)``.
+    final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
+    backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
@@ -344,16 +376,21 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state):
     ad = torch.empty_like(w) if Rab else None
     uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
-    prec = _precision(q)
+    tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab and save else None
+    lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
+    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
+    cfg.update(_config or {})  # benchmarking knobs
+    prec = cfg["precision"]
     BK = min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dummy = qd
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, qd, mqk,
         mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
-        dch if gate else dummy, scale, T, NC, H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
+        dch if gate else dummy, tinv if tinv is not None else dummy, lbk if lbk is not None else dummy, scale, T, NC, H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
         RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate, LEVELS=TC.bit_length() - 1, PRECISION=prec,
-        num_warps=4 if gate != 2 else 8, num_stages=1,
+        LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a), LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k),
+        SAVE=save, num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
     s0 = torch.empty(B, H, NC, K, V, **f32)
@@ -363,7 +400,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state):
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
         h0 if h0 is not None else dummy, dch if gate else dummy, kd, vf, w if Rab else dummy,
         uv if Rab else dummy, ad if Rab else dummy, s0, u, ht, NC, K=K, V=V, CR=NK, CA=NA, GATE=gate,
-        HAS_H0=h0 is not None, PRECISION=prec, **blocks,
+        HAS_H0=h0 is not None, PRECISION=cfg["state_precision"], **blocks,
     )
     o = torch.empty(B, T, H, V, **f32)
     BKo = min(64, max(16, triton.next_power_of_2(K)))
@@ -371,4 +408,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state):
         qd, s0, mqk, vf, mqa if Rab else dummy, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, BK=BKo, BV=BV,
         PRECISION=prec, num_warps=4, num_stages=1,
     )
-    return o, ht
+    if not save:
+        return o, ht
+    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, uv=uv, dch=dch, tinv=tinv, lbk=lbk, s0=s0, u=u,
+                 TC=TC)
+    return o, ht, saved

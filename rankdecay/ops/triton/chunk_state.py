@@ -150,37 +150,47 @@ class _ChunkStatePassing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ds0, du, dht):
         h0, d, kd, vf, w, uv, ad, s0, u = ctx.saved_tensors
-        B, H, NC, CR, K = kd.shape
-        V = vf.shape[-1]
-        CA = u.shape[-2]
-        blocks = _blocks(K, V, CR, CA)
-        ds0 = torch.zeros_like(s0) if ds0 is None else ds0.contiguous()
-        du = torch.zeros_like(u) if du is None else du.contiguous()
-        dh_next = torch.empty_like(s0)
-        du_tot = torch.empty_like(u)
-        dh0 = kd.new_empty(B, H, K, V)
-        dummy = kd
-        grid = (triton.cdiv(V, blocks["BV"]), B * H)
-        _state_bwd_kernel[grid](
-            dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
-            w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0, NC,
-            K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=ctx.gate,
-            HAS_DHT=dht is not None, PRECISION=_precision(kd), num_warps=blocks["num_warps"],
-            num_stages=blocks["num_stages"],
-        )
-        # Everything else is parallel over chunks: one batched matmul each.
-        d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V
-        d_kd = vf @ dh_next.transpose(-1, -2)
-        d_d = None
-        if d is not None:
-            prod = s0 * dh_next
-            d_d = prod.sum((-1, -2))[..., None] if ctx.gate == 1 else prod.sum(-1)
-        d_w = d_uv = d_ad = None
-        if CA:
-            d_ad = -(u @ dh_next.transpose(-1, -2))
-            d_w = du_tot @ s0.transpose(-1, -2)
-            d_uv = du_tot
-        return (dh0 if h0 is not None else None), d_d, d_kd, d_vf, d_w, d_uv, d_ad
+        dh0, *grads = state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht)
+        return (dh0 if h0 is not None else None), *grads
+
+
+def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
+    """Gradients of ``chunk_state_passing`` from those of its outputs (any may be None).
+
+    Returns (dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad); the last three are None when Rab = 0.
+    """
+    B, H, NC, CR, K = kd.shape
+    V = vf.shape[-1]
+    CA = u.shape[-2]
+    gate = gate_kind(d)
+    blocks = _blocks(K, V, CR, CA)
+    ds0 = torch.zeros_like(s0) if ds0 is None else ds0.contiguous()
+    du = torch.zeros_like(u) if du is None else du.contiguous()
+    dh_next = torch.empty_like(s0)
+    du_tot = torch.empty_like(u)
+    dh0 = kd.new_empty(B, H, K, V)
+    dummy = kd
+    grid = (triton.cdiv(V, blocks["BV"]), B * H)
+    _state_bwd_kernel[grid](
+        dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
+        w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0, NC,
+        K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate,
+        HAS_DHT=dht is not None, PRECISION=_precision(kd), num_warps=blocks["num_warps"],
+        num_stages=blocks["num_stages"],
+    )
+    # Everything else is parallel over chunks: one batched matmul each.
+    d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V
+    d_kd = vf @ dh_next.transpose(-1, -2)
+    d_d = None
+    if d is not None:
+        prod = s0 * dh_next
+        d_d = prod.sum((-1, -2))[..., None] if gate == 1 else prod.sum(-1)
+    d_w = d_uv = d_ad = None
+    if CA:
+        d_ad = -(u @ dh_next.transpose(-1, -2))
+        d_w = du_tot @ s0.transpose(-1, -2)
+        d_uv = du_tot
+    return dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad
 
 
 def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None):
