@@ -45,11 +45,12 @@ def dplr(
             (requires ``B == 1``); the state restarts at each boundary.
         chunk_size: tokens per chunk of the chunked algorithm.
         mode: ``"naive"`` (per-token loop in PyTorch), ``"chunk"`` (chunkwise WY/UT
-            algorithm in PyTorch), ``"triton"`` (the chunked algorithm in Triton: without
-            autograd (inference, prefill) fully fused — intra-chunk products, UT transform,
-            state passing and outputs — at the kernels' own chunk size, ``64 / max(padded
-            ranks)`` tokens, for ranks up to 4; with autograd the chunk-to-chunk state
-            passing is a Triton kernel, forward and backward, and the rest PyTorch),
+            algorithm in PyTorch), ``"triton"`` (the chunked algorithm in Triton: for ranks
+            up to 4 a fused forward — intra-chunk products, UT transform, state passing and
+            outputs — at the kernels' own chunk size, ``64 / max(padded ranks)`` tokens, whose
+            backward is written out (batched matmuls, the state kernel in reverse, a Triton
+            kernel for the products' gradients); higher ranks, and per-channel gates with a
+            low-rank decay on CUDA, run PyTorch intra-chunk parts around the Triton state kernel),
             ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,
             no autograd) or ``"auto"``: ``"triton"`` for CUDA tensors when triton is
             installed and the compute dtype is fp32, else ``"chunk"``.

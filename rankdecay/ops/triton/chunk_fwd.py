@@ -97,6 +97,28 @@ def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.con
 
 
 @triton.jit
+def _decays(Gx, Gy, tokx, toky, STRICT: tl.constexpr, GATE: tl.constexpr):
+    """[NX, NY] causal mask (tok y < tok x, or <=) times exp(Gx - Gy) for a scalar gate (GATE 1).
+
+    Gx, Gy: fp64 row vectors, split into fp32 hi + lo: the hi difference is exact wherever it
+    is small enough to matter (Sterbenz), so no [NX, NY] fp64 tile is needed.
+    """
+    if STRICT:
+        causal = tokx[:, None] > toky[None, :]
+    else:
+        causal = tokx[:, None] >= toky[None, :]
+    if GATE == 1:
+        xh = Gx.to(tl.float32)
+        yh = Gy.to(tl.float32)
+        xl = (Gx - xh.to(tl.float64)).to(tl.float32)
+        yl = (Gy - yh.to(tl.float64)).to(tl.float32)
+        diff = (xh[:, None] - yh[None, :]) + (xl[:, None] - yl[None, :])
+        return tl.exp(tl.where(causal, diff, float("-inf")))
+    else:
+        return causal.to(tl.float32)
+
+
+@triton.jit
 def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
               H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
               RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
@@ -140,21 +162,7 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
                 X = _load_rows(x, fx, vx, o_k, m_k, K)
                 Y = _load_rows(y, fy, vy, o_k, m_k, K)
                 acc += tl.dot(X, tl.trans(Y), input_precision=PRECISION)
-        if STRICT:
-            causal = tokx[:, None] > toky[None, :]
-        else:
-            causal = tokx[:, None] >= toky[None, :]
-        if GATE == 1:
-            # G as fp32 hi + lo: the hi difference is exact wherever it is small enough to matter
-            # (Sterbenz), so no [C, C] fp64 tile is needed to keep G_i - G_j exact.
-            xh = Gx.to(tl.float32)
-            yh = Gy.to(tl.float32)
-            xl = (Gx - xh.to(tl.float64)).to(tl.float32)
-            yl = (Gy - yh.to(tl.float64)).to(tl.float32)
-            diff = (xh[:, None] - yh[None, :]) + (xl[:, None] - yl[None, :])
-            acc = acc * tl.exp(tl.where(causal, diff, float("-inf")))
-        else:
-            acc = tl.where(causal, acc, 0.0)
+        acc = acc * _decays(Gx, Gy, tokx, toky, STRICT, GATE)
     return acc
 
 
