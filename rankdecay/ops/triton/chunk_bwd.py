@@ -191,8 +191,7 @@ class _ChunkDPLR(torch.autograd.Function):
         if Rab:
             d_bd = tinv.transpose(-1, -2) @ d_w
             dX = tinv.transpose(-1, -2) @ d_uv
-            dL_ba = torch.baddbmm(d_bd.flatten(0, 2) @ w.flatten(0, 2).transpose(-1, -2), dX.flatten(0, 2),
-                                  uv.flatten(0, 2).transpose(-1, -2)).view_as(tinv)
+            dL_ba = (d_bd @ w.transpose(-1, -2)).add_(dX @ uv.transpose(-1, -2))
             dL_ba = dL_ba.masked_fill_(tok_a[:, None] <= tok_a[None, :], 0.0).neg_()
             dL_bk = (dX @ vf.transpose(-1, -2)).masked_fill_(tok_a[:, None] <= tok_k[None, :], 0.0)
             d_vf += lbk.transpose(-1, -2) @ dX
@@ -272,8 +271,9 @@ def _grads_per_channel(q, k, a, b, g, dM_qk, dM_qa, dL_ba, dL_bk, d_qd, d_kd, d_
     # G_t = sum_{s <= t} g_s, G_{t-1} = sum_{s < t} g_s, G_C = sum_s g_s
     dg = dG.flip(-2).cumsum(-2).flip(-2) + (dGex.flip(-2).cumsum(-2).flip(-2) - dGex) + dGC
     dg = _from_chunks(dg[..., None, :], T, 1)[..., 0, :]
-    return (_from_chunks(dq, T, 1)[..., 0, :], _from_chunks(dk, T, Rkv), None if da is None else _from_chunks(da, T, Rab),
-            None if db is None else _from_chunks(db, T, Rab), dg)
+    da = None if da is None else _from_chunks(da, T, Rab)
+    db = None if db is None else _from_chunks(db, T, Rab)
+    return _from_chunks(dq, T, 1)[..., 0, :], _from_chunks(dk, T, Rkv), da, db, dg
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state):

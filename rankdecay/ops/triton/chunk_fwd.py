@@ -97,6 +97,16 @@ def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.con
 
 
 @triton.jit
+def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
+    """X Yᵀ of rows loaded (as fp32) from the inputs x and y: with LP (both 16-bit) in their own
+    dtype, which is exact (16-bit products fit the fp32 accumulator), else at PRECISION."""
+    if LP:
+        return tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
+    else:
+        return tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+
+
+@triton.jit
 def _decays(Gx, Gy, tokx, toky, STRICT: tl.constexpr, GATE: tl.constexpr):
     """[NX, NY] causal mask (tok y < tok x, or <=) times exp(Gx - Gy) for a scalar gate (GATE 1).
 
@@ -142,11 +152,7 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
             X = _load_rows(x, fx, vx, o_k, m_k, K)
             Y = _load_rows(y, fy, vy, o_k, m_k, K)
             if not STRICT:
-                if LP:
-                    XY = tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
-                else:
-                    XY = tl.dot(X, tl.trans(Y), input_precision=PRECISION)
-                acc += tl.where(same_tok, XY, 0.0)
+                acc += tl.where(same_tok, _input_dot(X, Y, x, y, LP, PRECISION), 0.0)
             for lvl in tl.static_range(LEVELS):
                 acc += _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC,
                                       RXP, RYP, TC >> lvl, STRICT, BK, PRECISION)
@@ -154,14 +160,9 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
         for k0 in tl.static_range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K
-            if LP:
-                X = tl.load(x + fx[:, None] * K + o_k[None, :], mask=vx[:, None] & m_k[None, :], other=0.0)
-                Y = tl.load(y + fy[:, None] * K + o_k[None, :], mask=vy[:, None] & m_k[None, :], other=0.0)
-                acc += tl.dot(X, tl.trans(Y))
-            else:
-                X = _load_rows(x, fx, vx, o_k, m_k, K)
-                Y = _load_rows(y, fy, vy, o_k, m_k, K)
-                acc += tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+            X = _load_rows(x, fx, vx, o_k, m_k, K)
+            Y = _load_rows(y, fy, vy, o_k, m_k, K)
+            acc += _input_dot(X, Y, x, y, LP, PRECISION)
         acc = acc * _decays(Gx, Gy, tokx, toky, STRICT, GATE)
     return acc
 
@@ -395,10 +396,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, qd, mqk,
         mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
-        dch if gate else dummy, tinv if tinv is not None else dummy, lbk if lbk is not None else dummy, scale, T, NC, H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
-        RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate, LEVELS=TC.bit_length() - 1, PRECISION=prec,
-        LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a), LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k),
-        SAVE=save, num_warps=cfg["intra_warps"], num_stages=1,
+        dch if gate else dummy, tinv if save and Rab else dummy, lbk if save and Rab else dummy, scale, T, NC,
+        H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
+        LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
+        LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
     s0 = torch.empty(B, H, NC, K, V, **f32)

@@ -143,13 +143,13 @@ class _ChunkStatePassing(torch.autograd.Function):
             s0, u, ht, NC, K=K, V=V, CR=CR, CA=CA, GATE=gate, HAS_H0=h0 is not None,
             PRECISION=_precision(kd), **blocks,
         )
-        ctx.save_for_backward(h0, d, kd, vf, w, uv, ad, s0, u)
+        ctx.save_for_backward(h0, d, kd, vf, w, ad, s0, u)  # the gradients do not need Ũ
         ctx.gate = gate
         return s0, u, ht
 
     @staticmethod
     def backward(ctx, ds0, du, dht):
-        h0, d, kd, vf, w, uv, ad, s0, u = ctx.saved_tensors
+        h0, d, kd, vf, w, ad, s0, u = ctx.saved_tensors
         dh0, *grads = state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht)
         return (dh0 if h0 is not None else None), *grads
 
