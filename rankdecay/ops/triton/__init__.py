@@ -6,7 +6,7 @@
 - ``chunk_dplr_fwd``: the whole chunked forward fused (intra-chunk products, the UT
   transform, state passing, outputs) in three kernels; used without autograd.
 - ``chunk_dplr``: the same forward with autograd: it keeps its per-chunk tensors and the
-  backward is written out (``chunk_bwd``: batched matmuls, the state kernel in reverse).
+  backward is written out (``chunk_bwd``: the state kernel in reverse and two per-chunk kernels).
 - ``chunk_state_passing``: the sequential part of the chunked algorithm — the state
   carried from chunk to chunk, with the pseudo-values U of each chunk — forward and
   backward, as a ``torch.autograd.Function``. The parallel parts (decayed products,

@@ -74,26 +74,65 @@ def _seg_cumsum(x, NSEG: tl.constexpr, SEG: tl.constexpr, BK: tl.constexpr, REVE
 
 
 @triton.jit
+def _level_x(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
+             RP: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr, BK: tl.constexpr):
+    """Decays of the row side at one level of the per-channel products (blocks of S tokens):
+    exp of the gates from the block's midpoint (token S/2 - 1) to each row of the block's second
+    half, up to the row's token (STRICT: strictly before it), and 0 on the first half's rows."""
+    HS: tl.constexpr = S // 2
+    if STRICT:  # sum of g over (mid, tok): the gates strictly between
+        gx = _g_at(g, i_b, i_h, t - 1, (rk == 0) & (tok % HS != 0), T, H, o_k, m_k, KG, True)
+    else:       # sum of g over (mid, tok]
+        gx = _g_at(g, i_b, i_h, t, rk == 0, T, H, o_k, m_k, KG, True)
+    ex = _seg_cumsum(gx, TC // HS, HS * RP, BK, False)
+    sel = (tok % S) >= HS
+    return tl.where(sel[:, None], tl.exp(tl.where(sel[:, None], ex, 0.0)), 0.0)
+
+
+@triton.jit
+def _level_y(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
+             RP: tl.constexpr, S: tl.constexpr, BK: tl.constexpr):
+    """Decays of the column side at one level: exp of the gates after each row's token up to the
+    midpoint, on the block's first half (0 on its second half)."""
+    HS: tl.constexpr = S // 2
+    # sum of g over (tok, mid]; reverse sums count a token's gate on its last row, forward sums on its first
+    gy = _g_at(g, i_b, i_h, t + 1, (rk == RP - 1) & (tok % HS != HS - 1), T, H, o_k, m_k, KG, True)
+    ey = _seg_cumsum(gy, TC // HS, HS * RP, BK, True)
+    sel = (tok % S) < HS
+    return tl.where(sel[:, None], tl.exp(tl.where(sel[:, None], ey, 0.0)), 0.0)
+
+
+@triton.jit
+def _same_block(tokx, toky, S: tl.constexpr):
+    return (tokx // S)[:, None] == (toky // S)[None, :]
+
+
+@triton.jit
 def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.constexpr, o_k, m_k,
                    KG: tl.constexpr, TC: tl.constexpr, RXP: tl.constexpr, RYP: tl.constexpr, S: tl.constexpr,
                    STRICT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """One level of the per-channel products: in blocks of S tokens, the rows of each block's
     second half against the columns of its first half, through the token at S/2 - 1."""
-    HS: tl.constexpr = S // 2
-    if STRICT:  # sum of g over (mid, tok): the gates strictly between
-        gx = _g_at(g, i_b, i_h, tx - 1, (rkx == 0) & (tokx % HS != 0), T, H, o_k, m_k, KG, True)
-    else:       # sum of g over (mid, tok]
-        gx = _g_at(g, i_b, i_h, tx, rkx == 0, T, H, o_k, m_k, KG, True)
-    ex = _seg_cumsum(gx, TC // HS, HS * RXP, BK, False)
-    # sum of g over (tok, mid]; reverse sums count a token's gate on its last row, forward sums on its first
-    gy = _g_at(g, i_b, i_h, ty + 1, (rky == RYP - 1) & (toky % HS != HS - 1), T, H, o_k, m_k, KG, True)
-    ey = _seg_cumsum(gy, TC // HS, HS * RYP, BK, True)
-    selx = (tokx % S) >= HS
-    sely = (toky % S) < HS
-    Xs = tl.where(selx[:, None], X * tl.exp(tl.where(selx[:, None], ex, 0.0)), 0.0)
-    Ys = tl.where(sely[:, None], Y * tl.exp(tl.where(sely[:, None], ey, 0.0)), 0.0)
-    same_block = (tokx // S)[:, None] == (toky // S)[None, :]
-    return tl.where(same_block, tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+    Xs = X * _level_x(g, tokx, rkx, tx, i_b, i_h, T, H, o_k, m_k, KG, TC, RXP, S, STRICT, BK)
+    Ys = Y * _level_y(g, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC, RYP, S, BK)
+    return tl.where(_same_block(tokx, toky, S), tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+
+
+@triton.jit
+def _channel_decays(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
+                    RP: tl.constexpr, TO_END: tl.constexpr, EXCLUSIVE: tl.constexpr):
+    """Per-channel decays of a row set [rows, BK] inside the chunk: TO_END, exp(G_C - G_tok) (the
+    gates after the row's token); else exp(G_tok) from the chunk's start, or with EXCLUSIVE
+    exp(G_{tok-1}) (the gates before it)."""
+    if TO_END:
+        x = _g_at(g, i_b, i_h, t + 1, (rk == RP - 1) & (tok < TC - 1), T, H, o_k, m_k, KG, True)
+        return tl.exp(tl.cumsum(x, axis=0, reverse=True))
+    elif EXCLUSIVE:
+        x = _g_at(g, i_b, i_h, t - 1, (rk == 0) & (tok > 0), T, H, o_k, m_k, KG, True)
+        return tl.exp(tl.cumsum(x, axis=0))
+    else:
+        x = _g_at(g, i_b, i_h, t, rk == 0, T, H, o_k, m_k, KG, True)
+        return tl.exp(tl.cumsum(x, axis=0))
 
 
 @triton.jit
@@ -273,12 +312,11 @@ def _intra_kernel(
             Q = Q * tl.exp(Gq.to(tl.float32))[:, None]
             Kr = Kr * tl.exp((G_end - Gk).to(tl.float32))[:, None]
         elif GATE == 2:
-            g_q = _g_at(g, i_b, i_h, tq, rkq == 0, T, H, o_k, m_k, KG, True)
-            Q = Q * tl.exp(tl.cumsum(g_q, axis=0))
-            # to the chunk's end: the gates after the row's token
-            g_k = _g_at(g, i_b, i_h, tk + 1, (rkk == RKVP - 1) & (tokk < TC - 1), T, H, o_k, m_k, KG, True)
-            Kr = Kr * tl.exp(tl.cumsum(g_k, axis=0, reverse=True))
-            tl.store(dch + c * KG + o_k, tl.exp(tl.sum(g_q, axis=0)), mask=m_k)  # e^{G_C}
+            eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
+            Q = Q * eq
+            Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+            tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
+                     mask=m_k)  # e^{G_C}
         tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
         tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if RAB > 0:
@@ -288,10 +326,8 @@ def _intra_kernel(
                 A = A * tl.exp((G_end - Ga).to(tl.float32))[:, None]
                 Bm = Bm * tl.exp(Gb.to(tl.float32))[:, None]
             elif GATE == 2:
-                g_a = _g_at(g, i_b, i_h, ta + 1, (rka == RABP - 1) & (toka < TC - 1), T, H, o_k, m_k, KG, True)
-                A = A * tl.exp(tl.cumsum(g_a, axis=0, reverse=True))
-                g_b = _g_at(g, i_b, i_h, ta - 1, (rka == 0) & (toka > 0), T, H, o_k, m_k, KG, True)
-                Bm = Bm * tl.exp(tl.cumsum(g_b, axis=0))
+                A = A * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
+                Bm = Bm * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], tl.dot(Tinv, Bm, input_precision=PRECISION),
                      mask=m_k[None, :])

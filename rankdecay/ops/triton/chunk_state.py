@@ -73,10 +73,14 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, NC,
+    dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, qd, mqa, do, NC, T,
     K: tl.constexpr, V: tl.constexpr, CA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BCA: tl.constexpr,
     GATE: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr,
+    FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr,
 ):
+    # FROM_OUT: the outputs' share of dS_n and dU_n (Q̃ᵀ dO and -M_QAᵀ dO, with O = Q̃ S_n + ... - M_QA U_n)
+    # is formed here from dO [B, T, H, V] and the chunk's Q̃ [TC, K] and M_QA [TC, CA] (the fused
+    # forward's saved tensors); else it is read from ds0 and du.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -89,7 +93,15 @@ def _state_bwd_kernel(
         n = NC - 1 - i
         c = i_bh * NC + n
         tl.store(dh_next + c * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
-        dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+        if FROM_OUT:
+            r_q = tl.arange(0, TC)
+            t = n * TC + r_q
+            dO = tl.load(do + (((i_bh // H) * T + t[:, None]) * H + i_bh % H) * V + o_v[None, :],
+                         mask=(t < T)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            dS_prev = tl.dot(tl.trans(Qd), dO, input_precision=PRECISION)
+        else:
+            dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
         if GATE == 1:
             dS_prev += dS * tl.load(d + c)
         elif GATE == 2:
@@ -101,7 +113,11 @@ def _state_bwd_kernel(
             m_av = (o_a < CA)[:, None] & m_v[None, :]
             m_ak = (o_a < CA)[:, None] & m_k[None, :]
             Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-            dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
+            if FROM_OUT:
+                Ma = tl.load(mqa + (c * TC + r_q[:, None]) * CA + o_a[None, :], mask=(o_a < CA)[None, :], other=0.0)
+                dU = -tl.dot(tl.trans(Ma), dO, input_precision=PRECISION)
+            else:
+                dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
             dU -= tl.dot(Ad, dS, input_precision=PRECISION)
             tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
@@ -173,10 +189,10 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     grid = (triton.cdiv(V, blocks["BV"]), B * H)
     _state_bwd_kernel[grid](
         dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
-        w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0, NC,
-        K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate,
-        HAS_DHT=dht is not None, PRECISION=_precision(kd), num_warps=blocks["num_warps"],
-        num_stages=blocks["num_stages"],
+        w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0,
+        dummy, dummy, dummy, NC, 0, K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"],
+        GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, H=1, TC=16,
+        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
     )
     # Everything else is parallel over chunks: one batched matmul each.
     d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V
