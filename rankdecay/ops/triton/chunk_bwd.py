@@ -14,11 +14,11 @@ of ``rankdecay.ops.chunk``; per chunk, rows of K̃/V are (token, rank) pairs, pa
    log-cumsums dG^x = Σ x ⊙ dx, dG^y = -Σ y ⊙ dy; every decayed input (Q̃, K̃, Ã, B̃, e^{G_C})
    adds its own term; dg is the reverse cumsum of dG inside each chunk plus dG_C.
 
-Three kernels: the state kernel in reverse (forming the outputs' share Q̃ᵀ dO and -M_QAᵀ dO
-itself), ``_grad_values_kernel`` (dV and dX, per chunk and block of value channels) and
-``_grad_kernel`` (everything else, per chunk: the products' gradients, then block by block of
-key channels dq, dk, da, db and dg). Nothing but the state gradients dS_{n+1}, dU and dX goes
-through memory between them.
+Five kernels: the state kernel in reverse (forming the outputs' share Q̃ᵀ dO and -M_QAᵀ dO
+itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of value channels);
+``_grad_products_kernel`` (the products' gradients, per chunk) and ``_grad_inputs_kernel`` (the
+decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk, block by
+block of key channels: dq, dk, da, db and dg through the products and decays).
 """
 from __future__ import annotations
 
@@ -31,23 +31,20 @@ from .chunk_fwd import (_channel_decays, _decays, _level_x, _level_y, _load_rows
 from .fused_recurrent import gate_kind
 from .chunk_state import _blocks, _precision, _state_bwd_kernel
 
+_WARPS = dict(values=4, products=4, inputs=4, grad=4)  # launch widths of the backward kernels
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lbk", "s0", "u")
 
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, do, s0, dhn, vf, u, dx, dch, dq, dk, da, db, dg, scale, T, NC,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
-    RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q, k, a, b, g, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, T, NC,
+    H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
+    RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Steps 1, 3 and 4 for one chunk: dq, dk, da, db and dg.
-
-    First the gradients of the products, dM_QK = dO Vᵀ, dM_QA = -dO Uᵀ, dL_BA = -dX Uᵀ and
-    dL_BK = dX Vᵀ (causally masked; dX = Tᵀ dU from ``_grad_values_kernel``), then, one block of
-    key channels at a time, those of the decayed inputs, dQ̃ = dO S_nᵀ, dK̃ = V dS_{n+1}ᵀ,
-    dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ S_n ⊙ dS_{n+1}, and through the products
-    and decays the inputs' own.
+    """Step 4 for one chunk: dq, dk, da, db and dg from the gradients of the products
+    (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``), one block of
+    key channels at a time.
 
     No gate (GATE 0) or a scalar one (1): the products' gradients times the decays, then plain
     products with the inputs. Per channel (2): the forward's levels in reverse, each block's
@@ -76,40 +73,18 @@ def _grad_kernel(
         r_a = tl.arange(0, NA)
         if GATE == 1:
             Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
-        Pqa = tl.zeros([TC, NA], dtype=tl.float32)
-        Pba = tl.zeros([NA, NA], dtype=tl.float32)
-        Pbk = tl.zeros([NA, NK], dtype=tl.float32)
         dGa = tl.zeros([NA], dtype=tl.float32)
         dGb = tl.zeros([NA], dtype=tl.float32)
-    # the gradients of the products (step 1 and the UT transform's)
-    Pqk = tl.zeros([TC, NK], dtype=tl.float32)
-    for v0 in tl.static_range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        m_v = o_v < V
-        dO = _load_rows(do, fq, vq, o_v, m_v, V)
-        Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        Pqk += tl.dot(dO, tl.trans(Vf), input_precision=PRECISION)
-        if RAB > 0:
-            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            Pqa -= tl.dot(dO, tl.trans(U), input_precision=PRECISION)
-            Pba -= tl.dot(dX, tl.trans(U), input_precision=PRECISION)
-            Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
-    # with no gate or a scalar one, times the decays (which are causal): the gradients of the undecayed
-    # products x yᵀ; per channel the levels below take the decays
-    if GATE < 2:
-        Pqk = Pqk * scale * _decays(Gq, Gk, tokq, tokk, False, GATE)
-    else:
-        Pqk = tl.where(tokq[:, None] >= tokk[None, :], Pqk * scale, 0.0)
-    if RAB > 0:
-        if GATE < 2:
-            Pqa = Pqa * scale * _decays(Gq, Ga, tokq, toka, False, GATE)
+        Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
+        Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
+        Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+        if GATE < 2:  # times the decays: the gradients of the undecayed products x yᵀ
+            Pqa = Pqa * _decays(Gq, Ga, tokq, toka, False, GATE)
             Pba = Pba * _decays(Gb, Ga, toka, toka, True, GATE)
             Pbk = Pbk * _decays(Gb, Gk, toka, tokk, True, GATE)
-        else:
-            Pqa = tl.where(tokq[:, None] >= toka[None, :], Pqa * scale, 0.0)
-            Pba = tl.where(toka[:, None] > toka[None, :], Pba, 0.0)
-            Pbk = tl.where(toka[:, None] > tokk[None, :], Pbk, 0.0)
+    Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+    if GATE < 2:
+        Pqk = Pqk * _decays(Gq, Gk, tokq, tokk, False, GATE)
     dGq = tl.zeros([TC], dtype=tl.float32)
     dGk = tl.zeros([NK], dtype=tl.float32)
     dGC = tl.zeros([1], dtype=tl.float32)
@@ -168,30 +143,14 @@ def _grad_kernel(
                 dK += dKs * fk_
         # the gradients of the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G},
         # B̃ = B e^{G_{i-1}} and of e^{G_C} (the state passing's and the outputs')
-        Dq = tl.zeros([TC, BK], dtype=tl.float32)
-        Dk = tl.zeros([NK, BK], dtype=tl.float32)
-        Dd = tl.zeros([BK], dtype=tl.float32)
+        # (from _grad_inputs_kernel)
+        Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        if GATE > 0:
+            Dd = tl.load(ddch + c * K + o_k, mask=m_k, other=0.0)
         if RAB > 0:
-            Da = tl.zeros([NA, BK], dtype=tl.float32)
-            Db = tl.zeros([NA, BK], dtype=tl.float32)
-        for v0 in tl.static_range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            m_v = o_v < V
-            m_kv = m_k[:, None] & m_v[None, :]
-            S0 = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-            dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-            dO = _load_rows(do, fq, vq, o_v, m_v, V)
-            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            Dq += tl.dot(dO, tl.trans(S0), input_precision=PRECISION)
-            Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
-            if GATE > 0:
-                Dd += tl.sum(S0 * dS, axis=1)
-            if RAB > 0:
-                U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-                dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-                Da -= tl.dot(U, tl.trans(dS), input_precision=PRECISION)
-                Db += tl.dot(dX, tl.trans(S0), input_precision=PRECISION)
-        Dq = Dq * scale
+            Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         if GATE == 1:
             dDC += tl.sum(Dd, axis=0)
             eq = tl.exp(Gq.to(tl.float32))[:, None]
@@ -288,6 +247,101 @@ def _grad_values_kernel(
     tl.store(dv + fk[:, None] * V + o_v[None, :], dV, mask=vk[:, None] & m_v[None, :])
 
 
+@triton.jit
+def _grad_products_kernel(
+    do, vf, u, dx, dmqk, dmqa, dlba, dlbk, scale, T, NC,
+    H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
+    dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NK: tl.constexpr = TC * RKVP
+    NA: tl.constexpr = TC * RABP
+    _, _, _, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    r_q = tl.arange(0, TC)
+    r_k = tl.arange(0, NK)
+    tokk = r_k // RKVP
+    Pqk = tl.zeros([TC, NK], dtype=tl.float32)
+    if NA > 0:
+        r_a = tl.arange(0, NA)
+        toka = r_a // RABP
+        Pqa = tl.zeros([TC, NA], dtype=tl.float32)
+        Pba = tl.zeros([NA, NA], dtype=tl.float32)
+        Pbk = tl.zeros([NA, NK], dtype=tl.float32)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        dO = _load_rows(do, fq, vq, o_v, m_v, V)
+        Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        Pqk += tl.dot(dO, tl.trans(Vf), input_precision=PRECISION)
+        if NA > 0:
+            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Pqa -= tl.dot(dO, tl.trans(U), input_precision=PRECISION)
+            Pba -= tl.dot(dX, tl.trans(U), input_precision=PRECISION)
+            Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
+    tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
+             tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
+    if NA > 0:
+        tl.store(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :],
+                 tl.where(r_q[:, None] >= toka[None, :], Pqa * scale, 0.0))
+        tl.store(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :], tl.where(toka[:, None] > toka[None, :], Pba, 0.0))
+        tl.store(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], tl.where(toka[:, None] > tokk[None, :], Pbk, 0.0))
+
+
+@triton.jit
+def _grad_inputs_kernel(
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, scale, T, NC,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
+    (stored times the scale, Q̃'s factor besides the decay),
+    dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel)."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    _, _, _, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    r_q = tl.arange(0, TC)
+    r_k = tl.arange(0, NK)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    Dq = tl.zeros([TC, BK], dtype=tl.float32)
+    Dk = tl.zeros([NK, BK], dtype=tl.float32)
+    Dd = tl.zeros([BK], dtype=tl.float32)
+    if NA > 0:
+        r_a = tl.arange(0, NA)
+        Da = tl.zeros([NA, BK], dtype=tl.float32)
+        Db = tl.zeros([NA, BK], dtype=tl.float32)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        S0 = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        dO = _load_rows(do, fq, vq, o_v, m_v, V)
+        Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        Dq += tl.dot(dO, tl.trans(S0), input_precision=PRECISION)
+        Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
+        if GATE > 0:
+            Dd += tl.sum(S0 * dS, axis=1)
+        if NA > 0:
+            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Da -= tl.dot(U, tl.trans(dS), input_precision=PRECISION)
+            Db += tl.dot(dX, tl.trans(S0), input_precision=PRECISION)
+    tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])
+    tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
+    if GATE > 0:
+        tl.store(ddch + c * K + o_k, Dd, mask=m_k)
+    if NA > 0:
+        tl.store(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
+        tl.store(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
+
+
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, g, h0, scale):
@@ -328,20 +382,39 @@ class _ChunkDPLR(torch.autograd.Function):
         _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
             do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, T, NC, H=H, K=K, V=V,
             TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV,
-            PRECISION=prec, num_warps=4, num_stages=1,
+            PRECISION=prec, num_warps=_WARPS["values"], num_stages=1,
+        )
+        # the gradients of the decayed inputs
+        f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
+        dqd, dkd = f32c(C, K), f32c(NK, K)
+        dad, dbd = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
+        ddch = f32c(K) if g is not None else None
+        gate = gate_kind(g)
+        BKi = min(32, max(16, triton.next_power_of_2(K)))
+        _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
+            do, s0, dhn, vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch), scale, T, NC,
+            H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
+            num_warps=_WARPS["inputs"], num_stages=1,
+        )
+        # the gradients of the products
+        dmqk = f32c(C, NK)
+        dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
+        _grad_products_kernel[(NC, B * H)](
+            do, vf, opt(u if Rab else None), opt(dx), dmqk, opt(dmqa), opt(dlba), opt(dlbk), scale, T, NC, H=H, V=V,
+            TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), PRECISION=prec, num_warps=_WARPS["products"],
+            num_stages=1,
         )
         # dq, dk, da, db, dg
-        gate = gate_kind(g)
         dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(k.shape, **f32)
         da = torch.empty(a.shape, **f32) if Rab else None
         db = torch.empty(b.shape, **f32) if Rab else None
         dg = torch.empty(g.shape, **f32) if g is not None else None
         _grad_kernel[(NC, B * H)](
-            q, k, opt(a), opt(b), opt(g), do, s0, dhn, vf, opt(u if Rab else None), opt(dx), opt(dch), dq, dk,
-            opt(da), opt(db), opt(dg), scale, T, NC, H=H, K=K, V=V, KG=1 if g is None else g.shape[-1], TC=C,
-            RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K))), BV=min(32, BV), GATE=gate,
-            LEVELS=C.bit_length() - 1, PRECISION=prec, num_warps=4, num_stages=1,
+            q, k, opt(a), opt(b), opt(g), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad), opt(dbd),
+            opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), T, NC, H=H, K=K,
+            KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
+            BK=min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K))), GATE=gate,
+            LEVELS=C.bit_length() - 1, PRECISION=prec, num_warps=_WARPS["grad"], num_stages=1,
         )
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None)
