@@ -17,8 +17,8 @@ of ``rankdecay.ops.chunk``; per chunk, rows of K̃/V are (token, rank) pairs, pa
 Five kernels: the state kernel in reverse (forming the outputs' share Q̃ᵀ dO and -M_QAᵀ dO
 itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of value channels);
 ``_grad_products_kernel`` (the products' gradients, per chunk) and ``_grad_inputs_kernel`` (the
-decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk, block by
-block of key channels: dq, dk, da, db and dg through the products and decays).
+decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk and block
+of key channels: dq, dk, da, db and dg through the products and decays).
 """
 from __future__ import annotations
 
@@ -37,20 +37,21 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lbk", "s0",
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, T, NC,
+    q, k, a, b, g, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Step 4 for one chunk: dq, dk, da, db and dg from the gradients of the products
-    (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``), one block of
-    key channels at a time.
+    """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
+    the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
 
-    No gate (GATE 0) or a scalar one (1): the products' gradients times the decays, then plain
-    products with the inputs. Per channel (2): the forward's levels in reverse, each block's
-    lower-left quarter through its midpoint (``chunk_fwd._level_product``).
+    No gate (GATE 0) or a scalar one (1): each product's gradient times its decays, then plain
+    products with the inputs, one product at a time; a scalar gate's dg sums over every key
+    channel, so each block writes its share per token (pdg: dG_t, dG_{t-1}, dG_C) and
+    ``_finish_scalar_dg`` adds them up. Per channel (2): the forward's levels in reverse, each
+    block's lower-left quarter through its midpoint (``chunk_fwd._level_product``), and dg here.
     """
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
     NK: tl.constexpr = TC * RKVP
@@ -59,6 +60,8 @@ def _grad_kernel(
     tokk, rkk, tk, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
     Gq = tl.zeros([1], dtype=tl.float64)
     Gk = tl.zeros([1], dtype=tl.float64)
     Ga = tl.zeros([1], dtype=tl.float64)
@@ -68,145 +71,137 @@ def _grad_kernel(
         Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG)
         Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG)
         G_end = tl.sum(Gq - Gq_ex, axis=0)
+    Q = _load_rows(q, fq, vq, o_k, m_k, K)
+    Kr = _load_rows(k, fk, vk, o_k, m_k, K)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         if GATE == 1:
             Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
-        dGa = tl.zeros([NA], dtype=tl.float32)
-        dGb = tl.zeros([NA], dtype=tl.float32)
-        Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
-        Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
-        Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-        if GATE < 2:  # times the decays: the gradients of the undecayed products x yᵀ
-            Pqa = Pqa * _decays(Gq, Ga, tokq, toka, False, GATE)
-            Pba = Pba * _decays(Gb, Ga, toka, toka, True, GATE)
-            Pbk = Pbk * _decays(Gb, Gk, toka, tokk, True, GATE)
-    Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+        A = _load_rows(a, fa, va, o_k, m_k, K)
+        Bm = _load_rows(b, fa, va, o_k, m_k, K)
     if GATE < 2:
-        Pqk = Pqk * _decays(Gq, Gk, tokq, tokk, False, GATE)
-    dGq = tl.zeros([TC], dtype=tl.float32)
-    dGk = tl.zeros([NK], dtype=tl.float32)
-    dGC = tl.zeros([1], dtype=tl.float32)
-    dDC = tl.zeros([1], dtype=tl.float32)  # scalar gate: Σ S_n ⊙ dS_{n+1}
-    for k0 in tl.static_range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        Q = _load_rows(q, fq, vq, o_k, m_k, K)
-        Kr = _load_rows(k, fk, vk, o_k, m_k, K)
+        # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
+        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
+        dQ = tl.dot(P, Kr, input_precision=PRECISION)
+        dK = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
         if RAB > 0:
-            A = _load_rows(a, fa, va, o_k, m_k, K)
-            Bm = _load_rows(b, fa, va, o_k, m_k, K)
-        if GATE < 2:
-            dQ = tl.dot(Pqk, Kr, input_precision=PRECISION)
-            dK = tl.dot(tl.trans(Pqk), Q, input_precision=PRECISION)
+            P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * _decays(Gq, Ga, tokq, toka, False, GATE)
+            dQ += tl.dot(P, A, input_precision=PRECISION)
+            dA = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+            P = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * _decays(Gb, Ga, toka, toka, True, GATE)
+            dA += tl.dot(tl.trans(P), Bm, input_precision=PRECISION)
+            dB = tl.dot(P, A, input_precision=PRECISION)
+            P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * _decays(Gb, Gk, toka, tokk, True, GATE)
+            dK += tl.dot(tl.trans(P), Bm, input_precision=PRECISION)
+            dB += tl.dot(P, Kr, input_precision=PRECISION)
+    else:
+        Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+        # a token against itself (M_QK, M_QA): no decay
+        P = tl.where(tokq[:, None] == tokk[None, :], Pqk, 0.0)
+        dQ = tl.dot(P, Kr, input_precision=PRECISION)
+        dK = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+        if RAB > 0:
+            Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
+            Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
+            Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+            P = tl.where(tokq[:, None] == toka[None, :], Pqa, 0.0)
+            dQ += tl.dot(P, A, input_precision=PRECISION)
+            dA = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+            dB = tl.zeros([NA, BK], dtype=tl.float32)
+        for lvl in tl.static_range(LEVELS):
+            # x rows (Q, B) decay from the midpoint, y rows (K, A) to it; 0 off their half
+            fq_ = _level_x(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, TC >> lvl, False, BK)
+            fk_ = _level_y(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, TC >> lvl, BK)
+            Qs, Ks = Q * fq_, Kr * fk_
+            P = tl.where(_same_block(tokq, tokk, TC >> lvl), Pqk, 0.0)
+            dQs = tl.dot(P, Ks, input_precision=PRECISION)
+            dKs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
             if RAB > 0:
-                dQ += tl.dot(Pqa, A, input_precision=PRECISION)
-                dK += tl.dot(tl.trans(Pbk), Bm, input_precision=PRECISION)
-                dA = tl.dot(tl.trans(Pqa), Q, input_precision=PRECISION) + tl.dot(tl.trans(Pba), Bm,
-                                                                                   input_precision=PRECISION)
-                dB = tl.dot(Pba, A, input_precision=PRECISION) + tl.dot(Pbk, Kr, input_precision=PRECISION)
-        else:
-            # a token against itself (M_QK, M_QA): no decay
-            P = tl.where(tokq[:, None] == tokk[None, :], Pqk, 0.0)
-            dQ = tl.dot(P, Kr, input_precision=PRECISION)
-            dK = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
-            if RAB > 0:
-                P = tl.where(tokq[:, None] == toka[None, :], Pqa, 0.0)
-                dQ += tl.dot(P, A, input_precision=PRECISION)
-                dA = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
-                dB = tl.zeros([NA, BK], dtype=tl.float32)
-            for lvl in tl.static_range(LEVELS):
-                # x rows (Q, B) decay from the midpoint, y rows (K, A) to it; 0 off their half
-                fq_ = _level_x(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, TC >> lvl, False, BK)
-                fk_ = _level_y(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, TC >> lvl, BK)
-                Qs, Ks = Q * fq_, Kr * fk_
-                P = tl.where(_same_block(tokq, tokk, TC >> lvl), Pqk, 0.0)
-                dQs = tl.dot(P, Ks, input_precision=PRECISION)
-                dKs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
-                if RAB > 0:
-                    fb_ = _level_x(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, True, BK)
-                    fa_ = _level_y(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, BK)
-                    As, Bs = A * fa_, Bm * fb_
-                    P = tl.where(_same_block(tokq, toka, TC >> lvl), Pqa, 0.0)
-                    dQs += tl.dot(P, As, input_precision=PRECISION)
-                    dAs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
-                    P = tl.where(_same_block(toka, toka, TC >> lvl), Pba, 0.0)
-                    dBs = tl.dot(P, As, input_precision=PRECISION)
-                    dAs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
-                    P = tl.where(_same_block(toka, tokk, TC >> lvl), Pbk, 0.0)
-                    dBs += tl.dot(P, Ks, input_precision=PRECISION)
-                    dKs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
-                    dA += dAs * fa_
-                    dB += dBs * fb_
-                dQ += dQs * fq_
-                dK += dKs * fk_
-        # the gradients of the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G},
-        # B̃ = B e^{G_{i-1}} and of e^{G_C} (the state passing's and the outputs')
-        # (from _grad_inputs_kernel)
-        Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        if GATE > 0:
-            Dd = tl.load(ddch + c * K + o_k, mask=m_k, other=0.0)
-        if RAB > 0:
-            Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        if GATE == 1:
-            dDC += tl.sum(Dd, axis=0)
-            eq = tl.exp(Gq.to(tl.float32))[:, None]
-            ek = tl.exp((G_end - Gk).to(tl.float32))[:, None]
-            dGq += tl.sum(Q * (dQ + eq * Dq), axis=1)
-            dGk -= tl.sum(Kr * (dK + ek * Dk), axis=1)
-            dGC += tl.sum(tl.sum(Kr * ek * Dk, axis=1), axis=0)
-            Dq = Dq * eq
-            Dk = Dk * ek
-        elif GATE == 2:
-            eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
-            ek = _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
-            # per token and channel: dG_t (G_t inclusive), dGex_t (G_{t-1}) and dG_C
-            dGc = Q * (dQ + eq * Dq) - tl.sum(tl.reshape(Kr * (dK + ek * Dk), (TC, RKVP, BK)), axis=1)
-            dGcex = tl.zeros([TC, BK], dtype=tl.float32)
-            dGCc = tl.sum(Kr * ek * Dk, axis=0)
-            Dq = Dq * eq
-            Dk = Dk * ek
-        tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
-        tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
-        if RAB > 0:
-            if GATE == 1:
-                ea = tl.exp((G_end - Ga).to(tl.float32))[:, None]
-                eb = tl.exp(Gb.to(tl.float32))[:, None]
-                dGa -= tl.sum(A * (dA + ea * Da), axis=1)
-                dGb += tl.sum(Bm * (dB + eb * Db), axis=1)
-                dGC += tl.sum(tl.sum(A * ea * Da, axis=1), axis=0)
-                Da = Da * ea
-                Db = Db * eb
-            elif GATE == 2:
-                ea = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
-                eb = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
-                dGc -= tl.sum(tl.reshape(A * (dA + ea * Da), (TC, RABP, BK)), axis=1)
-                dGcex += tl.sum(tl.reshape(Bm * (dB + eb * Db), (TC, RABP, BK)), axis=1)
-                dGCc += tl.sum(A * ea * Da, axis=0)
-                Da = Da * ea
-                Db = Db * eb
-            tl.store(da + fa[:, None] * K + o_k[None, :], dA + Da, mask=va[:, None] & m_k[None, :])
-            tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
-        if GATE == 2:
-            # G_t = sum_{s <= t} g_s, G_{t-1} = sum_{s < t} g_s, G_C = sum_s g_s (per channel)
-            dGCc += tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * Dd
-            dgt = (tl.cumsum(dGc, axis=0, reverse=True) + tl.cumsum(dGcex, axis=0, reverse=True) - dGcex
-                   + dGCc[None, :])
-            tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
-                     mask=(tq < T)[:, None] & m_k[None, :])
+                fb_ = _level_x(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, True, BK)
+                fa_ = _level_y(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, BK)
+                As, Bs = A * fa_, Bm * fb_
+                P = tl.where(_same_block(tokq, toka, TC >> lvl), Pqa, 0.0)
+                dQs += tl.dot(P, As, input_precision=PRECISION)
+                dAs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
+                P = tl.where(_same_block(toka, toka, TC >> lvl), Pba, 0.0)
+                dBs = tl.dot(P, As, input_precision=PRECISION)
+                dAs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
+                P = tl.where(_same_block(toka, tokk, TC >> lvl), Pbk, 0.0)
+                dBs += tl.dot(P, Ks, input_precision=PRECISION)
+                dKs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
+                dA += dAs * fa_
+                dB += dBs * fb_
+            dQ += dQs * fq_
+            dK += dKs * fk_
+    # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
+    # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
+    Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
     if GATE == 1:
+        eq = tl.exp(Gq.to(tl.float32))[:, None]
+        ek = tl.exp((G_end - Gk).to(tl.float32))[:, None]
         # per token: G_t = sum_{s <= t} g_s, G_{t-1} = sum_{s < t} g_s, G_C = sum_s g_s
-        dG = dGq + tl.sum(tl.reshape(dGk, (TC, RKVP)), axis=1)
+        dG = tl.sum(Q * (dQ + eq * Dq), axis=1) - tl.sum(tl.reshape(tl.sum(Kr * (dK + ek * Dk), axis=1),
+                                                                    (TC, RKVP)), axis=1)
         dGex = tl.zeros([TC], dtype=tl.float32)
-        if RAB > 0:
-            dG += tl.sum(tl.reshape(dGa, (TC, RABP)), axis=1)
-            dGex += tl.sum(tl.reshape(dGb, (TC, RABP)), axis=1)
-        dGC += tl.load(dch + c + tl.arange(0, 1)) * dDC
-        dgt = tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex + dGC
-        tl.store(dg + (i_b * T + tq) * H + i_h, dgt, mask=tq < T)
+        dGC = tl.sum(tl.sum(Kr * ek * Dk, axis=1), axis=0)
+        dGC += tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
+        Dq = Dq * eq
+        Dk = Dk * ek
+    elif GATE == 2:
+        eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
+        ek = _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+        # per token and channel: dG_t (G_t inclusive), dG_{t-1} and dG_C
+        dG = Q * (dQ + eq * Dq) - tl.sum(tl.reshape(Kr * (dK + ek * Dk), (TC, RKVP, BK)), axis=1)
+        dGex = tl.zeros([TC, BK], dtype=tl.float32)
+        dGC = tl.sum(Kr * ek * Dk, axis=0) + tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * tl.load(
+            ddch + c * K + o_k, mask=m_k, other=0.0)
+        Dq = Dq * eq
+        Dk = Dk * ek
+    tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
+    tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
+    if RAB > 0:
+        Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        if GATE == 1:
+            ea = tl.exp((G_end - Ga).to(tl.float32))[:, None]
+            eb = tl.exp(Gb.to(tl.float32))[:, None]
+            dG -= tl.sum(tl.reshape(tl.sum(A * (dA + ea * Da), axis=1), (TC, RABP)), axis=1)
+            dGex += tl.sum(tl.reshape(tl.sum(Bm * (dB + eb * Db), axis=1), (TC, RABP)), axis=1)
+            dGC += tl.sum(tl.sum(A * ea * Da, axis=1), axis=0)
+            Da = Da * ea
+            Db = Db * eb
+        elif GATE == 2:
+            ea = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
+            eb = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
+            dG -= tl.sum(tl.reshape(A * (dA + ea * Da), (TC, RABP, BK)), axis=1)
+            dGex += tl.sum(tl.reshape(Bm * (dB + eb * Db), (TC, RABP, BK)), axis=1)
+            dGC += tl.sum(A * ea * Da, axis=0)
+            Da = Da * ea
+            Db = Db * eb
+        tl.store(da + fa[:, None] * K + o_k[None, :], dA + Da, mask=va[:, None] & m_k[None, :])
+        tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
+    if GATE == 1:  # this block's share
+        row = (c * tl.num_programs(0) + i_k) * (2 * TC + 1)
+        tl.store(pdg + row + r_q, dG)
+        tl.store(pdg + row + TC + r_q, dGex)
+        tl.store(pdg + row + 2 * TC + tl.arange(0, 1), dGC + tl.zeros([1], dtype=tl.float32))
+    elif GATE == 2:
+        dgt = tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex + dGC[None, :]
+        tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
+                 mask=(tq < T)[:, None] & m_k[None, :])
+
+
+def _finish_scalar_dg(pdg: torch.Tensor, T: int) -> torch.Tensor:
+    """dg [B, T, H, 1] of a scalar gate from the key blocks' shares pdg [B, H, NC, NKB, 2C + 1]:
+    dg_t = Σ_{s >= t} dG_s + Σ_{s > t} dG_{s-1} + dG_C inside each chunk."""
+    p = pdg.sum(3)
+    C = (p.shape[-1] - 1) // 2
+    dG, dGex, dGC = p[..., :C], p[..., C:2 * C], p[..., 2 * C:]
+    rev = lambda x: x.flip(-1).cumsum(-1).flip(-1)  # noqa: E731
+    dg = rev(dG) + rev(dGex) - dGex + dGC  # [B, H, NC, C]
+    return dg.flatten(2)[..., :T].transpose(1, 2)[..., None]
 
 
 @triton.jit
@@ -408,14 +403,18 @@ class _ChunkDPLR(torch.autograd.Function):
         dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(k.shape, **f32)
         da = torch.empty(a.shape, **f32) if Rab else None
         db = torch.empty(b.shape, **f32) if Rab else None
-        dg = torch.empty(g.shape, **f32) if g is not None else None
-        _grad_kernel[(NC, B * H)](
+        dg = torch.empty(g.shape, **f32) if gate == 2 else None
+        BKg = min(32, max(16, triton.next_power_of_2(K)))
+        NKB = triton.cdiv(K, BKg)
+        pdg = torch.empty(B, H, NC, NKB, 2 * C + 1, **f32) if gate == 1 else None
+        _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(g), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad), opt(dbd),
-            opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), T, NC, H=H, K=K,
+            opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K))), GATE=gate,
-            LEVELS=C.bit_length() - 1, PRECISION=prec, num_warps=_WARPS["grad"], num_stages=1,
+            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, num_warps=_WARPS["grad"], num_stages=1,
         )
+        if gate == 1:
+            dg = _finish_scalar_dg(pdg, T)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None)
 
