@@ -1,9 +1,9 @@
-"""Backward kernels under launch widths: per-kernel GPU time of one case's forward+backward.
+"""Backward kernels under launch knobs: per-kernel GPU time of one case's forward+backward.
 
-    python benchmarks/bwd_variants.py gdn gla [--warps grad=8 inputs=8 ...]
+    python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 ...]
 
-Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default widths of
-``rankdecay.ops.triton.chunk_bwd._WARPS``, then with each override given, and prints the
+Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
+``rankdecay.ops.triton.chunk_bwd._CONFIG``, then with each override given, and prints the
 milliseconds per call of every Triton kernel.
 """
 from __future__ import annotations
@@ -32,17 +32,17 @@ def per_kernel(case, inputs, reps=5) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+", choices=list(CASES))
-    parser.add_argument("--warps", nargs="*", default=[], help="overrides, e.g. grad=8")
+    parser.add_argument("--set", nargs="*", default=[], help="overrides, e.g. grad=8 grad_bk=16")
     args = parser.parse_args()
     for name in args.cases:
         case = CASES[name]
         inputs = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
-        default = dict(cb._WARPS)
-        for label, override in [("default", {})] + [(w, {w.split("=")[0]: int(w.split("=")[1])}) for w in args.warps]:
-            cb._WARPS.update(default, **override)
+        default = dict(cb._CONFIG)
+        for label, override in [("default", {})] + [(w, {w.split("=")[0]: int(w.split("=")[1])}) for w in args.set]:
+            cb._CONFIG.update(default, **override)
             times = per_kernel(case, inputs)
             print(f"{name} {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items())), flush=True)
-        cb._WARPS.update(default)
+        cb._CONFIG.update(default)
 
 
 if __name__ == "__main__":

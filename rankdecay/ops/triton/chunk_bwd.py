@@ -31,7 +31,8 @@ from .chunk_fwd import (_channel_decays, _decays, _level_x, _level_y, _load_rows
 from .fused_recurrent import gate_kind
 from .chunk_state import _blocks, _precision, _state_bwd_kernel
 
-_WARPS = dict(values=4, products=4, inputs=4, grad=4)  # launch widths of the backward kernels
+# launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
+_CONFIG = dict(values=4, products=4, inputs=4, grad=4, grad_channel=8, grad_bk=32)
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lbk", "s0", "u")
 
 
@@ -377,7 +378,7 @@ class _ChunkDPLR(torch.autograd.Function):
         _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
             do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, T, NC, H=H, K=K, V=V,
             TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV,
-            PRECISION=prec, num_warps=_WARPS["values"], num_stages=1,
+            PRECISION=prec, num_warps=_CONFIG["values"], num_stages=1,
         )
         # the gradients of the decayed inputs
         f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
@@ -389,14 +390,15 @@ class _ChunkDPLR(torch.autograd.Function):
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
             do, s0, dhn, vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch), scale, T, NC,
             H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
-            num_warps=_WARPS["inputs"], num_stages=1,
+            num_warps=_CONFIG["inputs"], num_stages=1,
         )
         # the gradients of the products
         dmqk = f32c(C, NK)
         dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
         _grad_products_kernel[(NC, B * H)](
             do, vf, opt(u if Rab else None), opt(dx), dmqk, opt(dmqa), opt(dlba), opt(dlbk), scale, T, NC, H=H, V=V,
-            TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), PRECISION=prec, num_warps=_WARPS["products"],
+            TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), PRECISION=prec,
+            num_warps=_CONFIG["products"],
             num_stages=1,
         )
         # dq, dk, da, db, dg
@@ -404,14 +406,15 @@ class _ChunkDPLR(torch.autograd.Function):
         da = torch.empty(a.shape, **f32) if Rab else None
         db = torch.empty(b.shape, **f32) if Rab else None
         dg = torch.empty(g.shape, **f32) if gate == 2 else None
-        BKg = min(32, max(16, triton.next_power_of_2(K)))
+        BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
         NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 2 * C + 1, **f32) if gate == 1 else None
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(g), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad), opt(dbd),
             opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, num_warps=_WARPS["grad"], num_stages=1,
+            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec,
+            num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:
             dg = _finish_scalar_dg(pdg, T)
