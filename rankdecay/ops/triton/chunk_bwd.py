@@ -33,7 +33,7 @@ from .chunk_state import _blocks, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
 _CONFIG = dict(values=4, products=4, inputs=4, grad=4, grad_channel=8, grad_bk=32)
-_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lbk", "s0", "u")
+_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u")
 
 
 @triton.jit
@@ -139,69 +139,71 @@ def _grad_kernel(
     # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
     Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
     Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    # dg: each decayed input's share directly as the cumulative sum over the gates it depends on
+    # (sQ: Q̃_t ⊙ dQ̃_t, on g_s for s <= t; sKA: K̃ and Ã, s > t; sB: B̃, s < t; e^{G_C}: every s)
     if GATE == 1:
         eq = tl.exp(Gq.to(tl.float32))[:, None]
         ek = tl.exp((G_end - Gk).to(tl.float32))[:, None]
-        # per token: G_t = sum_{s <= t} g_s, G_{t-1} = sum_{s < t} g_s, G_C = sum_s g_s
-        dG = tl.sum(Q * (dQ + eq * Dq), axis=1) - tl.sum(tl.reshape(tl.sum(Kr * (dK + ek * Dk), axis=1),
-                                                                    (TC, RKVP)), axis=1)
-        dGex = tl.zeros([TC], dtype=tl.float32)
-        dGC = tl.sum(tl.sum(Kr * ek * Dk, axis=1), axis=0)
-        dGC += tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
         Dq = Dq * eq
         Dk = Dk * ek
+        sQ = tl.sum(Q * Dq, axis=1)
+        sKA = tl.sum(tl.reshape(tl.sum(Kr * Dk, axis=1), (TC, RKVP)), axis=1)
+        sB = tl.zeros([TC], dtype=tl.float32)
+        eC = tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
     elif GATE == 2:
         eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
         ek = _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
-        # per token and channel: dG_t (G_t inclusive), dG_{t-1} and dG_C
-        dG = Q * (dQ + eq * Dq) - tl.sum(tl.reshape(Kr * (dK + ek * Dk), (TC, RKVP, BK)), axis=1)
-        dGex = tl.zeros([TC, BK], dtype=tl.float32)
-        dGC = tl.sum(Kr * ek * Dk, axis=0) + tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * tl.load(
-            ddch + c * K + o_k, mask=m_k, other=0.0)
         Dq = Dq * eq
         Dk = Dk * ek
+        sQ = Q * Dq
+        sKA = tl.sum(tl.reshape(Kr * Dk, (TC, RKVP, BK)), axis=1)
+        sB = tl.zeros([TC, BK], dtype=tl.float32)
+        eC = tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * tl.load(ddch + c * K + o_k, mask=m_k, other=0.0)
+        # the products' share per channel: x ⊙ dx on G^x (G_t, or G_{t-1} for B), -y ⊙ dy on G^y
+        dG = Q * dQ - tl.sum(tl.reshape(Kr * dK, (TC, RKVP, BK)), axis=1)
+        dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
     tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
         Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         if GATE == 1:
-            ea = tl.exp((G_end - Ga).to(tl.float32))[:, None]
-            eb = tl.exp(Gb.to(tl.float32))[:, None]
-            dG -= tl.sum(tl.reshape(tl.sum(A * (dA + ea * Da), axis=1), (TC, RABP)), axis=1)
-            dGex += tl.sum(tl.reshape(tl.sum(Bm * (dB + eb * Db), axis=1), (TC, RABP)), axis=1)
-            dGC += tl.sum(tl.sum(A * ea * Da, axis=1), axis=0)
-            Da = Da * ea
-            Db = Db * eb
+            Da = Da * tl.exp((G_end - Ga).to(tl.float32))[:, None]
+            Db = Db * tl.exp(Gb.to(tl.float32))[:, None]
+            sKA += tl.sum(tl.reshape(tl.sum(A * Da, axis=1), (TC, RABP)), axis=1)
+            sB += tl.sum(tl.reshape(tl.sum(Bm * Db, axis=1), (TC, RABP)), axis=1)
         elif GATE == 2:
-            ea = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
-            eb = _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
-            dG -= tl.sum(tl.reshape(A * (dA + ea * Da), (TC, RABP, BK)), axis=1)
-            dGex += tl.sum(tl.reshape(Bm * (dB + eb * Db), (TC, RABP, BK)), axis=1)
-            dGC += tl.sum(A * ea * Da, axis=0)
-            Da = Da * ea
-            Db = Db * eb
+            Da = Da * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
+            Db = Db * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
+            sKA += tl.sum(tl.reshape(A * Da, (TC, RABP, BK)), axis=1)
+            sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
+            dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
+            dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
         tl.store(da + fa[:, None] * K + o_k[None, :], dA + Da, mask=va[:, None] & m_k[None, :])
         tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
-    if GATE == 1:  # this block's share
-        row = (c * tl.num_programs(0) + i_k) * (2 * TC + 1)
-        tl.store(pdg + row + r_q, dG)
-        tl.store(pdg + row + TC + r_q, dGex)
-        tl.store(pdg + row + 2 * TC + tl.arange(0, 1), dGC + tl.zeros([1], dtype=tl.float32))
+    if GATE == 1:  # this block's share (the products' share: _grad_products_kernel)
+        row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
+        tl.store(pdg + row + r_q, sQ)
+        tl.store(pdg + row + TC + r_q, sKA)
+        tl.store(pdg + row + 2 * TC + r_q, sB)
+        tl.store(pdg + row + 3 * TC + tl.arange(0, 1), eC + tl.zeros([1], dtype=tl.float32))
     elif GATE == 2:
-        dgt = tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex + dGC[None, :]
+        # G_t = Σ_{s <= t} g_s, G_{t-1} = Σ_{s < t} g_s inside the chunk
+        dgt = (tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex
+               + tl.cumsum(sQ, axis=0, reverse=True) + tl.cumsum(sKA, axis=0) - sKA
+               + tl.cumsum(sB, axis=0, reverse=True) - sB + eC[None, :])
         tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
                  mask=(tq < T)[:, None] & m_k[None, :])
 
 
-def _finish_scalar_dg(pdg: torch.Tensor, T: int) -> torch.Tensor:
-    """dg [B, T, H, 1] of a scalar gate from the key blocks' shares pdg [B, H, NC, NKB, 2C + 1]:
-    dg_t = Σ_{s >= t} dG_s + Σ_{s > t} dG_{s-1} + dG_C inside each chunk."""
+def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Tensor:
+    """dg [B, T, H, 1] of a scalar gate: the products' share dgp [B, H, NC, C] plus the decayed
+    inputs', from the key blocks' per-token sums pdg [B, H, NC, NKB, 3C + 1] (sQ, sKA, sB, e^{G_C} share)."""
     p = pdg.sum(3)
-    C = (p.shape[-1] - 1) // 2
-    dG, dGex, dGC = p[..., :C], p[..., C:2 * C], p[..., 2 * C:]
+    C = dgp.shape[-1]
+    sQ, sKA, sB, eC = p[..., :C], p[..., C:2 * C], p[..., 2 * C:3 * C], p[..., 3 * C:]
     rev = lambda x: x.flip(-1).cumsum(-1).flip(-1)  # noqa: E731
-    dg = rev(dG) + rev(dGex) - dGex + dGC  # [B, H, NC, C]
+    dg = dgp + rev(sQ) + (sKA.cumsum(-1) - sKA) + (rev(sB) - sB) + eC  # [B, H, NC, C]
     return dg.flatten(2)[..., :T].transpose(1, 2)[..., None]
 
 
@@ -244,13 +246,27 @@ def _grad_values_kernel(
 
 
 @triton.jit
+def _straddle(Z, TC: tl.constexpr, SHIFT: tl.constexpr):
+    """[TC] with entry t = Σ of Z[i, j] over the pairs j < t <= i - SHIFT (Z: [TC, TC], tokens)."""
+    W = tl.cumsum(Z, axis=1) - Z  # W[i, t] = Σ_{j < t} Z[i, j]
+    r = tl.arange(0, TC)
+    return tl.sum(tl.where(r[:, None] - SHIFT >= r[None, :], W, 0.0), axis=0)
+
+
+@triton.jit
 def _grad_products_kernel(
-    do, vf, u, dx, dmqk, dmqa, dlba, dlbk, scale, T, NC,
+    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, scale, T, NC,
     H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
-    dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ."""
+    dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ.
+
+    With a scalar gate also the products' share of dg: an entry P_ij (token i's row, token j's
+    column) is e^{G_i - G_j} (or e^{G_{i-1} - G_j}) times an undecayed product, so
+    ∂P_ij/∂g_t = P_ij for the t it straddles, j < t <= i (or i - 1), and
+    dg_t = Σ_{straddling pairs} dP_ij P_ij, summed as such (``_straddle``): no pair enters
+    twice with opposite signs, as it would in reverse cumulative sums of x ⊙ dx - y ⊙ dy."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -281,6 +297,19 @@ def _grad_products_kernel(
             Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
              tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
+    if GATE == 1:
+        Z = Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])  # masked: M is causal
+        dgt = _straddle(tl.sum(tl.reshape(Z, (TC, TC, RKVP)), axis=2), TC, 0)
+        if NA > 0:
+            Z = Pqa * tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
+            dgt += _straddle(tl.sum(tl.reshape(Z, (TC, TC, RABP)), axis=2), TC, 0)
+            Z = Pba * tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
+            Z = tl.sum(tl.sum(tl.reshape(Z, (TC, RABP, TC, RABP)), axis=3), axis=1)
+            dgt += _straddle(Z, TC, 1)
+            Z = Pbk * tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+            Z = tl.sum(tl.sum(tl.reshape(Z, (TC, RABP, TC, RKVP)), axis=3), axis=1)
+            dgt += _straddle(Z, TC, 1)
+        tl.store(dgp + c * TC + r_q, dgt)
     if NA > 0:
         tl.store(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :],
                  tl.where(r_q[:, None] >= toka[None, :], Pqa * scale, 0.0))
@@ -349,7 +378,7 @@ class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, a, b, g, h0, *saved = ctx.saved_tensors
-        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lbk, s0, u = saved
+        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u = saved
         scale, C = ctx.scale, ctx.C
         B, T, H, K = q.shape
         Rkv, V = v.shape[-2], v.shape[-1]
@@ -395,9 +424,11 @@ class _ChunkDPLR(torch.autograd.Function):
         # the gradients of the products
         dmqk = f32c(C, NK)
         dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
+        dgp = f32c(C) if gate == 1 else None
         _grad_products_kernel[(NC, B * H)](
-            do, vf, opt(u if Rab else None), opt(dx), dmqk, opt(dmqa), opt(dlba), opt(dlbk), scale, T, NC, H=H, V=V,
-            TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), PRECISION=prec,
+            do, vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk, opt(dmqa), opt(dlba),
+            opt(dlbk), opt(dgp), scale, T, NC, H=H, V=V, TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV),
+            GATE=gate, PRECISION=prec,
             num_warps=_CONFIG["products"],
             num_stages=1,
         )
@@ -408,7 +439,7 @@ class _ChunkDPLR(torch.autograd.Function):
         dg = torch.empty(g.shape, **f32) if gate == 2 else None
         BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
         NKB = triton.cdiv(K, BKg)
-        pdg = torch.empty(B, H, NC, NKB, 2 * C + 1, **f32) if gate == 1 else None
+        pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(g), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad), opt(dbd),
             opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), T, NC, H=H, K=K,
@@ -417,7 +448,7 @@ class _ChunkDPLR(torch.autograd.Function):
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:
-            dg = _finish_scalar_dg(pdg, T)
+            dg = _finish_scalar_dg(dgp, pdg, T)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None)
 

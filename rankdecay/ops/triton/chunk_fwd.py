@@ -245,7 +245,7 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lbk, scale, T, NC,
+    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
@@ -285,10 +285,12 @@ def _intra_kernel(
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BA)
+        if SAVE:
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)
         Tinv = _unit_lower_inverse(L, NA, PRECISION)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BK)
-        if SAVE:  # for the backward: T and L_BK
+        if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
             tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
@@ -423,6 +425,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab and save else None
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
+    lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab and save else None
     cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
     cfg.update(_config or {})  # benchmarking knobs
     prec = cfg["precision"]
@@ -432,7 +435,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, qd, mqk,
         mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
-        dch if gate else dummy, tinv if save and Rab else dummy, lbk if save and Rab else dummy, scale, T, NC,
+        dch if gate else dummy, tinv if save and Rab else dummy, lba if save and Rab else dummy,
+        lbk if save and Rab else dummy, scale, T, NC,
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, num_warps=cfg["intra_warps"], num_stages=1,
@@ -455,6 +459,6 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     )
     if not save:
         return o, ht
-    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, uv=uv, dch=dch, tinv=tinv, lbk=lbk, s0=s0, u=u,
+    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, uv=uv, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0, u=u,
                  TC=TC)
     return o, ht, saved
