@@ -48,7 +48,7 @@ def dplr(
             algorithm in PyTorch), ``"triton"`` (the chunked algorithm in Triton: for ranks
             up to 4 a fused forward — intra-chunk products, UT transform, state passing and
             outputs — at the kernels' own chunk size, ``64 / max(padded ranks)`` tokens, whose
-            backward is written out in three Triton kernels (the state kernel in reverse, then two
+            backward is written out in five Triton kernels (the state kernel in reverse, then
             per-chunk kernels for every input's gradient); higher ranks, and per-channel gates with a
             low-rank decay on CUDA, run PyTorch intra-chunk parts around the Triton state kernel),
             ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,

@@ -63,22 +63,15 @@ def _grad_kernel(
     r_k = tl.arange(0, NK)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    Gq = tl.zeros([1], dtype=tl.float64)
-    Gk = tl.zeros([1], dtype=tl.float64)
-    Ga = tl.zeros([1], dtype=tl.float64)
-    Gb = tl.zeros([1], dtype=tl.float64)
-    G_end = tl.zeros([1], dtype=tl.float64)
-    if GATE == 1:
-        Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG)
-        Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG)
-        G_end = tl.sum(Gq - Gq_ex, axis=0)
+    Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG, GATE)
+    Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG, GATE)
+    G_end = tl.sum(Gq - Gq_ex, axis=0)  # the chunk's total log-decay (scalar gate)
     Q = _load_rows(q, fq, vq, o_k, m_k, K)
     Kr = _load_rows(k, fk, vk, o_k, m_k, K)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
-        if GATE == 1:
-            Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
+        Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         A = _load_rows(a, fa, va, o_k, m_k, K)
         Bm = _load_rows(b, fa, va, o_k, m_k, K)
     if GATE < 2:

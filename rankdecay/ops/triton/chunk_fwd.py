@@ -235,12 +235,18 @@ def _unit_lower_inverse(L, N: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexpr):
-    """Scalar gate, per row: (inclusive, exclusive) fp64 log-cumsums from the chunk's start."""
-    zero = tl.zeros([1], dtype=tl.int32)
-    g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
-    incl = tl.cumsum(tl.where(rk == 0, g_tok, 0.0), axis=0)  # each token's gate counted once, on its first row
-    return incl, incl - g_tok
+def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexpr,
+                    GATE: tl.constexpr):
+    """Scalar gate (GATE 1), per row: (inclusive, exclusive) fp64 log-cumsums from the chunk's start.
+    Any other gate: fp64 zeros [1] (unused, but they keep one code path in the kernels)."""
+    if GATE == 1:
+        zero = tl.zeros([1], dtype=tl.int32)
+        g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
+        incl = tl.cumsum(tl.where(rk == 0, g_tok, 0.0), axis=0)  # each token's gate counted once, on its first row
+        return incl, incl - g_tok
+    else:
+        none = tl.zeros([1], dtype=tl.float64)
+        return none, none
 
 
 @triton.jit
@@ -259,14 +265,9 @@ def _intra_kernel(
     NA: tl.constexpr = TC * RABP
     tokq, rkq, tq, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
     tokk, rkk, tk, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
-    Gq = tl.zeros([1], dtype=tl.float64)
-    Gk = tl.zeros([1], dtype=tl.float64)
-    Ga = tl.zeros([1], dtype=tl.float64)
-    Gb = tl.zeros([1], dtype=tl.float64)
-    if GATE == 1:
-        Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG)
-        Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG)
-        G_end = tl.sum(Gq - Gq_ex, axis=0)  # the chunk's total log-decay
+    Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG, GATE)
+    Gk, _ = _scalar_cumsums(g, i_b, i_h, tk, tokk, rkk, T, H, KG, GATE)
+    G_end = tl.sum(Gq - Gq_ex, axis=0)  # the chunk's total log-decay (scalar gate)
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
 
@@ -277,8 +278,7 @@ def _intra_kernel(
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
-        if GATE == 1:
-            Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG)
+        Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
                       PRECISION, LP_QA)
         tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
@@ -459,6 +459,6 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     )
     if not save:
         return o, ht
-    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, uv=uv, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0, u=u,
-                 TC=TC)
+    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
+                 u=u, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
     return o, ht, saved
