@@ -4,6 +4,7 @@ Public tensors are ``[B, T, H, ...]``; the paths work on a canonical form:
 
     q [B, T, H, K]          k [B, T, H, Rkv, K]      v [B, T, H, Rkv, V]
     a, b [B, T, H, Rab, K]  (or None when Rab = 0)
+    a_scale [B, T, H, Rab]  v_scale [B, T, H, Rkv]   per-row factors of a and v (or None)
     g [B, T, H, Kg]         with Kg = 1 (one log-decay per head) or Kg = K (or None)
 
 Everything is checked once here, so every path can assume well-formed input and
@@ -52,17 +53,36 @@ class Canonical:
     cu_seqlens: torch.Tensor | None
     lengths: list[int] | None  # per-sequence lengths when cu_seqlens is given
     kv_rank_axis: bool  # whether k/v came with an explicit rank axis
+    a_scale: torch.Tensor | None = None  # a's rows are a_scale[..., None] * a
+    v_scale: torch.Tensor | None = None  # v's rows are v_scale[..., None] * v
 
     @property
     def compute_dtype(self) -> torch.dtype:
         # fp32 state and accumulation whatever the input dtype; fp64 in, fp64 out.
-        tensors = [self.q, self.k, self.v, self.a, self.b, self.g, self.initial_state]
+        tensors = [self.q, self.k, self.v, self.a, self.b, self.g, self.initial_state, self.a_scale, self.v_scale]
         if any(t is not None and t.dtype == torch.float64 for t in tensors):
             return torch.float64
         return torch.float32
 
 
-def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode) -> Canonical:
+def _row_scale(x, name: str, of: str, shape: tuple, rank_axis: bool) -> torch.Tensor | None:
+    """A per-row factor of ``of``: [B, T, H] (every rank) or [B, T, H, R] -> [B, T, H, R]."""
+    if x is None:
+        return None
+    check_float(x, name)
+    B, T, H, R = shape
+    if x.dim() == 3:
+        check_shape(x, name, (B, T, H), "[B, T, H]")
+        return x.unsqueeze(-1).expand(B, T, H, R)
+    labels = f"[B, T, H] or [B, T, H, {'Rab' if of == 'a' else 'Rkv'}]" if rank_axis else "[B, T, H]"
+    if x.dim() != 4 or not rank_axis and x.shape[-1] != 1:
+        raise ValueError(f"{name} must have shape {labels} (one factor per row of {of}), got {list(x.shape)}")
+    check_shape(x, name, shape, labels)
+    return x
+
+
+def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode,
+                 a_scale=None, v_scale=None) -> Canonical:
     """Validate the arguments of :func:`rankdecay.ops.dplr` and bring them to canonical form."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -142,11 +162,18 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
         check_float(initial_state, "initial_state")
         check_shape(initial_state, "initial_state", (N, H, K, V), "[N, H, K, V]")
 
-    for name, t in (("k", k), ("v", v), ("a", a), ("b", b), ("g", g), ("initial_state", initial_state)):
+    if a_scale is not None and a is None:
+        raise ValueError("a_scale scales the rows of a, but a is None (Rab = 0)")
+    a_scale = _row_scale(a_scale, "a_scale", "a", (B, T, H, a.shape[3]) if a is not None else (), True)
+    v_scale = _row_scale(v_scale, "v_scale", "v", (B, T, H, Rkv), kv_rank_axis)
+
+    for name, t in (("k", k), ("v", v), ("a", a), ("b", b), ("g", g), ("initial_state", initial_state),
+                    ("a_scale", a_scale), ("v_scale", v_scale)):
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
 
-    return Canonical(q, k, v, a, b, g, float(scale), initial_state, cu_seqlens, lengths, kv_rank_axis)
+    return Canonical(q, k, v, a, b, g, float(scale), initial_state, cu_seqlens, lengths, kv_rank_axis,
+                     a_scale, v_scale)
 
 
 def varlen_index(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,8 @@ def dplr(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     mode: str = "auto",
+    a_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Linear attention with a diagonal-plus-rank-``Rab`` decay and rank-``Rkv`` writes.
 
@@ -54,6 +56,13 @@ def dplr(
             ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,
             no autograd) or ``"auto"``: ``"triton"`` for CUDA tensors when triton is
             installed and the compute dtype is fp32, else ``"chunk"``.
+        a_scale: optional per-row factors of ``a``, ``[B, T, H, Rab]`` (or ``[B, T, H]`` for
+            every rank): the decay uses ``a_scale[..., None] * a``. Same for ``v_scale``
+            (``[B, T, H, Rkv]`` or ``[B, T, H]``) and the writes' values. Mechanisms use them
+            for β and α (Gated DeltaNet: ``a = k``, ``a_scale = αβ``, ``v_scale = β``), so that a
+            16-bit ``k`` stays 16-bit: the fused Triton kernels take its products exactly on
+            tensor cores and apply the fp32 factors to the results, without an fp32 copy of
+            ``αβk`` in memory. Other paths multiply them in, in the compute dtype.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in ``q``'s dtype; ``final_state`` is
@@ -61,16 +70,22 @@ def dplr(
         ``output_final_state``. Accumulation is fp32 (fp64) whatever the input dtype.
         Differentiable in every tensor argument, ``initial_state`` included.
     """
-    x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode)
+    x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     dtype = x.compute_dtype
     if mode == "auto":
         mode = "triton" if dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
     if mode in ("triton", "fused_recurrent"):
-        check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state), dtype)
-    q, k, v, a, b, g = x.q, x.k, x.v, x.a, x.b, x.g
+        check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state, a_scale, v_scale), dtype)
+    q, k, v, a, b, g, sa, sv = x.q, x.k, x.v, x.a, x.b, x.g, x.a_scale, x.v_scale
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
-        q, k, v, a, b, g = (pack_varlen(t, index, valid) for t in (q, k, v, a, b, g))
+        q, k, v, a, b, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, a, b, g, sa, sv))
+    fused = mode == "triton" and _fused_applies(q, k, a, g)
+    if not fused:  # the other paths take the factors multiplied in
+        if sa is not None:
+            a = a.to(dtype) * sa.to(dtype)[..., None]
+        if sv is not None:
+            v = v.to(dtype) * sv.to(dtype)[..., None]
 
     if mode == "naive":
         o, state = naive_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype)
@@ -78,13 +93,13 @@ def dplr(
         from .triton import fused_recurrent_dplr
 
         o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
-    elif mode == "triton" and _fused_applies(q, k, a, g):
+    elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd
 
-        if needs_grad((q, k, v, a, b, g, x.initial_state)):
-            o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
+        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
+            o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv)
         else:
-            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state)
+            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")

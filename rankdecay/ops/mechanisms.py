@@ -144,14 +144,21 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_gate(g, q)
     if mode == "fused_recurrent" and cu_seqlens is None:
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state)
-    k_, beta_ = _up(k), _up(beta)
-    a = (beta_[..., None] * k_)[..., None, :]  # [B, T, H, 1, K]
-    alpha = _gate_factor(g)
-    if alpha is not None:
-        a = a * alpha
-    # k stays in its dtype (the fused kernels multiply 16-bit pairs exactly on tensor cores)
-    return dplr(q, k, _up(v) * beta_[..., None], a, k[..., None, :], g, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+    a, a_scale = _beta_alpha(k[..., None, :], beta, g)
+    # k stays in its dtype: the fused kernels multiply 16-bit pairs exactly on tensor cores and
+    # apply β and α to the results (dplr's a_scale / v_scale)
+    return dplr(q, k, v, a, k[..., None, :], g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
+                a_scale=a_scale, v_scale=beta)
+
+
+def _beta_alpha(a: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` [B, T, H, R, K] times α β as (rows, per-row factors) for ``dplr(a=..., a_scale=...)``:
+    a scalar gate joins β in the factors [B, T, H] (``a`` keeps its dtype); a per-channel one
+    multiplies ``a`` (in at least fp32)."""
+    if g is not None and g.dim() == 4:
+        return _up(a) * _gate_factor(g), beta
+    return a, (beta if g is None else _up(beta) * _up(g).exp())
 
 
 def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initial_state=None, output_final_state=False,
@@ -190,10 +197,13 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
             x = x - betas[..., m, None] * (km * x).sum(-1, keepdim=True) * km
         transformed.append(betas[..., j, None] * x)
     k_w = torch.stack(transformed, dim=3)  # β_j H_{n_h}⋯H_{j+1} k_j, [B, T, H, nh, K]
-    alpha = _gate_factor(g)
-    a = k_w if alpha is None else k_w * alpha
+    a, a_scale = k_w, None  # α: a per-row factor (scalar gate) or multiplied in (per channel)
+    if g is not None and g.dim() == 4:
+        a = k_w * _gate_factor(g)
+    elif g is not None:
+        a_scale = _up(g).exp()
     return dplr(q, k_w, vs, a, ks, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, a_scale=a_scale)
 
 
 def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -256,14 +266,11 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
     group = torch.arange(K, device=q.device) // (K // r)
     onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(_up(k).dtype)  # [r, K]
-    k_, beta_ = _up(k), _up(beta)
-    a = (beta_[..., None, None] * k_[..., None, :]) * onehot  # [B, T, H, r, K]
-    alpha = _gate_factor(g)
-    if alpha is not None:
-        a = a * alpha
-    b = k_[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
-    return dplr(q, k, _up(v) * beta_[..., None], a, b, g, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+    a, a_scale = _beta_alpha(k[..., None, :] * onehot.to(k.dtype), beta, g)  # k ⊙ 1[group j]: exact in k's dtype
+    b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
+    return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
+                a_scale=a_scale, v_scale=beta)
 
 
 def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

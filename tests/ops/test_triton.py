@@ -151,6 +151,43 @@ def test_many_rows_per_chunk_are_tiled(Rab, Rkv, C, monkeypatch):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} C={C}: {name}")
 
 
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("Rab,Rkv", [(1, 1), (2, 2), (4, 1)])
+def test_row_scales_match_factors_multiplied_in(Rab, Rkv, gate, path):
+    """a_scale / v_scale (the kernels apply them to products and rows) against the chunk path on
+    a_scale ⊙ a and v_scale ⊙ v built by hand: outputs, states, every gradient, the factors' too."""
+    q, k, v, a, b, g, h0 = random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate)
+    gen = torch.Generator().manual_seed(1)
+    sa = (2 * torch.rand(2, 37, 2, Rab, generator=gen)).to(DEVICE)  # up to β = 2
+    sv = torch.rand(2, 37, 2, Rkv, generator=gen).to(DEVICE)
+    leaves = lambda: [None if x is None else x.detach().clone().requires_grad_() for x in (q, k, v, a, b, g, h0, sa, sv)]  # noqa: E731
+    results = []
+    for mode, by_hand in (("triton", False), ("chunk", True)):
+        q_, k_, v_, a_, b_, g_, h0_, sa_, sv_ = xs = leaves()
+        if by_hand:
+            o, s = ops.dplr(q_, k_, v_ * sv_[..., None], a_ * sa_[..., None], b_, g_, initial_state=h0_,
+                            output_final_state=True, mode=mode, chunk_size=16)
+        else:
+            o, s = ops.dplr(q_, k_, v_, a_, b_, g_, initial_state=h0_, output_final_state=True, mode=mode,
+                            chunk_size=16, a_scale=sa_, v_scale=sv_)
+        ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() + s.sin().sum()).backward()
+        results.append([o, s] + [x.grad for x in xs if x is not None])
+    labels = ["o", "final_state"] + [n for n, x in zip(["dq", "dk", "dv", "da", "db", "dg", "dh0", "da_scale", "dv_scale"],
+                                                      (q, k, v, a, b, g, h0, sa, sv)) if x is not None]
+    for name, x, y in zip(labels, *results):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
+
+
+def test_row_scales_checked():
+    q, k, v, a, b, g, h0 = random_inputs(1, 5, 2, 16, 8, 2, 1, "scalar")
+    with pytest.raises(ValueError, match=r"a_scale must have shape \[B, T, H\] or \[B, T, H, Rab\]"):
+        ops.dplr(q, k, v, a, b, g, a_scale=torch.ones(1, 5, 2, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="a_scale scales the rows of a, but a is None"):
+        ops.dplr(q, k, v, a_scale=torch.ones(1, 5, 2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"v_scale must have shape \[B, T, H\]"):
+        ops.dplr(q, k[..., 0, :], v[..., 0, :], v_scale=torch.ones(1, 5, 2, 2, device=DEVICE))
+
+
 def test_cu_seqlens():
     inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar")
     h0 = torch.randn(3, 2, 16, 16, device=DEVICE)

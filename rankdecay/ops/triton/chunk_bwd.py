@@ -38,10 +38,10 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, T, NC,
+    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+    GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -51,6 +51,8 @@ def _grad_kernel(
     channel, so each block writes its share per token (pdg: dG_t, dG_{t-1}, dG_C) and
     ``_finish_scalar_dg`` adds them up. Per channel (2): the forward's levels in reverse, each
     block's lower-left quarter through its midpoint (``chunk_fwd._level_product``), and dg here.
+    With ASC, a's rows carry the factors sa: everything runs on sa ⊙ a, and this block's share of
+    d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks].
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -73,6 +75,9 @@ def _grad_kernel(
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         A = _load_rows(a, fa, va, o_k, m_k, K)
+        if ASC:
+            fac_a = tl.load(sa + fa, mask=va, other=0.0)
+            A = A * fac_a[:, None]
         Bm = _load_rows(b, fa, va, o_k, m_k, K)
     if GATE < 2:
         # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
@@ -172,7 +177,12 @@ def _grad_kernel(
             sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
             dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
             dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
-        tl.store(da + fa[:, None] * K + o_k[None, :], dA + Da, mask=va[:, None] & m_k[None, :])
+        dA += Da
+        if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
+            tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(_load_rows(a, fa, va, o_k, m_k, K) * dA, axis=1),
+                     mask=va)
+            dA = dA * fac_a[:, None]
+        tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
         tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
     if GATE == 1:  # this block's share (the products' share: _grad_products_kernel)
         row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
@@ -202,12 +212,13 @@ def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Ten
 
 @triton.jit
 def _grad_values_kernel(
-    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, T, NC,
+    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
-    NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
 ):
     """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
-    chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V)."""
+    chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
+    With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -235,6 +246,10 @@ def _grad_values_kernel(
         tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
         Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         dV += tl.dot(tl.trans(Lbk), dX, input_precision=PRECISION)
+    if VSC:
+        tl.store(dsv + fk * tl.num_programs(0) + i_v, tl.sum(_load_rows(v, fk, vk, o_v, m_v, V) * dV, axis=1),
+                 mask=vk)
+        dV = dV * tl.load(sv + fk, mask=vk, other=0.0)[:, None]
     tl.store(dv + fk[:, None] * V + o_v[None, :], dV, mask=vk[:, None] & m_v[None, :])
 
 
@@ -362,15 +377,15 @@ def _grad_inputs_kernel(
 
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale):
-        o, ht, saved = chunk_dplr_fwd(q, k, v, a, b, g, scale, h0, save=True)
-        ctx.save_for_backward(q, k, v, a, b, g, h0, *(saved[n] for n in _SAVED))
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale):
+        o, ht, saved = chunk_dplr_fwd(q, k, v, a, b, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
+        ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED))
         ctx.scale, ctx.C = scale, saved["TC"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, a, b, g, h0, *saved = ctx.saved_tensors
+        q, k, v, a, b, g, h0, sa, sv, *saved = ctx.saved_tensors
         qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u = saved
         scale, C = ctx.scale, ctx.C
         B, T, H, K = q.shape
@@ -397,10 +412,12 @@ class _ChunkDPLR(torch.autograd.Function):
         dv = torch.empty(v.shape, **f32)
         dx = torch.empty_like(u) if Rab else None
         BV = min(64, max(16, triton.next_power_of_2(V)))
+        sv32 = sv.float().contiguous() if sv is not None else None
+        dsv = torch.empty(*v.shape[:-1], triton.cdiv(V, BV), **f32) if sv is not None else None
         _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
-            do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, T, NC, H=H, K=K, V=V,
-            TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV,
-            PRECISION=prec, num_warps=_CONFIG["values"], num_stages=1,
+            do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32), opt(dsv), T,
+            NC, H=H, K=K, V=V, TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))),
+            BV=BV, PRECISION=prec, VSC=sv is not None, num_warps=_CONFIG["values"], num_stages=1,
         )
         # the gradients of the decayed inputs
         f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
@@ -433,19 +450,23 @@ class _ChunkDPLR(torch.autograd.Function):
         BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
         NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
+        asc = sa is not None and Rab > 0
+        sa32 = sa.float().contiguous() if asc else None
+        dsa = torch.empty(*a.shape[:-1], NKB, **f32) if asc else None
         _grad_kernel[(NKB, NC, B * H)](
-            q, k, opt(a), opt(b), opt(g), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad), opt(dbd),
-            opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), T, NC, H=H, K=K,
+            q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
+            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec,
+            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc,
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:
             dg = _finish_scalar_dg(dgp, pdg, T)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None)
+        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
+                cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None)
 
 
-def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state):
+def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results."""
-    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale)
+    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale)

@@ -53,6 +53,12 @@ def _load_rows(x, flat, valid, o_d, m_d, D: tl.constexpr):
 
 
 @triton.jit
+def _row_factor(s, flat, valid):
+    """[rows] per-row factors (``a_scale`` / ``v_scale`` of ``dplr``) of a [B, T, H, R, D] tensor's rows."""
+    return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, CHANNEL: tl.constexpr):
     """Log-gate at time t for each row where ok (else 0): [rows] or, per channel, [rows, BK]."""
     ok = ok & (t >= 0) & (t < T)
@@ -207,31 +213,48 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
 
 
 @triton.jit
-def _unit_lower_inverse(L, N: tl.constexpr, PRECISION: tl.constexpr):
+def _unit_lower_inverse(L, lptr, sptr, N: tl.constexpr, PRECISION: tl.constexpr):
     """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16).
 
-    The 16 x 16 diagonal blocks D = I + L_diag are inverted together by forward
-    substitution, row i of every block at once (row i of D^{-1} is e_i - L_i D^{-1},
-    which reads only rows already final); then, with Z = D^{-1} L_off strictly block-lower
+    ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
+    it); ``sptr``: [N, N] scratch. The 16 x 16 diagonal blocks D = I + L_diag are inverted
+    together by forward substitution on [N / 16, 16, 16] tiles read back from ``lptr``,
+    row i of every block at once (row i of D^{-1} is e_i - L_i D^{-1}, which reads only
+    rows already final), in fp32 on the FMA units: 15 short steps instead of a tensor-core
+    product of the whole tile per row. Then, with Z = D^{-1} L_off strictly block-lower
     (so Z^{N/16} = 0), (I + L)^{-1} = (I + Z)^{-1} D^{-1} = (I - Z)(I + Z^2)... D^{-1}.
     """
     BS: tl.constexpr = 16
-    r = tl.arange(0, N)
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
-    same = (r[:, None] // BS) == (r[None, :] // BS)
-    Ld = tl.where(same, L, 0.0)
-    inv = eye
-    for i in range(1, BS):
-        inv = tl.where((r % BS == i)[:, None], eye - tl.dot(Ld, inv, input_precision=PRECISION), inv)
-    if N > BS:
-        Z = tl.dot(inv, tl.where(same, 0.0, L), input_precision=PRECISION)
+    NB: tl.constexpr = N // BS
+    bb = tl.arange(0, NB)[:, None, None]
+    ii = tl.arange(0, BS)[None, :, None]
+    jj = tl.arange(0, BS)[None, None, :]
+    diag = (BS * bb + ii) * N + BS * bb + jj  # [NB, BS, BS] offsets of the diagonal blocks
+    tl.debug_barrier()  # L, stored by every thread of this program, is read back by others
+    Ld = tl.load(lptr + diag)
+    inv = (ii == jj).to(tl.float32) + tl.zeros([NB, BS, BS], dtype=tl.float32)
+    for i in tl.static_range(1, BS):
+        row = tl.sum(tl.where(ii == i, Ld, 0.0), axis=1)  # [NB, BS]: L_i of every block
+        new = (jj == i).to(tl.float32) - tl.sum(row[:, :, None] * inv, axis=1)[:, None, :]
+        inv = tl.where(ii == i, new, inv)
+    if N == BS:
+        out = tl.reshape(inv, [N, N])
+    else:
+        r = tl.arange(0, N)
+        same = (r[:, None] // BS) == (r[None, :] // BS)
+        tl.store(sptr + diag, inv)
+        tl.debug_barrier()
+        Dinv = tl.load(sptr + r[:, None] * N + r[None, :], mask=same, other=0.0)
+        eye = (r[:, None] == r[None, :]).to(tl.float32)
+        Z = tl.dot(Dinv, tl.where(same, 0.0, L), input_precision=PRECISION)
         P = eye - Z  # (I + Z)^{-1} = (I - Z)(I + Z^2)(I + Z^4)...
         Zp = Z
         for _ in tl.static_range(1, N // 32):  # log2(N / 16) factors in all (N <= 64)
             Zp = tl.dot(Zp, Zp, input_precision=PRECISION)
             P = tl.dot(P, eye + Zp, input_precision=PRECISION)
-        inv = tl.dot(P, inv, input_precision=PRECISION)
-    return inv
+        out = tl.dot(P, Dinv, input_precision=PRECISION)
+        tl.debug_barrier()  # every read of the scratch is done before the caller may reuse it
+    return out
 
 
 @triton.jit
@@ -251,13 +274,16 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, scale, T, NC,
+    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr,
 ):
-    # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype)
+    # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
+    # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
+    # and to the loaded rows (so 16-bit a and v stay 16-bit).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -279,25 +305,34 @@ def _intra_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
+        if ASC:
+            fac_a = _row_factor(sa, fa, va)
         M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
                       PRECISION, LP_QA)
+        if ASC:
+            M = M * fac_a[None, :]
         tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BA)
-        if SAVE:
-            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)
-        Tinv = _unit_lower_inverse(L, NA, PRECISION)
+        if ASC:
+            L = L * fac_a[None, :]
+        tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
+        Tinv = _unit_lower_inverse(L, lba + c * NA * NA, tinv + c * NA * NA, NA, PRECISION)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BK)
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
             tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
+    if VSC:
+        fac_v = _row_factor(sv, fk, vk)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         Vr = _load_rows(v, fk, vk, o_v, m_v, V)
+        if VSC:
+            Vr = Vr * fac_v[:, None]
         tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
             LV = tl.dot(L, Vr, input_precision=PRECISION)
@@ -323,6 +358,8 @@ def _intra_kernel(
         tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if RAB > 0:
             A = _load_rows(a, fa, va, o_k, m_k, K)
+            if ASC:
+                A = A * fac_a[:, None]
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
                 A = A * tl.exp((G_end - Ga).to(tl.float32))[:, None]
@@ -390,12 +427,13 @@ def _lowp(*xs) -> bool:
 
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
-                   _config: dict | None = None):
+                   _config: dict | None = None, a_scale=None, v_scale=None):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
     v [B, T, H, Rkv, V], a, b [B, T, H, Rab, K] or None, g [B, T, H, 1 | K] or None,
-    any float dtype; initial_state [B, H, K, V] or None. Returns (o [B, T, H, V] fp32,
+    any float dtype; initial_state [B, H, K, V] or None; a_scale [B, T, H, Rab], v_scale
+    [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). Returns (o [B, T, H, V] fp32,
     final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
     backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -414,6 +452,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     a = a.contiguous() if a is not None else None
     b = b.contiguous() if b is not None else None
     g = g.contiguous() if g is not None else None
+    sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
+    sv = v_scale.float().contiguous() if v_scale is not None else None
     qd = torch.empty(B, H, NC, TC, K, **f32)
     mqk = torch.empty(B, H, NC, TC, NK, **f32)
     kd = torch.empty(B, H, NC, NK, K, **f32)
@@ -423,9 +463,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     ad = torch.empty_like(w) if Rab else None
     uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
-    tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab and save else None
+    tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
-    lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab and save else None
+    lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
     cfg.update(_config or {})  # benchmarking knobs
     prec = cfg["precision"]
@@ -433,13 +473,15 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dummy = qd
     _intra_kernel[(NC, B * H)](
-        q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, qd, mqk,
+        q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
+        dummy if sv is None else sv, qd, mqk,
         mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
-        dch if gate else dummy, tinv if save and Rab else dummy, lba if save and Rab else dummy,
+        dch if gate else dummy, tinv if Rab else dummy, lba if Rab else dummy,
         lbk if save and Rab else dummy, scale, T, NC,
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
-        LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, num_warps=cfg["intra_warps"], num_stages=1,
+        LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
+        num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
     s0 = torch.empty(B, H, NC, K, V, **f32)
