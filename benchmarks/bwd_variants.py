@@ -1,10 +1,11 @@
 """Backward kernels under launch knobs: per-kernel GPU time of one case's forward+backward.
 
-    python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 ...]
+    python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 state_stages=2 ...]
 
 Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
-``rankdecay.ops.triton.chunk_bwd._CONFIG``, then with each override given, and prints the
-milliseconds per call of every Triton kernel.
+``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
+state kernels' warps, stages and value block), then with each override given, and prints
+the milliseconds per call of every Triton kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rankdecay.ops.triton.chunk_bwd as cb
+import rankdecay.ops.triton.chunk_state as cs
 from kernels import CASES, measure  # noqa: E402  (run from benchmarks/)
 
 
@@ -37,12 +39,24 @@ def main() -> None:
     for name in args.cases:
         case = CASES[name]
         inputs = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
-        default = dict(cb._CONFIG)
-        for label, override in [("default", {})] + [(w, {w.split("=")[0]: int(w.split("=")[1])}) for w in args.set]:
-            cb._CONFIG.update(default, **override)
-            times = per_kernel(case, inputs)
+        default, state_default = dict(cb._CONFIG), dict(cs._LAUNCH)
+        for label in ["default"] + args.set:
+            cb._CONFIG.update(default)
+            cs._LAUNCH.update(state_default)
+            if label != "default":
+                key, value = label.split("=")
+                if key.startswith("state_"):
+                    cs._LAUNCH[key.removeprefix("state_")] = int(value)
+                else:
+                    cb._CONFIG[key] = int(value)
+            try:
+                times = per_kernel(case, inputs)
+            except Exception as e:  # a knob the compiler refuses (shared memory): say so, go on
+                print(f"{name} {label}: failed: {str(e).splitlines()[0][:160]}", flush=True)
+                continue
             print(f"{name} {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items())), flush=True)
         cb._CONFIG.update(default)
+        cs._LAUNCH.update(state_default)
 
 
 if __name__ == "__main__":

@@ -254,11 +254,21 @@ def _grad_values_kernel(
 
 
 @triton.jit
-def _straddle(Z, TC: tl.constexpr, SHIFT: tl.constexpr):
-    """[TC] with entry t = Σ of Z[i, j] over the pairs j < t <= i - SHIFT (Z: [TC, TC], tokens)."""
+def _straddle(Z, TC: tl.constexpr):
+    """[TC] with entry t = Σ of Z[i, j] over the pairs j < t <= i (Z: [TC, TC], tokens)."""
     W = tl.cumsum(Z, axis=1) - Z  # W[i, t] = Σ_{j < t} Z[i, j]
     r = tl.arange(0, TC)
-    return tl.sum(tl.where(r[:, None] - SHIFT >= r[None, :], W, 0.0), axis=0)
+    return tl.sum(tl.where(r[:, None] >= r[None, :], W, 0.0), axis=0)
+
+
+@triton.jit
+def _token_sum(Z, TC: tl.constexpr, RX: tl.constexpr, RY: tl.constexpr):
+    """[TC * RX, TC * RY] (rows and columns token-major, rank-minor) -> [TC, TC] summed over the ranks."""
+    if RY > 1:
+        Z = tl.sum(tl.reshape(Z, (TC * RX, TC, RY)), axis=2)
+    if RX > 1:
+        Z = tl.sum(tl.reshape(Z, (TC, RX, TC)), axis=1)
+    return Z
 
 
 @triton.jit
@@ -273,8 +283,9 @@ def _grad_products_kernel(
     With a scalar gate also the products' share of dg: an entry P_ij (token i's row, token j's
     column) is e^{G_i - G_j} (or e^{G_{i-1} - G_j}) times an undecayed product, so
     ∂P_ij/∂g_t = P_ij for the t it straddles, j < t <= i (or i - 1), and
-    dg_t = Σ_{straddling pairs} dP_ij P_ij, summed as such (``_straddle``): no pair enters
-    twice with opposite signs, as it would in reverse cumulative sums of x ⊙ dx - y ⊙ dy."""
+    dg_t = Σ_{straddling pairs} dP_ij P_ij, summed as such (``_straddle``, once for all four
+    products): no pair enters twice with opposite signs, as it would in reverse cumulative sums
+    of x ⊙ dx - y ⊙ dy."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -306,17 +317,16 @@ def _grad_products_kernel(
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
              tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
     if GATE == 1:
-        Z = Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])  # masked: M is causal
-        dgt = _straddle(tl.sum(tl.reshape(Z, (TC, TC, RKVP)), axis=2), TC, 0)
+        # Z[i, j] = dP P summed over the ranks of tokens i and j (M and L are stored causally masked)
+        Z0 = _token_sum(Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]), TC, 1, RKVP)
         if NA > 0:
-            Z = Pqa * tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
-            dgt += _straddle(tl.sum(tl.reshape(Z, (TC, TC, RABP)), axis=2), TC, 0)
-            Z = Pba * tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
-            Z = tl.sum(tl.sum(tl.reshape(Z, (TC, RABP, TC, RABP)), axis=3), axis=1)
-            dgt += _straddle(Z, TC, 1)
-            Z = Pbk * tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-            Z = tl.sum(tl.sum(tl.reshape(Z, (TC, RABP, TC, RKVP)), axis=3), axis=1)
-            dgt += _straddle(Z, TC, 1)
+            Z0 += _token_sum(Pqa * tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]), TC, 1, RABP)
+            Z1 = (_token_sum(Pba * tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :]), TC, RABP, RABP)
+                  + _token_sum(Pbk * tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]), TC, RABP, RKVP))
+            # L's pairs straddle j < t <= i - 1: those of j < t <= i less the ones on row i = t
+            dgt = _straddle(Z0 + Z1, TC) - tl.sum(tl.where(r_q[:, None] > r_q[None, :], Z1, 0.0), axis=1)
+        else:
+            dgt = _straddle(Z0, TC)
         tl.store(dgp + c * TC + r_q, dgt)
     if NA > 0:
         tl.store(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :],

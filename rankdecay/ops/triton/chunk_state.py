@@ -126,12 +126,16 @@ def _state_bwd_kernel(
     tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
 
 
+# launch knobs of the state kernels (benchmarks/bwd_variants.py sweeps them: --set state_stages=2 ...)
+_LAUNCH = dict(warps=4, stages=1, bv=0)
+
+
 def _blocks(K: int, V: int, CR: int, CA: int) -> dict:
     """Tile sizes: the whole key dim, a slice of the values, <= 64 rows of a chunk at a time."""
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BK <= 64 else 32))
+    BV = _LAUNCH["bv"] or max(16, min(triton.next_power_of_2(V), 64 if BK <= 64 else 32))
     rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
-    return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=4, num_stages=1)
+    return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
 
 
 def _precision(x: torch.Tensor) -> str:
