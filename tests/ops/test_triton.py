@@ -178,6 +178,26 @@ def test_row_scales_match_factors_multiplied_in(Rab, Rkv, gate, path):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
 
 
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_16bit_inputs_with_autograd(dtype, tol, gate):
+    """16-bit q, k, v, a, b and dO: the products with one 16-bit factor take two TF32 passes
+    (``chunk_state._dot_ex``; exact in fp32 under the interpreter, so this checks the algebra).
+    Results come back in the inputs' dtype: the tolerance is their rounding (fp16 2^-11, bf16 2^-8)."""
+    q, k, v, a, b, g, h0 = random_inputs(1, 45, 2, 16, 16, 2, 1, gate, dtype=dtype)
+    sa = torch.rand(1, 45, 2, 2, device=DEVICE)
+    results = []
+    for mode in ("triton", "chunk"):
+        xs = [None if x is None else x.detach().clone().requires_grad_() for x in (q, k, v, a, b, g, h0, sa)]
+        o, s = ops.dplr(*xs[:6], initial_state=xs[6], output_final_state=True, mode=mode, chunk_size=16,
+                        a_scale=xs[7], v_scale=xs[7][..., 0])
+        ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device).to(dtype)).sum() + s.sin().sum()).backward()
+        results.append([o, s] + [x.grad for x in xs if x is not None])
+    for i, (x, y) in enumerate(zip(*results)):
+        assert x.dtype == y.dtype
+        assert_matches(x.float(), y.float(), tol, f"{dtype} gate={gate}: output {i}")
+
+
 def test_row_scales_checked():
     q, k, v, a, b, g, h0 = random_inputs(1, 5, 2, 16, 8, 2, 1, "scalar")
     with pytest.raises(ValueError, match=r"a_scale must have shape \[B, T, H\] or \[B, T, H, Rab\]"):

@@ -29,7 +29,7 @@ import triton.language as tl
 from .chunk_fwd import (_channel_decays, _decays, _level_x, _level_y, _load_rows, _pow2, _rows, _same_block,
                         _scalar_cumsums, chunk_dplr_fwd)
 from .fused_recurrent import gate_kind
-from .chunk_state import _blocks, _precision, _state_bwd_kernel
+from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
 _CONFIG = dict(values=4, products=4, inputs=4, grad=4, grad_channel=8, grad_bk=32)
@@ -42,6 +42,7 @@ def _grad_kernel(
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
+    E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -52,7 +53,8 @@ def _grad_kernel(
     ``_finish_scalar_dg`` adds them up. Per channel (2): the forward's levels in reverse, each
     block's lower-left quarter through its midpoint (``chunk_fwd._level_product``), and dg here.
     With ASC, a's rows carry the factors sa: everything runs on sa ⊙ a, and this block's share of
-    d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks].
+    d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
+    16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -74,26 +76,33 @@ def _grad_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
-        A = _load_rows(a, fa, va, o_k, m_k, K)
+        A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
         if ASC:
             fac_a = tl.load(sa + fa, mask=va, other=0.0)
-            A = A * fac_a[:, None]
+            A = A16 * fac_a[:, None]
+        else:
+            A = A16
         Bm = _load_rows(b, fa, va, o_k, m_k, K)
     if GATE < 2:
         # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
+        # (products with A as P ⊙ sa times a as given: exact factors stay exact)
         P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
-        dQ = tl.dot(P, Kr, input_precision=PRECISION)
-        dK = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+        dQ = _dot_ex(P, Kr, PRECISION, E_K)
+        dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
         if RAB > 0:
             P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * _decays(Gq, Ga, tokq, toka, False, GATE)
-            dQ += tl.dot(P, A, input_precision=PRECISION)
-            dA = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+            dA = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
+            if ASC:
+                P = P * fac_a[None, :]
+            dQ += _dot_ex(P, A16, PRECISION, E_A)
             P = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * _decays(Gb, Ga, toka, toka, True, GATE)
-            dA += tl.dot(tl.trans(P), Bm, input_precision=PRECISION)
-            dB = tl.dot(P, A, input_precision=PRECISION)
+            dA += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
+            if ASC:
+                P = P * fac_a[None, :]
+            dB = _dot_ex(P, A16, PRECISION, E_A)
             P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * _decays(Gb, Gk, toka, tokk, True, GATE)
-            dK += tl.dot(tl.trans(P), Bm, input_precision=PRECISION)
-            dB += tl.dot(P, Kr, input_precision=PRECISION)
+            dK += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
+            dB += _dot_ex(P, Kr, PRECISION, E_K)
     else:
         Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
         # a token against itself (M_QK, M_QA): no decay
@@ -179,8 +188,7 @@ def _grad_kernel(
             dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
         dA += Da
         if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
-            tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(_load_rows(a, fa, va, o_k, m_k, K) * dA, axis=1),
-                     mask=va)
+            tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
             dA = dA * fac_a[:, None]
         tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
         tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
@@ -215,6 +223,7 @@ def _grad_values_kernel(
     do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
     NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
+    E_DO: tl.constexpr,
 ):
     """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
     chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
@@ -231,7 +240,7 @@ def _grad_values_kernel(
     m_v = o_v < V
     dO = _load_rows(do, fq, vq, o_v, m_v, V)
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
-    dV = tl.dot(tl.trans(Mk), dO, input_precision=PRECISION)
+    dV = _dot_ex(tl.trans(Mk), dO, PRECISION, E_DO)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -275,7 +284,7 @@ def _token_sum(Z, TC: tl.constexpr, RX: tl.constexpr, RY: tl.constexpr):
 def _grad_products_kernel(
     do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, scale, T, NC,
     H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, PRECISION: tl.constexpr,
+    GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
 ):
     """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
     dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ.
@@ -307,11 +316,11 @@ def _grad_products_kernel(
         m_v = o_v < V
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
         Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        Pqk += tl.dot(dO, tl.trans(Vf), input_precision=PRECISION)
+        Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
         if NA > 0:
             U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            Pqa -= tl.dot(dO, tl.trans(U), input_precision=PRECISION)
+            Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
             Pba -= tl.dot(dX, tl.trans(U), input_precision=PRECISION)
             Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
@@ -339,7 +348,7 @@ def _grad_products_kernel(
 def _grad_inputs_kernel(
     do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
@@ -367,7 +376,7 @@ def _grad_inputs_kernel(
         dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
         Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        Dq += tl.dot(dO, tl.trans(S0), input_precision=PRECISION)
+        Dq += _dot_xe(dO, tl.trans(S0), PRECISION, E_DO)
         Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
@@ -403,7 +412,8 @@ class _ChunkDPLR(torch.autograd.Function):
         Rab = a.shape[-2] if a is not None else 0
         NC, NK, NA = s0.shape[2], C * _pow2(Rkv), C * _pow2(Rab)
         f32 = dict(device=q.device, dtype=torch.float32)
-        do = torch.zeros(B, T, H, V, **f32) if do is None else do.float().contiguous()
+        do = torch.zeros(B, T, H, V, **f32) if do is None else do.contiguous()  # 16-bit stays 16-bit
+        e_do = _is16(do)
         dummy = do
         opt = lambda x: dummy if x is None else x  # noqa: E731
         prec = _precision(q)
@@ -416,10 +426,11 @@ class _ChunkDPLR(torch.autograd.Function):
             opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(ad), dummy, dummy, dhn,
             opt(du if Rab else None), dh0, qd, opt(mqa), do, NC, T, K=K, V=V, CA=NA, BK=blocks["BK"],
             BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None, PRECISION=prec,
-            FROM_OUT=True, H=H, TC=C, num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+            FROM_OUT=True, H=H, TC=C, E_DO=e_do, num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
         )
         # dV and dX = Tᵀ dU
-        dv = torch.empty(v.shape, **f32)
+        like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
+        dv = like(v)
         dx = torch.empty_like(u) if Rab else None
         BV = min(64, max(16, triton.next_power_of_2(V)))
         sv32 = sv.float().contiguous() if sv is not None else None
@@ -427,7 +438,7 @@ class _ChunkDPLR(torch.autograd.Function):
         _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
             do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32), opt(dsv), T,
             NC, H=H, K=K, V=V, TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))),
-            BV=BV, PRECISION=prec, VSC=sv is not None, num_warps=_CONFIG["values"], num_stages=1,
+            BV=BV, PRECISION=prec, VSC=sv is not None, E_DO=e_do, num_warps=_CONFIG["values"], num_stages=1,
         )
         # the gradients of the decayed inputs
         f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
@@ -438,7 +449,7 @@ class _ChunkDPLR(torch.autograd.Function):
         BKi = min(32, max(16, triton.next_power_of_2(K)))
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
             do, s0, dhn, vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch), scale, T, NC,
-            H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
+            H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do,
             num_warps=_CONFIG["inputs"], num_stages=1,
         )
         # the gradients of the products
@@ -448,15 +459,15 @@ class _ChunkDPLR(torch.autograd.Function):
         _grad_products_kernel[(NC, B * H)](
             do, vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk, opt(dmqa), opt(dlba),
             opt(dlbk), opt(dgp), scale, T, NC, H=H, V=V, TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV),
-            GATE=gate, PRECISION=prec,
+            GATE=gate, PRECISION=prec, E_DO=e_do,
             num_warps=_CONFIG["products"],
             num_stages=1,
         )
         # dq, dk, da, db, dg
-        dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(k.shape, **f32)
-        da = torch.empty(a.shape, **f32) if Rab else None
-        db = torch.empty(b.shape, **f32) if Rab else None
-        dg = torch.empty(g.shape, **f32) if gate == 2 else None
+        # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
+        dq, dk = like(q), like(k)
+        da, db = (like(a), like(b)) if Rab else (None, None)
+        dg = like(g) if gate == 2 else None
         BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
         NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
@@ -467,7 +478,8 @@ class _ChunkDPLR(torch.autograd.Function):
             q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc,
+            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k),
+            E_A=_is16(a), E_B=_is16(b),
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import _blocks, _precision, _state_fwd_kernel
+from .chunk_state import _blocks, _dot_ex, _is16, _out_dtype, _precision, _state_fwd_kernel
 from .fused_recurrent import gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -279,11 +279,12 @@ def _intra_kernel(
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
-    ASC: tl.constexpr, VSC: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
-    # and to the loaded rows (so 16-bit a and v stay 16-bit).
+    # and to the loaded rows (so 16-bit a and v stay 16-bit). E_B / E_V: b / v are 16-bit, and
+    # T B̃ and L_BK V take two TF32 passes (``chunk_state._dot_ex``), decays and factors moved onto T and L.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -330,16 +331,23 @@ def _intra_kernel(
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
-        Vr = _load_rows(v, fk, vk, o_v, m_v, V)
+        V16 = _load_rows(v, fk, vk, o_v, m_v, V)
         if VSC:
-            Vr = Vr * fac_v[:, None]
+            Vr = V16 * fac_v[:, None]
+        else:
+            Vr = V16
         tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
-            LV = tl.dot(L, Vr, input_precision=PRECISION)
+            if VSC:
+                LV = _dot_ex(L * fac_v[None, :], V16, PRECISION, E_V)
+            else:
+                LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
                      mask=m_v[None, :])
 
     # Per key channel: Q ⊙ e^G, K ⊙ e^{G_C - G}, A ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), e^{G_C}
+    if RAB > 0 and GATE == 1:
+        Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -363,13 +371,15 @@ def _intra_kernel(
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
                 A = A * tl.exp((G_end - Ga).to(tl.float32))[:, None]
-                Bm = Bm * tl.exp(Gb.to(tl.float32))[:, None]
+                W = _dot_ex(Tinv_b, Bm, PRECISION, E_B)
             elif GATE == 2:
                 A = A * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
                 Bm = Bm * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
+                W = tl.dot(Tinv, Bm, input_precision=PRECISION)
+            else:
+                W = _dot_ex(Tinv, Bm, PRECISION, E_B)
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-            tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], tl.dot(Tinv, Bm, input_precision=PRECISION),
-                     mask=m_k[None, :])
+            tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
     if GATE == 1:
         tl.store(dch + c + tl.arange(0, 1), tl.exp(G_end.to(tl.float32)) + tl.zeros([1], dtype=tl.float32))
 
@@ -433,7 +443,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
     v [B, T, H, Rkv, V], a, b [B, T, H, Rab, K] or None, g [B, T, H, 1 | K] or None,
     any float dtype; initial_state [B, H, K, V] or None; a_scale [B, T, H, Rab], v_scale
-    [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). Returns (o [B, T, H, V] fp32,
+    [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). Returns (o [B, T, H, V] in q's dtype,
     final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
     backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -481,6 +491,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v),
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
@@ -493,7 +504,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         uv if Rab else dummy, ad if Rab else dummy, s0, u, ht, NC, K=K, V=V, CR=NK, CA=NA, GATE=gate,
         HAS_H0=h0 is not None, PRECISION=cfg["state_precision"], **blocks,
     )
-    o = torch.empty(B, T, H, V, **f32)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     BKo = min(64, max(16, triton.next_power_of_2(K)))
     _output_kernel[(triton.cdiv(V, BV), NC, B * H)](
         qd, s0, mqk, vf, mqa if Rab else dummy, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, BK=BKo, BV=BV,

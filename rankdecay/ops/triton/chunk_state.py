@@ -25,6 +25,34 @@ from .fused_recurrent import gate_kind
 
 
 @triton.jit
+def _hi(X):
+    """X with its mantissa cut to TF32's 10 bits: exact on TF32 tensor cores, and X - _hi(X) exact in fp32."""
+    return (X.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_ex(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
+    """X @ Y; with EXACT, Y's entries are 16-bit numbers (exact in TF32), and two TF32 passes, X's
+    high and low parts times Y, are as accurate as tf32x3's three (whose third multiplies Y's low
+    part, here zero)."""
+    if EXACT:
+        Xh = _hi(X)
+        return tl.dot(X - Xh, Y, tl.dot(Xh, Y, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.dot(X, Y, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_xe(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
+    """X @ Y with, under EXACT, X's entries 16-bit numbers (``_dot_ex`` the other way round)."""
+    if EXACT:
+        Yh = _hi(Y)
+        return tl.dot(X, Y - Yh, tl.dot(X, Yh, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.dot(X, Y, input_precision=PRECISION)
+
+
+@triton.jit
 def _state_fwd_kernel(
     h0, d, kd, vf, w, uv, ad, s0, u, ht, NC,
     K: tl.constexpr, V: tl.constexpr, CR: tl.constexpr, CA: tl.constexpr,
@@ -76,11 +104,11 @@ def _state_bwd_kernel(
     dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, qd, mqa, do, NC, T,
     K: tl.constexpr, V: tl.constexpr, CA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BCA: tl.constexpr,
     GATE: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr,
-    FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr,
+    FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr, E_DO: tl.constexpr,
 ):
     # FROM_OUT: the outputs' share of dS_n and dU_n (Q̃ᵀ dO and -M_QAᵀ dO, with O = Q̃ S_n + ... - M_QA U_n)
     # is formed here from dO [B, T, H, V] and the chunk's Q̃ [TC, K] and M_QA [TC, CA] (the fused
-    # forward's saved tensors); else it is read from ds0 and du.
+    # forward's saved tensors); else it is read from ds0 and du. E_DO: dO is 16-bit (``_dot_ex``).
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -99,7 +127,7 @@ def _state_bwd_kernel(
             dO = tl.load(do + (((i_bh // H) * T + t[:, None]) * H + i_bh % H) * V + o_v[None, :],
                          mask=(t < T)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            dS_prev = tl.dot(tl.trans(Qd), dO, input_precision=PRECISION)
+            dS_prev = _dot_ex(tl.trans(Qd), dO, PRECISION, E_DO)
         else:
             dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
         if GATE == 1:
@@ -115,7 +143,7 @@ def _state_bwd_kernel(
             Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
             if FROM_OUT:
                 Ma = tl.load(mqa + (c * TC + r_q[:, None]) * CA + o_a[None, :], mask=(o_a < CA)[None, :], other=0.0)
-                dU = -tl.dot(tl.trans(Ma), dO, input_precision=PRECISION)
+                dU = -_dot_ex(tl.trans(Ma), dO, PRECISION, E_DO)
             else:
                 dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
             dU -= tl.dot(Ad, dS, input_precision=PRECISION)
@@ -136,6 +164,17 @@ def _blocks(K: int, V: int, CR: int, CA: int) -> dict:
     BV = _LAUNCH["bv"] or max(16, min(triton.next_power_of_2(V), 64 if BK <= 64 else 32))
     rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
     return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
+
+
+def _is16(x) -> bool:
+    """Whether x is a 16-bit tensor: its entries are exact in TF32 (``_dot_ex``)."""
+    return x is not None and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel stores a result of x's dtype in: x's own (accumulated in fp32, rounded
+    on store), except bf16 under the CPU interpreter, which truncates there: fp32, cast by torch."""
+    return torch.float32 if x.dtype == torch.bfloat16 and not x.is_cuda else x.dtype
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -195,7 +234,7 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
         dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
         w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0,
         dummy, dummy, dummy, NC, 0, K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"],
-        GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, H=1, TC=16,
+        GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, H=1, TC=16, E_DO=False,
         num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
     )
     # Everything else is parallel over chunks: one batched matmul each.
