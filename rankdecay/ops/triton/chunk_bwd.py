@@ -32,7 +32,7 @@ from .fused_recurrent import gate_kind
 from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
-_CONFIG = dict(values=4, products=4, inputs=4, grad=4, grad_channel=8, grad_bk=32)
+_CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=32, grad=4, grad_channel=8, grad_bk=32)
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u")
 
 
@@ -446,7 +446,7 @@ class _ChunkDPLR(torch.autograd.Function):
         dad, dbd = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
         ddch = f32c(K) if g is not None else None
         gate = gate_kind(g)
-        BKi = min(32, max(16, triton.next_power_of_2(K)))
+        BKi = min(_CONFIG["inputs_bk"], max(16, triton.next_power_of_2(K)))
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
             do, s0, dhn, vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch), scale, T, NC,
             H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do,
