@@ -152,13 +152,17 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
                 a_scale=a_scale, v_scale=beta)
 
 
-def _beta_alpha(a: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,
+                g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``a`` [B, T, H, R, K] times α β as (rows, per-row factors) for ``dplr(a=..., a_scale=...)``:
     a scalar gate joins β in the factors [B, T, H] (``a`` keeps its dtype); a per-channel one
-    multiplies ``a`` (in at least fp32)."""
+    multiplies ``a`` (in at least fp32). ``beta`` None: β is in ``a`` already (or there is none)."""
     if g is not None and g.dim() == 4:
         return _up(a) * _gate_factor(g), beta
-    return a, (beta if g is None else _up(beta) * _up(g).exp())
+    if g is None:
+        return a, beta
+    alpha = _up(g).exp()
+    return a, (alpha if beta is None else _up(beta) * alpha)
 
 
 def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initial_state=None, output_final_state=False,
@@ -197,11 +201,7 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
             x = x - betas[..., m, None] * (km * x).sum(-1, keepdim=True) * km
         transformed.append(betas[..., j, None] * x)
     k_w = torch.stack(transformed, dim=3)  # β_j H_{n_h}⋯H_{j+1} k_j, [B, T, H, nh, K]
-    a, a_scale = k_w, None  # α: a per-row factor (scalar gate) or multiplied in (per channel)
-    if g is not None and g.dim() == 4:
-        a = k_w * _gate_factor(g)
-    elif g is not None:
-        a_scale = _up(g).exp()
+    a, a_scale = _beta_alpha(k_w, None, g)  # β_j is in k_w already
     return dplr(q, k_w, vs, a, ks, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, a_scale=a_scale)
 
@@ -265,8 +265,8 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
     group = torch.arange(K, device=q.device) // (K // r)
-    onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(_up(k).dtype)  # [r, K]
-    a, a_scale = _beta_alpha(k[..., None, :] * onehot.to(k.dtype), beta, g)  # k ⊙ 1[group j]: exact in k's dtype
+    onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
+    a, a_scale = _beta_alpha(k[..., None, :] * onehot, beta, g)  # k ⊙ 1[group j]: exact in k's dtype
     b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
     return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,

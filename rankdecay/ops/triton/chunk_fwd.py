@@ -328,6 +328,8 @@ def _intra_kernel(
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     if VSC:
         fac_v = _row_factor(sv, fk, vk)
+        if RAB > 0:
+            L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -338,10 +340,7 @@ def _intra_kernel(
             Vr = V16
         tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
-            if VSC:
-                LV = _dot_ex(L * fac_v[None, :], V16, PRECISION, E_V)
-            else:
-                LV = _dot_ex(L, V16, PRECISION, E_V)
+            LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
                      mask=m_v[None, :])
 
