@@ -198,6 +198,29 @@ def test_16bit_inputs_with_autograd(dtype, tol, gate):
         assert_matches(x.float(), y.float(), tol, f"{dtype} gate={gate}: output {i}")
 
 
+@pytest.mark.parametrize("grads", [True, False], ids=["autograd", "forward"])
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+@pytest.mark.parametrize("Rkv", [1, 2])
+def test_decay_rows_that_are_the_keys(Rkv, gate, grads):
+    """a and b the same tensor as k (the delta rule's layout: Gated DeltaNet passes k three times,
+    β α as a_scale): the state kernel reads k once for both of its products (SAME_AK)."""
+    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 16, 16, 0, Rkv, gate)
+    sa = torch.rand(2, 75, 2, Rkv, device=DEVICE) * 2
+    results = []
+    for mode in ("triton", "chunk"):
+        xs = [None if x is None else x.detach().clone().requires_grad_(grads) for x in (q, k, v, g, h0, sa)]
+        with torch.set_grad_enabled(grads):
+            o, s = ops.dplr(xs[0], xs[1], xs[2], xs[1], xs[1], xs[3], initial_state=xs[4], output_final_state=True,
+                            mode=mode, a_scale=xs[5])
+        out = [o.detach(), s.detach()]
+        if grads:
+            ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() + s.sin().sum()).backward()
+            out += [x.grad for x in xs if x is not None]
+        results.append(out)
+    for i, (x, y) in enumerate(zip(*results)):
+        assert_matches(x, y, 1e-5, f"Rkv={Rkv} gate={gate}: output {i}")
+
+
 def test_row_scales_checked():
     q, k, v, a, b, g, h0 = random_inputs(1, 5, 2, 16, 8, 2, 1, "scalar")
     with pytest.raises(ValueError, match=r"a_scale must have shape \[B, T, H\] or \[B, T, H, Rab\]"):

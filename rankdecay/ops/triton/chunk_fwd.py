@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import _blocks, _dot_ex, _is16, _out_dtype, _precision, _state_fwd_kernel
+from .chunk_state import (_blocks, _chunk_rows, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _raw_rows,
+                          _state_fwd_kernel)
 from .fused_recurrent import gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -38,13 +39,7 @@ MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 @triton.jit
 def _rows(i_b, i_h, i_c, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
     """The chunk's rows of a [B, T, H, R, D] tensor: token in chunk, rank, time, valid, flat row."""
-    r = tl.arange(0, TC * RP)
-    tok = r // RP
-    rk = r % RP
-    t = i_c * TC + tok
-    valid = (rk < R) & (t < T)
-    flat = ((i_b * T + t) * H + i_h) * R + rk
-    return tok, rk, t, valid, flat
+    return _chunk_rows(tl.arange(0, TC * RP), i_b, i_h, i_c, T, H, TC, R, RP)
 
 
 @triton.jit
@@ -213,16 +208,21 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
 
 
 @triton.jit
-def _unit_lower_inverse(L, lptr, sptr, N: tl.constexpr, PRECISION: tl.constexpr):
-    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16).
+def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
+    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16), as [N, N].
 
     ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
-    it); ``sptr``: [N, N] scratch. The 16 x 16 diagonal blocks D = I + L_diag are inverted
-    together by forward substitution on [N / 16, 16, 16] tiles read back from ``lptr``,
-    row i of every block at once (row i of D^{-1} is e_i - L_i D^{-1}, which reads only
-    rows already final), in fp32 on the FMA units: 15 short steps instead of a tensor-core
-    product of the whole tile per row. Then, with Z = D^{-1} L_off strictly block-lower
-    (so Z^{N/16} = 0), (I + L)^{-1} = (I + Z)^{-1} D^{-1} = (I - Z)(I + Z^2)... D^{-1}.
+    it); ``sptr``: [N, N] scratch.
+
+    1. The 16 x 16 diagonal blocks D_i = I + L_ii are inverted together by forward
+       substitution on [N / 16, 16, 16] tiles, row r of every block at once: row r of
+       D^{-1} is e_r - L_r D^{-1}, which reads only rows already final. The rows L_r are read
+       back from ``lptr``, so no step waits on a reduction to extract them.
+    2. The blocks below the diagonal follow, block row by block row:
+       X_ij = -D_i^{-1} sum_{j <= m < i} L_im X_mj. These are 16 x 16 products in exact fp32
+       ("ieee", on the FMA units), (N/16)^3 / 6 of them; whole-tile tensor-core products
+       would need three TF32 passes each for fp32 accuracy. The finished blocks are kept in
+       ``sptr``.
     """
     BS: tl.constexpr = 16
     NB: tl.constexpr = N // BS
@@ -230,29 +230,33 @@ def _unit_lower_inverse(L, lptr, sptr, N: tl.constexpr, PRECISION: tl.constexpr)
     ii = tl.arange(0, BS)[None, :, None]
     jj = tl.arange(0, BS)[None, None, :]
     diag = (BS * bb + ii) * N + BS * bb + jj  # [NB, BS, BS] offsets of the diagonal blocks
+    b2 = tl.arange(0, NB)[:, None]
+    j2 = tl.arange(0, BS)[None, :]
     tl.debug_barrier()  # L, stored by every thread of this program, is read back by others
-    Ld = tl.load(lptr + diag)
     inv = (ii == jj).to(tl.float32) + tl.zeros([NB, BS, BS], dtype=tl.float32)
     for i in tl.static_range(1, BS):
-        row = tl.sum(tl.where(ii == i, Ld, 0.0), axis=1)  # [NB, BS]: L_i of every block
+        row = tl.load(lptr + (BS * b2 + i) * N + BS * b2 + j2)  # [NB, BS]: row i of every diagonal block
         new = (jj == i).to(tl.float32) - tl.sum(row[:, :, None] * inv, axis=1)[:, None, :]
         inv = tl.where(ii == i, new, inv)
-    if N == BS:
+    if NB == 1:
         out = tl.reshape(inv, [N, N])
     else:
-        r = tl.arange(0, N)
-        same = (r[:, None] // BS) == (r[None, :] // BS)
+        o = tl.arange(0, BS)
+        blk = o[:, None] * N + o[None, :]  # offsets of the 16 x 16 block at (0, 0)
         tl.store(sptr + diag, inv)
         tl.debug_barrier()
-        Dinv = tl.load(sptr + r[:, None] * N + r[None, :], mask=same, other=0.0)
-        eye = (r[:, None] == r[None, :]).to(tl.float32)
-        Z = tl.dot(Dinv, tl.where(same, 0.0, L), input_precision=PRECISION)
-        P = eye - Z  # (I + Z)^{-1} = (I - Z)(I + Z^2)(I + Z^4)...
-        Zp = Z
-        for _ in tl.static_range(1, N // 32):  # log2(N / 16) factors in all (N <= 64)
-            Zp = tl.dot(Zp, Zp, input_precision=PRECISION)
-            P = tl.dot(P, eye + Zp, input_precision=PRECISION)
-        out = tl.dot(P, Dinv, input_precision=PRECISION)
+        for i in tl.static_range(1, NB):
+            Xii = tl.load(sptr + BS * i * (N + 1) + blk)
+            for j in tl.static_range(0, i):
+                acc = tl.zeros([BS, BS], dtype=tl.float32)
+                for m in tl.static_range(j, i):
+                    Lim = tl.load(lptr + BS * (i * N + m) + blk)
+                    Xmj = tl.load(sptr + BS * (m * N + j) + blk)
+                    acc += tl.dot(Lim, Xmj, input_precision="ieee")
+                tl.store(sptr + BS * (i * N + j) + blk, -tl.dot(Xii, acc, input_precision="ieee"))
+            tl.debug_barrier()  # block row i is read by the rows below it
+        r = tl.arange(0, N)
+        out = tl.load(sptr + r[:, None] * N + r[None, :], mask=(r[:, None] // BS) >= (r[None, :] // BS), other=0.0)
         tl.debug_barrier()  # every read of the scratch is done before the caller may reuse it
     return out
 
@@ -274,17 +278,22 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, scale, T, NC,
+    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
-    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, RAW: tl.constexpr,
+    DECAYED: tl.constexpr,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
     # and to the loaded rows (so 16-bit a and v stay 16-bit). E_B / E_V: b / v are 16-bit, and
     # T B̃ and L_BK V take two TF32 passes (``chunk_state._dot_ex``), decays and factors moved onto T and L.
+    # RAW (a decay per row): the rows' decays to the chunk's end (with a's and v's factors) go to kf
+    # and af, for the state kernel's ``RAW`` form, and q's decays (with the scale) to qf, for the
+    # output kernel's; DECAYED: Q̃, K̃, Ã and V (with its factors) are stored too (the backward, or
+    # a per-channel gate, reads them).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -319,7 +328,7 @@ def _intra_kernel(
         if ASC:
             L = L * fac_a[None, :]
         tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
-        Tinv = _unit_lower_inverse(L, lba + c * NA * NA, tinv + c * NA * NA, NA, PRECISION)
+        Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
         L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BK)
         if SAVE:  # for the backward: T, L_BA and L_BK
@@ -338,7 +347,8 @@ def _intra_kernel(
             Vr = V16 * fac_v[:, None]
         else:
             Vr = V16
-        tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
+        if DECAYED:
+            tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
@@ -347,6 +357,23 @@ def _intra_kernel(
     # Per key channel: Q ⊙ e^G, K ⊙ e^{G_C - G}, A ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), e^{G_C}
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
+    if RAW:
+        fk_end = tl.full([NK], 1.0, tl.float32)
+        if VSC:
+            fk_end = fk_end * fac_v
+        if GATE == 1:
+            fk_end = fk_end * tl.exp((G_end - Gk).to(tl.float32))
+            tl.store(qf + c * TC + r_q, tl.exp(Gq.to(tl.float32)) * scale)
+        else:
+            tl.store(qf + c * TC + r_q, tl.full([TC], 1.0, tl.float32) * scale)
+        tl.store(kf + c * NK + r_k, fk_end)
+        if RAB > 0:
+            fa_end = tl.full([NA], 1.0, tl.float32)
+            if ASC:
+                fa_end = fa_end * fac_a
+            if GATE == 1:
+                fa_end = fa_end * tl.exp((G_end - Ga).to(tl.float32))
+            tl.store(af + c * NA + r_a, fa_end)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -361,8 +388,9 @@ def _intra_kernel(
             Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
             tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
                      mask=m_k)  # e^{G_C}
-        tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
-        tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
+        if DECAYED:
+            tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
+            tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if RAB > 0:
             A = _load_rows(a, fa, va, o_k, m_k, K)
             if ASC:
@@ -377,7 +405,8 @@ def _intra_kernel(
                 W = tl.dot(Tinv, Bm, input_precision=PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
-            tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
+            if DECAYED:
+                tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
     if GATE == 1:
         tl.store(dch + c + tl.arange(0, 1), tl.exp(G_end.to(tl.float32)) + tl.zeros([1], dtype=tl.float32))
@@ -385,10 +414,14 @@ def _intra_kernel(
 
 @triton.jit
 def _output_kernel(
-    qd, s0, mqk, vf, mqa, u, o, T, NC,
+    qd, s0, mqk, v, sv, mqa, u, o, qf, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    RKV: tl.constexpr, RKVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr,
 ):
+    # O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n, with v as given (its factors on M_QK's columns, so a
+    # 16-bit v takes two TF32 passes, ``_dot_ex``). RAW: qd is q [B, T, H, K] as given and
+    # Q̃ = qf ⊙ q, the factors applied to Q S_n's rows.
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -400,12 +433,21 @@ def _output_kernel(
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        acc += tl.dot(Q, S, input_precision=PRECISION)
+        if RAW:
+            Q = _raw_rows(qd, r_q, i_bh, i_c, T, H, TC, 1, 1, o_k, m_k, K)
+            acc += _dot_xe(Q, S, PRECISION, E_Q)
+        else:
+            Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            acc += tl.dot(Q, S, input_precision=PRECISION)
+    if RAW:
+        acc = acc * tl.load(qf + c * TC + r_q)[:, None]
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
-    Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-    acc += tl.dot(Mk, Vf, input_precision=PRECISION)
+    if VSC:
+        _, _, _, valid, flat = _chunk_rows(r_k, i_b, i_h, i_c, T, H, TC, RKV, RKVP)
+        Mk = Mk * tl.load(sv + flat, mask=valid, other=0.0)[None, :]
+    Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
+    acc += _dot_ex(Mk, Vr, PRECISION, E_V)
     if NA > 0:
         r_a = tl.arange(0, NA)
         Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
@@ -463,13 +505,22 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
-    qd = torch.empty(B, H, NC, TC, K, **f32)
+    # a decay per row (scalar gate or none): the state kernel reads k and a as given, with their
+    # rows' decays as factors (``_state_fwd_kernel``'s RAW); K̃ and Ã are then stored only for the backward
+    raw = gate != 2
+    same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape
+               and a.stride() == k.stride() and a.dtype == k.dtype) if Rab else False
+    decayed = save or not raw
+    kf = torch.empty(B, H, NC, NK, **f32) if raw else None
+    af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
+    qd = torch.empty(B, H, NC, TC, K, **f32) if decayed else None
+    qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     mqk = torch.empty(B, H, NC, TC, NK, **f32)
-    kd = torch.empty(B, H, NC, NK, K, **f32)
-    vf = torch.empty(B, H, NC, NK, V, **f32)
+    kd = torch.empty(B, H, NC, NK, K, **f32) if decayed else None
+    vf = torch.empty(B, H, NC, NK, V, **f32) if decayed else None
     mqa = torch.empty(B, H, NC, TC, NA, **f32) if Rab else None
     w = torch.empty(B, H, NC, NA, K, **f32) if Rab else None
-    ad = torch.empty_like(w) if Rab else None
+    ad = torch.empty_like(w) if Rab and decayed else None
     uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
@@ -480,17 +531,17 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     prec = cfg["precision"]
     BK = min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    dummy = qd
+    dummy = mqk
+    opt = lambda x: dummy if x is None else x  # noqa: E731
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
-        dummy if sv is None else sv, qd, mqk,
-        mqa if Rab else dummy, kd, vf, w if Rab else dummy, uv if Rab else dummy, ad if Rab else dummy,
-        dch if gate else dummy, tinv if Rab else dummy, lba if Rab else dummy,
-        lbk if save and Rab else dummy, scale, T, NC,
+        dummy if sv is None else sv, opt(qd), mqk,
+        mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
+        opt(kf), opt(af), opt(qf), scale, T, NC,
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v),
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v), RAW=raw, DECAYED=decayed,
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
@@ -498,16 +549,19 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     u = torch.empty(B, H, NC, NA, V, **f32)
     ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
+    same_ak = same_ak and blocks["BCR"] == NK and blocks["BCA"] == NA  # one row block each
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        h0 if h0 is not None else dummy, dch if gate else dummy, kd, vf, w if Rab else dummy,
-        uv if Rab else dummy, ad if Rab else dummy, s0, u, ht, NC, K=K, V=V, CR=NK, CA=NA, GATE=gate,
-        HAS_H0=h0 is not None, PRECISION=cfg["state_precision"], **blocks,
+        opt(h0), opt(dch), k if raw else kd, v if raw else vf, opt(w), opt(uv), (a if raw else ad) if Rab else dummy, s0, u, ht,
+        NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
+        PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
+        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, **blocks,
     )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     BKo = min(64, max(16, triton.next_power_of_2(K)))
     _output_kernel[(triton.cdiv(V, BV), NC, B * H)](
-        qd, s0, mqk, vf, mqa if Rab else dummy, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, BK=BKo, BV=BV,
-        PRECISION=prec, num_warps=4, num_stages=1,
+        q if raw else qd, s0, mqk, v, opt(sv), opt(mqa), u, o, opt(qf), T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA,
+        RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BV, PRECISION=prec, RAW=raw, VSC=sv is not None, E_Q=_is16(q),
+        E_V=_is16(v), num_warps=4, num_stages=1,
     )
     if not save:
         return o, ht

@@ -53,14 +53,42 @@ def _dot_xe(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(o_r, i_b, i_h, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """Rows o_r of chunk n of a [B, T, H, R, D] tensor (token in chunk major, rank padded to RP):
+    token in chunk, rank, time, valid, flat row."""
+    tok = o_r // RP
+    rk = o_r % RP
+    t = n * TC + tok
+    valid = (rk < R) & (t < T) & (tok < TC)
+    flat = ((i_b * T + t) * H + i_h) * R + rk
+    return tok, rk, t, valid, flat
+
+
+@triton.jit
+def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+              o_d, m_d, D: tl.constexpr):
+    """Rows o_r of chunk n of x [B, T, H, R, D] as given (read in x's dtype, returned as fp32)."""
+    _, _, _, valid, flat = _chunk_rows(o_r, i_bh // H, i_bh % H, n, T, H, TC, R, RP)
+    return tl.load(x + flat[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _state_fwd_kernel(
-    h0, d, kd, vf, w, uv, ad, s0, u, ht, NC,
+    h0, d, kd, vf, w, uv, ad, s0, u, ht, NC, kf, af, T,
     K: tl.constexpr, V: tl.constexpr, CR: tl.constexpr, CA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BCR: tl.constexpr, BCA: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+    RAW: tl.constexpr = False, H: tl.constexpr = 1, TC: tl.constexpr = 16, RKV: tl.constexpr = 1,
+    RKVP: tl.constexpr = 1, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_K: tl.constexpr = False,
+    E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
+    # RAW (a decay per row: scalar gate or none): kd, vf and ad are the inputs k [B, T, H, Rkv, K],
+    # v [B, T, H, Rkv, V] and a [B, T, H, Rab, K] as given, the rows' decays and factors in
+    # kf [B, H, NC, CR] and af [B, H, NC, CA] (K̃ᵀ V = kᵀ (kf ⊙ v), Ã = af ⊙ a), put on the value
+    # side of each product: two TF32 passes when k is 16-bit (E_K, ``_dot_xe``), and 16-bit reads.
+    # SAME_AK: a is k (one row block each): K̃ᵀ V - Ãᵀ U = kᵀ (kf ⊙ v - af ⊙ U), one product.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -73,24 +101,43 @@ def _state_fwd_kernel(
         c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
         tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
         acc = tl.zeros([BK, BV], dtype=tl.float32)  # everything this chunk adds to d ⊙ S
-        for r0 in tl.static_range(0, CR, BCR):
-            o_r = r0 + tl.arange(0, BCR)
-            m_r = o_r < CR
-            Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
-                         other=0.0)
-            Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v[None, :],
-                         other=0.0)
-            acc += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
+        if not SAME_AK:
+            for r0 in tl.static_range(0, CR, BCR):
+                o_r = r0 + tl.arange(0, BCR)
+                m_r = o_r < CR
+                if RAW:
+                    Kr = _raw_rows(kd, o_r, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                    Vr = _raw_rows(vf, o_r, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                    fk = tl.load(kf + c * CR + o_r, mask=m_r, other=0.0)
+                    acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None], PRECISION, E_K)
+                else:
+                    Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :],
+                                 mask=m_r[:, None] & m_k[None, :], other=0.0)
+                    Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
+                                 mask=m_r[:, None] & m_v[None, :], other=0.0)
+                    acc += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
         for a0 in tl.static_range(0, CA, BCA):
             o_a = a0 + tl.arange(0, BCA)
-            m_av = (o_a < CA)[:, None] & m_v[None, :]
-            m_ak = (o_a < CA)[:, None] & m_k[None, :]
+            m_a = o_a < CA
+            m_av = m_a[:, None] & m_v[None, :]
+            m_ak = m_a[:, None] & m_k[None, :]
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
             Uc = tl.dot(W, S, input_precision=PRECISION)
             Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
             tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
-            Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-            acc -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
+            if SAME_AK:
+                Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                Vr = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
+                fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
+                acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None] - Uc * fa[:, None], PRECISION, E_K)
+            elif RAW:
+                Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
+                acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
+            else:
+                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+                acc -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
         elif GATE == 2:
@@ -199,7 +246,7 @@ class _ChunkStatePassing(torch.autograd.Function):
         _state_fwd_kernel[grid](
             h0 if h0 is not None else dummy, d if d is not None else dummy, kd, vf,
             w if w is not None else dummy, uv if uv is not None else dummy, ad if ad is not None else dummy,
-            s0, u, ht, NC, K=K, V=V, CR=CR, CA=CA, GATE=gate, HAS_H0=h0 is not None,
+            s0, u, ht, NC, dummy, dummy, 0, K=K, V=V, CR=CR, CA=CA, GATE=gate, HAS_H0=h0 is not None,
             PRECISION=_precision(kd), **blocks,
         )
         ctx.save_for_backward(h0, d, kd, vf, w, ad, s0, u)  # the gradients do not need Ũ
