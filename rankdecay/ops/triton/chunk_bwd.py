@@ -33,7 +33,7 @@ from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precisio
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
 _CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=32, grad=4, grad_channel=8, grad_bk=32)
-_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u")
+_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af")
 
 
 @triton.jit
@@ -405,7 +405,7 @@ class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, a, b, g, h0, sa, sv, *saved = ctx.saved_tensors
-        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u = saved
+        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af = saved
         scale, C = ctx.scale, ctx.C
         B, T, H, K = q.shape
         Rkv, V = v.shape[-2], v.shape[-1]
@@ -417,16 +417,18 @@ class _ChunkDPLR(torch.autograd.Function):
         dummy = do
         opt = lambda x: dummy if x is None else x  # noqa: E731
         prec = _precision(q)
+        raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
         # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
         blocks = _blocks(K, V, NK, NA)
         dhn = torch.empty_like(s0)
         du = torch.empty_like(u)
         dh0 = torch.empty(B, H, K, V, **f32)
         _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-            opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(ad), dummy, dummy, dhn,
-            opt(du if Rab else None), dh0, qd, opt(mqa), do, NC, T, K=K, V=V, CA=NA, BK=blocks["BK"],
-            BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None, PRECISION=prec,
-            FROM_OUT=True, H=H, TC=C, E_DO=e_do, num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+            opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(a if raw else ad), dummy, dummy,
+            dhn, opt(du if Rab else None), dh0, q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af), K=K, V=V,
+            CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None,
+            PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1),
+            E_Q=_is16(q), E_A=_is16(a), num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
         )
         # dV and dX = Tᵀ dU
         like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731

@@ -284,7 +284,7 @@ def _intra_kernel(
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, RAW: tl.constexpr,
-    DECAYED: tl.constexpr,
+    DECAYED: tl.constexpr, DECAYED_QA: tl.constexpr,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -292,8 +292,8 @@ def _intra_kernel(
     # T B̃ and L_BK V take two TF32 passes (``chunk_state._dot_ex``), decays and factors moved onto T and L.
     # RAW (a decay per row): the rows' decays to the chunk's end (with a's and v's factors) go to kf
     # and af, for the state kernel's ``RAW`` form, and q's decays (with the scale) to qf, for the
-    # output kernel's; DECAYED: Q̃, K̃, Ã and V (with its factors) are stored too (the backward, or
-    # a per-channel gate, reads them).
+    # output kernel's; DECAYED: K̃ and V (with its factors) are stored too (the backward, or a
+    # per-channel gate, reads them); DECAYED_QA: Q̃ and Ã too (a per-channel gate reads them).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -388,8 +388,9 @@ def _intra_kernel(
             Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
             tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
                      mask=m_k)  # e^{G_C}
-        if DECAYED:
+        if DECAYED_QA:
             tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
+        if DECAYED:
             tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if RAB > 0:
             A = _load_rows(a, fa, va, o_k, m_k, K)
@@ -405,7 +406,7 @@ def _intra_kernel(
                 W = tl.dot(Tinv, Bm, input_precision=PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
-            if DECAYED:
+            if DECAYED_QA:
                 tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
     if GATE == 1:
@@ -513,14 +514,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     decayed = save or not raw
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
-    qd = torch.empty(B, H, NC, TC, K, **f32) if decayed else None
+    qd = torch.empty(B, H, NC, TC, K, **f32) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     mqk = torch.empty(B, H, NC, TC, NK, **f32)
     kd = torch.empty(B, H, NC, NK, K, **f32) if decayed else None
     vf = torch.empty(B, H, NC, NK, V, **f32) if decayed else None
     mqa = torch.empty(B, H, NC, TC, NA, **f32) if Rab else None
     w = torch.empty(B, H, NC, NA, K, **f32) if Rab else None
-    ad = torch.empty_like(w) if Rab and decayed else None
+    ad = torch.empty_like(w) if Rab and not raw else None
     uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
@@ -541,7 +542,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v), RAW=raw, DECAYED=decayed,
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v), RAW=raw, DECAYED=decayed, DECAYED_QA=not raw,
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
@@ -566,5 +567,5 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if not save:
         return o, ht
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
+                 u=u, qf=qf, af=af, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
     return o, ht, saved

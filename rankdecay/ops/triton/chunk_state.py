@@ -148,14 +148,19 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, qd, mqa, do, NC, T,
+    dht, d, w, ad, ds0, du, dh_next, du_tot, dh0, qd, mqa, do, NC, T, qf, af,
     K: tl.constexpr, V: tl.constexpr, CA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BCA: tl.constexpr,
     GATE: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr,
     FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr, E_DO: tl.constexpr,
+    RAW: tl.constexpr = False, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_Q: tl.constexpr = False,
+    E_A: tl.constexpr = False,
 ):
     # FROM_OUT: the outputs' share of dS_n and dU_n (Q̃ᵀ dO and -M_QAᵀ dO, with O = Q̃ S_n + ... - M_QA U_n)
     # is formed here from dO [B, T, H, V] and the chunk's Q̃ [TC, K] and M_QA [TC, CA] (the fused
     # forward's saved tensors); else it is read from ds0 and du. E_DO: dO is 16-bit (``_dot_ex``).
+    # RAW (with FROM_OUT; a decay per row): qd and ad are q [B, T, H, K] and a [B, T, H, Rab, K]
+    # as given, Q̃ = qf ⊙ q and Ã = af ⊙ a (``_state_fwd_kernel``'s RAW): Q̃ᵀ dO = qᵀ (qf ⊙ dO) and
+    # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A).
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -173,8 +178,12 @@ def _state_bwd_kernel(
             t = n * TC + r_q
             dO = tl.load(do + (((i_bh // H) * T + t[:, None]) * H + i_bh % H) * V + o_v[None, :],
                          mask=(t < T)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            dS_prev = _dot_ex(tl.trans(Qd), dO, PRECISION, E_DO)
+            if RAW:
+                Q = _raw_rows(qd, r_q, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
+                dS_prev = _dot_xe(tl.trans(Q), dO * tl.load(qf + c * TC + r_q)[:, None], PRECISION, E_Q)
+            else:
+                Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+                dS_prev = _dot_ex(tl.trans(Qd), dO, PRECISION, E_DO)
         else:
             dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
         if GATE == 1:
@@ -187,13 +196,18 @@ def _state_bwd_kernel(
             o_a = a0 + tl.arange(0, BCA)
             m_av = (o_a < CA)[:, None] & m_v[None, :]
             m_ak = (o_a < CA)[:, None] & m_k[None, :]
-            Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
             if FROM_OUT:
                 Ma = tl.load(mqa + (c * TC + r_q[:, None]) * CA + o_a[None, :], mask=(o_a < CA)[None, :], other=0.0)
                 dU = -_dot_ex(tl.trans(Ma), dO, PRECISION, E_DO)
             else:
                 dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
-            dU -= tl.dot(Ad, dS, input_precision=PRECISION)
+            if RAW:
+                Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                fa = tl.load(af + c * CA + o_a, mask=o_a < CA, other=0.0)
+                dU -= _dot_xe(Ar, dS, PRECISION, E_A) * fa[:, None]
+            else:
+                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+                dU -= tl.dot(Ad, dS, input_precision=PRECISION)
             tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
             dS_prev += tl.dot(tl.trans(W), dU, input_precision=PRECISION)
@@ -280,7 +294,7 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     _state_bwd_kernel[grid](
         dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
         w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0,
-        dummy, dummy, dummy, NC, 0, K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"],
+        dummy, dummy, dummy, NC, 0, dummy, dummy, K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"],
         GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, H=1, TC=16, E_DO=False,
         num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
     )
