@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_blocks, _chunk_rows, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _raw_rows,
-                          _state_fwd_kernel)
+from .chunk_state import (_blocks, _chunk_rows, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
+                          _raw_rows, _state_fwd_kernel)
 from .fused_recurrent import gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -40,11 +40,6 @@ MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 def _rows(i_b, i_h, i_c, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
     """The chunk's rows of a [B, T, H, R, D] tensor: token in chunk, rank, time, valid, flat row."""
     return _chunk_rows(tl.arange(0, TC * RP), i_b, i_h, i_c, T, H, TC, R, RP)
-
-
-@triton.jit
-def _load_rows(x, flat, valid, o_d, m_d, D: tl.constexpr):
-    return tl.load(x + flat[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -283,17 +278,16 @@ def _intra_kernel(
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
-    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, RAW: tl.constexpr,
-    DECAYED: tl.constexpr, DECAYED_QA: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, DECAYED: tl.constexpr,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
     # and to the loaded rows (so 16-bit a and v stay 16-bit). E_B / E_V: b / v are 16-bit, and
     # T B̃ and L_BK V take two TF32 passes (``chunk_state._dot_ex``), decays and factors moved onto T and L.
-    # RAW (a decay per row): the rows' decays to the chunk's end (with a's and v's factors) go to kf
-    # and af, for the state kernel's ``RAW`` form, and q's decays (with the scale) to qf, for the
-    # output kernel's; DECAYED: K̃ and V (with its factors) are stored too (the backward, or a
-    # per-channel gate, reads them); DECAYED_QA: Q̃ and Ã too (a per-channel gate reads them).
+    # A decay per row (GATE 0 or 1): the rows' decays to the chunk's end (with a's and v's factors)
+    # go to kf and af and q's decays (with the scale) to qf, for the ``RAW`` forms of the state and
+    # output kernels. A per-channel gate (GATE 2): Q̃ and Ã are stored instead. DECAYED: K̃ and V
+    # (with its factors) are stored too (the backward, or a per-channel gate, reads them).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -354,10 +348,11 @@ def _intra_kernel(
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
                      mask=m_v[None, :])
 
-    # Per key channel: Q ⊙ e^G, K ⊙ e^{G_C - G}, A ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), e^{G_C}
+    # Per key channel: K ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), and with a per-channel gate
+    # Q ⊙ e^G, A ⊙ e^{G_C - G} and e^{G_C}; with a decay per row, those decays as row factors instead
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
-    if RAW:
+    if GATE != 2:
         fk_end = tl.full([NK], 1.0, tl.float32)
         if VSC:
             fk_end = fk_end * fac_v
@@ -377,37 +372,33 @@ def _intra_kernel(
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        Q = _load_rows(q, fq, vq, o_k, m_k, K)
-        Kr = _load_rows(k, fk, vk, o_k, m_k, K)
-        if GATE == 1:
-            Q = Q * tl.exp(Gq.to(tl.float32))[:, None]
-            Kr = Kr * tl.exp((G_end - Gk).to(tl.float32))[:, None]
-        elif GATE == 2:
+        if DECAYED:
+            Kr = _load_rows(k, fk, vk, o_k, m_k, K)
+            if GATE == 1:
+                Kr = Kr * tl.exp((G_end - Gk).to(tl.float32))[:, None]
+            elif GATE == 2:
+                Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+            tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
+        if GATE == 2:
             eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
-            Q = Q * eq
-            Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+            Q = _load_rows(q, fq, vq, o_k, m_k, K) * eq
+            tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
             tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
                      mask=m_k)  # e^{G_C}
-        if DECAYED_QA:
-            tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
-        if DECAYED:
-            tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if RAB > 0:
-            A = _load_rows(a, fa, va, o_k, m_k, K)
-            if ASC:
-                A = A * fac_a[:, None]
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
-                A = A * tl.exp((G_end - Ga).to(tl.float32))[:, None]
                 W = _dot_ex(Tinv_b, Bm, PRECISION, E_B)
             elif GATE == 2:
+                A = _load_rows(a, fa, va, o_k, m_k, K)
+                if ASC:
+                    A = A * fac_a[:, None]
                 A = A * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
+                tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
                 Bm = Bm * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
                 W = tl.dot(Tinv, Bm, input_precision=PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
-            if DECAYED_QA:
-                tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
     if GATE == 1:
         tl.store(dch + c + tl.arange(0, 1), tl.exp(G_end.to(tl.float32)) + tl.zeros([1], dtype=tl.float32))
@@ -446,7 +437,7 @@ def _output_kernel(
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
     if VSC:
         _, _, _, valid, flat = _chunk_rows(r_k, i_b, i_h, i_c, T, H, TC, RKV, RKVP)
-        Mk = Mk * tl.load(sv + flat, mask=valid, other=0.0)[None, :]
+        Mk = Mk * _row_factor(sv, flat, valid)[None, :]
     Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
     acc += _dot_ex(Mk, Vr, PRECISION, E_V)
     if NA > 0:
@@ -506,11 +497,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
-    # a decay per row (scalar gate or none): the state kernel reads k and a as given, with their
-    # rows' decays as factors (``_state_fwd_kernel``'s RAW); K̃ and Ã are then stored only for the backward
+    # a decay per row (scalar gate or none): the state and output kernels read q, k, v and a as given,
+    # with the rows' decays as factors (their RAW forms); K̃ and V are then stored only for the
+    # backward, and Q̃ and Ã not at all
     raw = gate != 2
-    same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape
-               and a.stride() == k.stride() and a.dtype == k.dtype) if Rab else False
     decayed = save or not raw
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
@@ -542,7 +532,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v), RAW=raw, DECAYED=decayed, DECAYED_QA=not raw,
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v), DECAYED=decayed,
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
@@ -550,10 +540,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     u = torch.empty(B, H, NC, NA, V, **f32)
     ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    same_ak = same_ak and blocks["BCR"] == NK and blocks["BCA"] == NA  # one row block each
+    # a is k (the delta rule), one row block each: the state kernel's SAME_AK
+    same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
+               and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw else vf, opt(w), opt(uv), (a if raw else ad) if Rab else dummy, s0, u, ht,
-        NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
+        opt(h0), opt(dch), k if raw else kd, v if raw else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u, ht, NC,
+        opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, **blocks,
     )

@@ -65,11 +65,17 @@ def _chunk_rows(o_r, i_b, i_h, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.co
 
 
 @triton.jit
+def _load_rows(x, flat, valid, o_d, m_d, D: tl.constexpr):
+    """Rows ``flat`` (where valid) of x [..., D], columns o_d: read in x's dtype, returned as fp32."""
+    return tl.load(x + flat[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
               o_d, m_d, D: tl.constexpr):
     """Rows o_r of chunk n of x [B, T, H, R, D] as given (read in x's dtype, returned as fp32)."""
     _, _, _, valid, flat = _chunk_rows(o_r, i_bh // H, i_bh % H, n, T, H, TC, R, RP)
-    return tl.load(x + flat[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    return _load_rows(x, flat, valid, o_d, m_d, D)
 
 
 @triton.jit
