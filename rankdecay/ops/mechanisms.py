@@ -144,10 +144,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_gate(g, q)
     if mode == "fused_recurrent" and cu_seqlens is None:
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state)
-    a, a_scale = _beta_alpha(k[..., None, :], beta, g)
+    k1 = k[..., None, :]
+    a, a_scale = _beta_alpha(k1, beta, g)
     # k stays in its dtype: the fused kernels multiply 16-bit pairs exactly on tensor cores and
-    # apply β and α to the results (dplr's a_scale / v_scale)
-    return dplr(q, k, v, a, k[..., None, :], g, scale=scale, initial_state=initial_state,
+    # apply β and α to the results (dplr's a_scale / v_scale); a and b are k1 itself when a has
+    # no per-channel gate in it, and the backward then forms k's gradient in one pass
+    return dplr(q, k1, v[..., None, :], a, k1, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
                 a_scale=a_scale, v_scale=beta)
 

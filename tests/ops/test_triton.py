@@ -198,27 +198,51 @@ def test_16bit_inputs_with_autograd(dtype, tol, gate):
         assert_matches(x.float(), y.float(), tol, f"{dtype} gate={gate}: output {i}")
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("grads", [True, False], ids=["autograd", "forward"])
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 @pytest.mark.parametrize("Rkv", [1, 2])
-def test_decay_rows_that_are_the_keys(Rkv, gate, grads):
+def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol):
     """a and b the same tensor as k (the delta rule's layout: Gated DeltaNet passes k three times,
-    β α as a_scale): the state kernel reads k once for both of its products (SAME_AK)."""
-    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 16, 16, 0, Rkv, gate)
+    β α as a_scale): the state kernel reads k once for both of its products (SAME_AK) and, with
+    rank 1 and a decay per row, the backward forms k's three gradients as one (``ties_keys``).
+    fp16: results in fp16, the tolerance is their rounding (2^-11)."""
+    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 16, 16, 0, Rkv, gate, dtype=dtype)
     sa = torch.rand(2, 75, 2, Rkv, device=DEVICE) * 2
     results = []
     for mode in ("triton", "chunk"):
         xs = [None if x is None else x.detach().clone().requires_grad_(grads) for x in (q, k, v, g, h0, sa)]
         with torch.set_grad_enabled(grads):
             o, s = ops.dplr(xs[0], xs[1], xs[2], xs[1], xs[1], xs[3], initial_state=xs[4], output_final_state=True,
-                            mode=mode, a_scale=xs[5])
+                            mode=mode, a_scale=xs[5], v_scale=xs[5] + 0.5)
         out = [o.detach(), s.detach()]
         if grads:
-            ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() + s.sin().sum()).backward()
+            ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device).to(dtype)).sum() + s.sin().sum()).backward()
             out += [x.grad for x in xs if x is not None]
         results.append(out)
     for i, (x, y) in enumerate(zip(*results)):
-        assert_matches(x, y, 1e-5, f"Rkv={Rkv} gate={gate}: output {i}")
+        assert x.dtype == y.dtype
+        assert_matches(x.float(), y.float(), tol, f"Rkv={Rkv} gate={gate} {dtype}: output {i}")
+
+
+def test_delta_rule_keys_with_cu_seqlens():
+    """Gated DeltaNet with packed sequences through the Triton path: k is packed once and taken as
+    a and b too (``ties_keys``); every gradient matches the PyTorch path."""
+    B, T, H, K = 1, 50, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta, g = 2 * torch.rand(B, T, H, generator=gen), F.logsigmoid(torch.randn(B, T, H, generator=gen))
+    h0 = torch.randn(3, H, K, K, generator=gen)
+    cu = torch.tensor([0, 7, 7, 50], device=DEVICE)
+    results = []
+    for mode in ("triton", "chunk"):
+        xs = [x.to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, mode=mode)
+        ((o * torch.linspace(-1, 1, K, device=o.device)).sum() + s.sin().sum()).backward()
+        results.append([o, s] + [x.grad for x in xs])
+    for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], *results):
+        assert_matches(x, y, 1e-5, name)
 
 
 def test_row_scales_checked():

@@ -26,14 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_channel_decays, _decays, _level_x, _level_y, _load_rows, _pow2, _rows, _same_block,
-                        _scalar_cumsums, chunk_dplr_fwd)
+from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _pow2,
+                        _row_factor, _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd)
 from .fused_recurrent import gate_kind
 from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
 _CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=32, grad=4, grad_channel=8, grad_bk=32)
-_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af")
+_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec")
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _grad_kernel(
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
+    TIED: tl.constexpr = False, LP_QK: tl.constexpr = False, LP_KK: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -55,6 +56,12 @@ def _grad_kernel(
     With ASC, a's rows carry the factors sa: everything runs on sa ⊙ a, and this block's share of
     d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
     16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
+
+    TIED (the delta rule; a decay per row, ranks 1, ASC): a = sa ⊙ k and b = k, one tensor. The
+    products' tiles meet the same rows and decays, so they are added before the products:
+    with M = P_QK + P_QA sa and N = P_BK + P_BA sa (decayed), dq = M k and
+    dk + sa ⊙ da + db = Mᵀ q + N k + Nᵀ k, stored as one dk (da, db unused); d sa takes
+    Σ_j P ⊙ (x kᵀ) instead of a ⊙ (Pᵀ x) (LP_QK, LP_KK: q, k 16-bit, those products exact).
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -83,7 +90,19 @@ def _grad_kernel(
         else:
             A = A16
         Bm = _load_rows(b, fa, va, o_k, m_k, K)
-    if GATE < 2:
+    if TIED:  # one [C, C] tile live at a time
+        D = _decays(Gq, Gk, tokq, tokk, False, GATE)
+        P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * D
+        dsa_p = tl.sum(P * _input_dot(Q, Kr, q, k, LP_QK, PRECISION), axis=0)
+        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * D + P * fac_a[None, :]
+        dQ = _dot_ex(P, Kr, PRECISION, E_K)
+        dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
+        D = _decays(Gb, Ga, toka, toka, True, GATE)
+        P = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * D
+        dsa_p += tl.sum(P * _input_dot(Kr, Kr, k, k, LP_KK, PRECISION), axis=0)
+        P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * D + P * fac_a[None, :]
+        dK += _dot_ex(P, Kr, PRECISION, E_K) + _dot_ex(tl.trans(P), Kr, PRECISION, E_K)
+    elif GATE < 2:
         # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
         # (products with A as P ⊙ sa times a as given: exact factors stay exact)
         P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
@@ -170,7 +189,8 @@ def _grad_kernel(
         dG = Q * dQ - tl.sum(tl.reshape(Kr * dK, (TC, RKVP, BK)), axis=1)
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
-    tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
+    if not TIED:
+        tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
         Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
@@ -186,12 +206,17 @@ def _grad_kernel(
             sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
             dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
             dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
-        dA += Da
-        if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
-            tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
-            dA = dA * fac_a[:, None]
-        tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
-        tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
+        if TIED:  # everything on k: as k, as a (times sa) and as b
+            tl.store(dsa + fa * tl.num_programs(0) + i_k, dsa_p + tl.sum(A16 * Da, axis=1), mask=va)
+            tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk + Da * fac_a[:, None] + Db,
+                     mask=vk[:, None] & m_k[None, :])
+        else:
+            dA += Da
+            if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
+                tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
+                dA = dA * fac_a[:, None]
+            tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
+            tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
     if GATE == 1:  # this block's share (the products' share: _grad_products_kernel)
         row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
         tl.store(pdg + row + r_q, sQ)
@@ -220,14 +245,16 @@ def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Ten
 
 @triton.jit
 def _grad_values_kernel(
-    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, T, NC,
+    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
     NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
-    E_DO: tl.constexpr,
+    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr,
 ):
     """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
     chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
-    With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv."""
+    With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv.
+    RAW (a decay per row): kd is k [B, T, H, Rkv, K] as given and K̃ = kdec ⊙ k (two TF32 passes
+    when k is 16-bit: E_K)."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -241,12 +268,19 @@ def _grad_values_kernel(
     dO = _load_rows(do, fq, vq, o_v, m_v, V)
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
     dV = _dot_ex(tl.trans(Mk), dO, PRECISION, E_DO)
+    kdS = tl.zeros([NK, BV], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        Kd = tl.load(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        dV += tl.dot(Kd, dS, input_precision=PRECISION)
+        if RAW:
+            kdS += _dot_xe(_load_rows(kd, fk, vk, o_k, m_k, K), dS, PRECISION, E_K)
+        else:
+            Kd = tl.load(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            kdS += tl.dot(Kd, dS, input_precision=PRECISION)
+    if RAW:
+        kdS = kdS * tl.load(kdec + c * NK + r_k)[:, None]
+    dV += kdS
     if NA > 0:
         r_a = tl.arange(0, NA)
         Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
@@ -282,9 +316,10 @@ def _token_sum(Z, TC: tl.constexpr, RX: tl.constexpr, RY: tl.constexpr):
 
 @triton.jit
 def _grad_products_kernel(
-    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, scale, T, NC,
-    H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
+    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, scale, T, NC,
+    H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr,
+    BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr, RAW: tl.constexpr,
+    VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr,
 ):
     """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
     dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ.
@@ -294,7 +329,11 @@ def _grad_products_kernel(
     ∂P_ij/∂g_t = P_ij for the t it straddles, j < t <= i (or i - 1), and
     dg_t = Σ_{straddling pairs} dP_ij P_ij, summed as such (``_straddle``, once for all four
     products): no pair enters twice with opposite signs, as it would in reverse cumulative sums
-    of x ⊙ dx - y ⊙ dy."""
+    of x ⊙ dx - y ⊙ dy.
+
+    RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given (V = sv ⊙ v with VSC): dO vᵀ in
+    the inputs' dtype when both are 16-bit (LP_DV, exact), dX vᵀ in two TF32 passes (E_V), and
+    sv on the columns."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -304,6 +343,8 @@ def _grad_products_kernel(
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
     tokk = r_k // RKVP
+    if RAW:
+        _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Pqk = tl.zeros([TC, NK], dtype=tl.float32)
     if NA > 0:
         r_a = tl.arange(0, NA)
@@ -315,14 +356,26 @@ def _grad_products_kernel(
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
-        Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
+        if RAW:
+            Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
+            Pqk += _input_dot(dO, Vf, do, vf, LP_DV, PRECISION)
+        else:
+            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
         if NA > 0:
             U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
             Pba -= tl.dot(dX, tl.trans(U), input_precision=PRECISION)
-            Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
+            if RAW:
+                Pbk += _dot_ex(dX, tl.trans(Vf), PRECISION, E_V)
+            else:
+                Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
+    if RAW and VSC:
+        fv = _row_factor(sv, fk, vk)[None, :]
+        Pqk = Pqk * fv
+        if NA > 0:
+            Pbk = Pbk * fv
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
              tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
     if GATE == 1:
@@ -346,13 +399,17 @@ def _grad_products_kernel(
 
 @triton.jit
 def _grad_inputs_kernel(
-    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, scale, T, NC,
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
+    RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
+    E_V: tl.constexpr = False,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
-    dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel)."""
+    dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel).
+    RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given, V = sv ⊙ v with VSC (two TF32
+    passes when v is 16-bit: E_V)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -361,6 +418,8 @@ def _grad_inputs_kernel(
     r_k = tl.arange(0, NK)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
+    if RAW:
+        _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
     Dd = tl.zeros([BK], dtype=tl.float32)
@@ -375,9 +434,12 @@ def _grad_inputs_kernel(
         S0 = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
         dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
-        Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
         Dq += _dot_xe(dO, tl.trans(S0), PRECISION, E_DO)
-        Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
+        if RAW:
+            Dk += _dot_xe(_load_rows(vf, fk, vk, o_v, m_v, V), tl.trans(dS), PRECISION, E_V)
+        else:
+            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
@@ -385,6 +447,8 @@ def _grad_inputs_kernel(
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             Da -= tl.dot(U, tl.trans(dS), input_precision=PRECISION)
             Db += tl.dot(dX, tl.trans(S0), input_precision=PRECISION)
+    if RAW and VSC:
+        Dk = Dk * _row_factor(sv, fk, vk)[:, None]
     tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])
     tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
     if GATE > 0:
@@ -396,16 +460,21 @@ def _grad_inputs_kernel(
 
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale):
-        o, ht, saved = chunk_dplr_fwd(q, k, v, a, b, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied):
+        # tied: a = b = k (a and b are None here), their gradients returned as k's
+        fa, fb = (k, k) if tied else (a, b)
+        o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED))
-        ctx.scale, ctx.C = scale, saved["TC"]
+        ctx.scale, ctx.C, ctx.tied = scale, saved["TC"], tied
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, a, b, g, h0, sa, sv, *saved = ctx.saved_tensors
-        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af = saved
+        tied = ctx.tied
+        if tied:
+            a = b = k
+        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec = saved
         scale, C = ctx.scale, ctx.C
         B, T, H, K = q.shape
         Rkv, V = v.shape[-2], v.shape[-1]
@@ -438,9 +507,10 @@ class _ChunkDPLR(torch.autograd.Function):
         sv32 = sv.float().contiguous() if sv is not None else None
         dsv = torch.empty(*v.shape[:-1], triton.cdiv(V, BV), **f32) if sv is not None else None
         _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
-            do, mqk, kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32), opt(dsv), T,
-            NC, H=H, K=K, V=V, TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))),
-            BV=BV, PRECISION=prec, VSC=sv is not None, E_DO=e_do, num_warps=_CONFIG["values"], num_stages=1,
+            do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
+            opt(dsv), opt(kdec), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA,
+            BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec, VSC=sv is not None, E_DO=e_do,
+            RAW=raw, E_K=_is16(k), num_warps=_CONFIG["values"], num_stages=1,
         )
         # the gradients of the decayed inputs
         f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
@@ -450,8 +520,9 @@ class _ChunkDPLR(torch.autograd.Function):
         gate = gate_kind(g)
         BKi = min(_CONFIG["inputs_bk"], max(16, triton.next_power_of_2(K)))
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
-            do, s0, dhn, vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch), scale, T, NC,
-            H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do,
+            do, s0, dhn, v if raw else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
+            opt(sv32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
+            E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v),
             num_warps=_CONFIG["inputs"], num_stages=1,
         )
         # the gradients of the products
@@ -459,16 +530,17 @@ class _ChunkDPLR(torch.autograd.Function):
         dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
         dgp = f32c(C) if gate == 1 else None
         _grad_products_kernel[(NC, B * H)](
-            do, vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk, opt(dmqa), opt(dlba),
-            opt(dlbk), opt(dgp), scale, T, NC, H=H, V=V, TC=C, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV),
-            GATE=gate, PRECISION=prec, E_DO=e_do,
+            do, v if raw else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
+            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), scale, T, NC, H=H, V=V, TC=C, RKV=Rkv,
+            RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do, RAW=raw,
+            VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v),
             num_warps=_CONFIG["products"],
             num_stages=1,
         )
         # dq, dk, da, db, dg
         # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
         dq, dk = like(q), like(k)
-        da, db = (like(a), like(b)) if Rab else (None, None)
+        da, db = (like(a), like(b)) if Rab and not tied else (None, None)
         dg = like(g) if gate == 2 else None
         BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
         NKB = triton.cdiv(K, BKg)
@@ -481,16 +553,30 @@ class _ChunkDPLR(torch.autograd.Function):
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
             BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k),
-            E_A=_is16(a), E_B=_is16(b),
+            E_A=_is16(a), E_B=_is16(b), TIED=tied, LP_QK=_lowp(q, k), LP_KK=_lowp(k),
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:
             dg = _finish_scalar_dg(dgp, pdg, T)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
+        if tied:
+            da = db = a = b = None
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
-                cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None)
+                cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+
+
+def ties_keys(k, a, b, g, a_scale) -> bool:
+    """Whether ``chunk_dplr`` can take a and b as k itself (the delta rule: ``a = a_scale ⊙ k``,
+    ``b = k``, the same tensor object, ranks 1, a decay per row): the backward then forms k's
+    gradient as key, decay row and update row in one pass."""
+    return (a is k and b is k and k.shape[-2] == 1 and a_scale is not None
+            and (g is None or g.shape[-1] == 1))
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):
-    """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results."""
-    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale)
+    """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.
+
+    When a and b are k itself (``ties_keys``), k's three gradients are formed as one."""
+    if ties_keys(k, a, b, g, a_scale):
+        return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
+    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False)

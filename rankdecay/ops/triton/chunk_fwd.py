@@ -273,7 +273,7 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, scale, T, NC,
+    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, kdec, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
@@ -286,8 +286,8 @@ def _intra_kernel(
     # T B̃ and L_BK V take two TF32 passes (``chunk_state._dot_ex``), decays and factors moved onto T and L.
     # A decay per row (GATE 0 or 1): the rows' decays to the chunk's end (with a's and v's factors)
     # go to kf and af and q's decays (with the scale) to qf, for the ``RAW`` forms of the state and
-    # output kernels. A per-channel gate (GATE 2): Q̃ and Ã are stored instead. DECAYED: K̃ and V
-    # (with its factors) are stored too (the backward, or a per-channel gate, reads them).
+    # output kernels, and with SAVE the decays alone to kdec (the backward's K̃ = kdec ⊙ k). A
+    # per-channel gate (GATE 2): Q̃ and Ã are stored instead, and DECAYED: K̃ and V (with its factors) too.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -362,6 +362,11 @@ def _intra_kernel(
         else:
             tl.store(qf + c * TC + r_q, tl.full([TC], 1.0, tl.float32) * scale)
         tl.store(kf + c * NK + r_k, fk_end)
+        if SAVE:
+            if GATE == 1:
+                tl.store(kdec + c * NK + r_k, tl.exp((G_end - Gk).to(tl.float32)))
+            else:
+                tl.store(kdec + c * NK + r_k, tl.full([NK], 1.0, tl.float32))
         if RAB > 0:
             fa_end = tl.full([NA], 1.0, tl.float32)
             if ASC:
@@ -497,15 +502,16 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
-    # a decay per row (scalar gate or none): the state and output kernels read q, k, v and a as given,
-    # with the rows' decays as factors (their RAW forms); K̃ and V are then stored only for the
-    # backward, and Q̃ and Ã not at all
+    # a decay per row (scalar gate or none): the state and output kernels, and the backward's,
+    # read q, k, v and a as given, with the rows' decays as factors (their RAW forms); no decayed
+    # copies Q̃, K̃, Ã or V are stored
     raw = gate != 2
-    decayed = save or not raw
+    decayed = not raw
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **f32) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
+    kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **f32)
     kd = torch.empty(B, H, NC, NK, K, **f32) if decayed else None
     vf = torch.empty(B, H, NC, NK, V, **f32) if decayed else None
@@ -528,7 +534,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
         dummy if sv is None else sv, opt(qd), mqk,
         mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
-        opt(kf), opt(af), opt(qf), scale, T, NC,
+        opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
@@ -559,5 +565,5 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if not save:
         return o, ht
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, qf=qf, af=af, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
+                 u=u, qf=qf, af=af, kdec=kdec, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
     return o, ht, saved
