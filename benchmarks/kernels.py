@@ -3,7 +3,8 @@
     python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling]
 
 A registry of (op, shapes); one runner prints, for forward and forward+backward, the
-median milliseconds, TFLOP/s from an explicit FLOP count (``rankdecay.ops.
+median milliseconds (calls back to back, as do_bench times them, and each call alone on an
+idle GPU: see ``bench``), TFLOP/s from an explicit FLOP count (``rankdecay.ops.
 chunk_flops_per_token``; backward counted as twice the forward), peak memory, and
 the ratio to each peer present (fla if importable, SDPA causal attention). Results
 as a Markdown table and, with --json, a JSON file. bf16 inputs; B=8, T=2048, H=16,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -110,23 +112,45 @@ CASES = {
 }
 
 
-def bench(fn, warmup=5, reps=20) -> float:
+def bench(fn, warmup=5, reps=20) -> dict:
+    """Median milliseconds per call, measured two ways:
+
+    - ``ms``: calls back to back, as in training and as ``triton.testing.do_bench`` times them
+      (no L2 flush): an event pair around each call, one synchronisation at the end, so the
+      host prepares call i + 1 while the GPU runs call i. This is GPU time whenever the host
+      keeps ahead;
+    - ``sync_ms``: each call started on an idle GPU and waited for, so the host's own time
+      before the first kernel (argument checks, allocation, launches) counts too;
+
+    and ``host_ms``, the host's time per call in the back-to-back loop: its own work when that is
+    well below ``ms``; near ``ms`` the host also waited on the GPU (a full launch queue, or an
+    operation that synchronises), and the op is GPU bound or has such a wait.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    t0 = time.perf_counter()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    host = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    back_to_back = statistics.median(s.elapsed_time(e) for s, e in events)
     times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for start, end in events:
+        torch.cuda.synchronize()
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return {"ms": back_to_back, "sync_ms": statistics.median(times), "host_ms": host}
 
 
-def measure(call, inputs, backward: bool) -> tuple[float, float]:
-    """(ms, peak MB above the inputs) of forward (+ backward)."""
+def measure(call, inputs, backward: bool) -> dict:
+    """``bench``'s times and the peak memory above the inputs (MB) of forward (+ backward)."""
     leaves = {k: (v.detach().requires_grad_(backward) if v.is_floating_point() and k != "mask" else v)
               for k, v in inputs.items()}
 
@@ -143,8 +167,8 @@ def measure(call, inputs, backward: bool) -> tuple[float, float]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = bench(step)
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = bench(step)
+    return {**times, "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
 
 
 def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
@@ -158,16 +182,16 @@ def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
         row = dict(case=key, op=case.name, shape=dict(B=B, T=T, H=H, K=K, V=V), dtype=str(dtype), pass_=passes)
         flops = flops_fwd * (3 if backward else 1)
         try:
-            ms, mb = measure(case.ours, inputs, backward)
-            row.update(ms=ms, tflops=flops / ms / 1e9, peak_mb=mb)
+            m = measure(case.ours, inputs, backward)
+            row.update(m, tflops=flops / m["ms"] / 1e9)
         except Exception as e:  # noqa: BLE001 - a failing case is a result too
             row.update(error=f"{type(e).__name__}: {e}"[:200])
         for peer, call in case.peers.items():
             try:
-                peer_ms, _ = measure(call, inputs, backward)
-                row[f"{peer}_ms"] = peer_ms
+                m = measure(call, inputs, backward)
+                row[f"{peer}_ms"], row[f"{peer}_sync_ms"] = m["ms"], m["sync_ms"]
                 if "ms" in row:
-                    row[f"vs_{peer}"] = peer_ms / row["ms"]
+                    row[f"vs_{peer}"] = m["ms"] / row["ms"]
             except Exception as e:  # noqa: BLE001
                 row[f"{peer}_error"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
@@ -175,16 +199,18 @@ def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
     return rows
 
 
-HEADER = ("| op | shape | pass | ms | TFLOP/s | peak MB | fla ms | x fla | SDPA ms | x SDPA |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| op | shape | pass | ms | synced ms | host ms | TFLOP/s | peak MB | fla ms | fla synced ms | x fla "
+          "| SDPA ms | x SDPA |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def markdown_row(r: dict) -> str:
     f = lambda key, fmt: (fmt.format(r[key]) if key in r else ("err" if key.replace("_ms", "_error") in r else "—"))  # noqa: E731
     shape = "B{B} T{T} H{H} K{K} V{V}".format(**r["shape"])
     ours = f("ms", "{:.3f}") if "error" not in r else "error: " + r["error"][:60]
-    return (f"| {r['op']} | {shape} | {r['pass_']} | {ours} | {f('tflops', '{:.1f}')} | {f('peak_mb', '{:.0f}')} | "
-            f"{f('fla_ms', '{:.3f}')} | {f('vs_fla', '{:.2f}')} | {f('sdpa_ms', '{:.3f}')} | {f('vs_sdpa', '{:.2f}')} |")
+    return (f"| {r['op']} | {shape} | {r['pass_']} | {ours} | {f('sync_ms', '{:.3f}')} | {f('host_ms', '{:.3f}')} | "
+            f"{f('tflops', '{:.1f}')} | {f('peak_mb', '{:.0f}')} | {f('fla_ms', '{:.3f}')} | "
+            f"{f('fla_sync_ms', '{:.3f}')} | {f('vs_fla', '{:.2f}')} | "
+            f"{f('sdpa_ms', '{:.3f}')} | {f('vs_sdpa', '{:.2f}')} |")
 
 
 def main() -> None:

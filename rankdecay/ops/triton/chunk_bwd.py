@@ -83,13 +83,17 @@ def _grad_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
-        A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
+        if TIED:  # a and b are k, row for row
+            A16 = Kr
+            Bm = Kr
+        else:
+            A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
+            Bm = _load_rows(b, fa, va, o_k, m_k, K)
         if ASC:
             fac_a = tl.load(sa + fa, mask=va, other=0.0)
             A = A16 * fac_a[:, None]
         else:
             A = A16
-        Bm = _load_rows(b, fa, va, o_k, m_k, K)
     if TIED:  # one [C, C] tile live at a time
         D = _decays(Gq, Gk, tokq, tokk, False, GATE)
         P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * D
