@@ -206,8 +206,9 @@ def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol):
     """a and b the same tensor as k (the delta rule's layout: Gated DeltaNet passes k three times,
     β α as a_scale): the state kernel reads k once for both of its products (SAME_AK) and, with
     rank 1 and a decay per row, the backward forms k's three gradients as one (``ties_keys``).
-    fp16: results in fp16, the tolerance is their rounding (2^-11)."""
-    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 16, 16, 0, Rkv, gate, dtype=dtype)
+    fp16: results in fp16, the tolerance is their rounding (2^-11). K = 40: two key blocks in the
+    backward's step 4, the second one partial."""
+    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 40, 16, 0, Rkv, gate, dtype=dtype)
     sa = torch.rand(2, 75, 2, Rkv, device=DEVICE) * 2
     results = []
     for mode in ("triton", "chunk"):

@@ -38,12 +38,12 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, T, NC,
+    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, dsap, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
-    TIED: tl.constexpr = False, LP_QK: tl.constexpr = False, LP_KK: tl.constexpr = False,
+    TIED: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -58,10 +58,10 @@ def _grad_kernel(
     16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
 
     TIED (the delta rule; a decay per row, ranks 1, ASC): a = sa ⊙ k and b = k, one tensor. The
-    products' tiles meet the same rows and decays, so they are added before the products:
-    with M = P_QK + P_QA sa and N = P_BK + P_BA sa (decayed), dq = M k and
-    dk + sa ⊙ da + db = Mᵀ q + N k + Nᵀ k, stored as one dk (da, db unused); d sa takes
-    Σ_j P ⊙ (x kᵀ) instead of a ⊙ (Pᵀ x) (LP_QK, LP_KK: q, k 16-bit, those products exact).
+    products' tiles meet the same rows and decays, and ``_grad_products_kernel`` stores them
+    added: M = P_QK + P_QA sa in dmqk, N = P_BK + P_BA sa in dlbk. Then dq = M k and
+    dk + sa ⊙ da + db = Mᵀ q + N k + Nᵀ k, stored as one dk (da, db unused), three products
+    instead of eight; d sa's share from the products (dsap) is added by the first key block.
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -94,18 +94,13 @@ def _grad_kernel(
             A = A16 * fac_a[:, None]
         else:
             A = A16
-    if TIED:  # one [C, C] tile live at a time
-        D = _decays(Gq, Gk, tokq, tokk, False, GATE)
-        P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * D
-        dsa_p = tl.sum(P * _input_dot(Q, Kr, q, k, LP_QK, PRECISION), axis=0)
-        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * D + P * fac_a[None, :]
+    if TIED:  # the tiles come added (M in dmqk, N in dlbk); d sa's products' share in dsap
+        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
         dQ = _dot_ex(P, Kr, PRECISION, E_K)
         dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
-        D = _decays(Gb, Ga, toka, toka, True, GATE)
-        P = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * D
-        dsa_p += tl.sum(P * _input_dot(Kr, Kr, k, k, LP_KK, PRECISION), axis=0)
-        P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * D + P * fac_a[None, :]
+        P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * _decays(Gb, Ga, toka, toka, True, GATE)
         dK += _dot_ex(P, Kr, PRECISION, E_K) + _dot_ex(tl.trans(P), Kr, PRECISION, E_K)
+        dsa_p = tl.load(dsap + c * NA + r_a) * (i_k == 0).to(tl.float32)
     elif GATE < 2:
         # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
         # (products with A as P ⊙ sa times a as given: exact factors stay exact)
@@ -320,10 +315,10 @@ def _token_sum(Z, TC: tl.constexpr, RX: tl.constexpr, RY: tl.constexpr):
 
 @triton.jit
 def _grad_products_kernel(
-    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, scale, T, NC,
+    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, sa, dsap, scale, T, NC,
     H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr,
     BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr, RAW: tl.constexpr,
-    VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr,
+    VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
 ):
     """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
     dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ.
@@ -337,7 +332,12 @@ def _grad_products_kernel(
 
     RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given (V = sv ⊙ v with VSC): dO vᵀ in
     the inputs' dtype when both are 16-bit (LP_DV, exact), dX vᵀ in two TF32 passes (E_V), and
-    sv on the columns."""
+    sv on the columns.
+
+    TIED (a = sa ⊙ k, b = k: ``_grad_kernel``'s TIED): the pairs of tiles that meet the same rows
+    are stored added, dM_QK + dM_QA sa into dmqk and dL_BK + dL_BA sa into dlbk (M_QA = M_QK sa,
+    L_BA = L_BK sa), and their share of d sa, Σ_i dM_QA ⊙ M_QK + Σ_i dL_BA ⊙ L_BK over every key
+    channel, goes to dsap."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -380,9 +380,22 @@ def _grad_products_kernel(
         Pqk = Pqk * fv
         if NA > 0:
             Pbk = Pbk * fv
+    if TIED:  # ranks 1: a's rows are k's
+        Mq = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+        Lk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+        tl.store(dsap + c * NA + r_a, tl.sum(Pqa * Mq, axis=0) + tl.sum(Pba * Lk, axis=0))
+        fa = _row_factor(sa, fk, vk)[None, :]
+        Pqk += Pqa * fa
+        Pbk += Pba * fa
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
              tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
-    if GATE == 1:
+    if TIED:
+        if GATE == 1:
+            Z1 = _token_sum(Pbk * Lk, TC, 1, 1)
+            dgt = (_straddle(_token_sum(Pqk * Mq, TC, 1, 1) + Z1, TC)
+                   - tl.sum(tl.where(r_q[:, None] > r_q[None, :], Z1, 0.0), axis=1))
+            tl.store(dgp + c * TC + r_q, dgt)
+    elif GATE == 1:
         # Z[i, j] = dP P summed over the ranks of tokens i and j (M and L are stored causally masked)
         Z0 = _token_sum(Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]), TC, 1, RKVP)
         if NA > 0:
@@ -395,9 +408,11 @@ def _grad_products_kernel(
             dgt = _straddle(Z0, TC)
         tl.store(dgp + c * TC + r_q, dgt)
     if NA > 0:
-        tl.store(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :],
-                 tl.where(r_q[:, None] >= toka[None, :], Pqa * scale, 0.0))
-        tl.store(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :], tl.where(toka[:, None] > toka[None, :], Pba, 0.0))
+        if not TIED:
+            tl.store(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :],
+                     tl.where(r_q[:, None] >= toka[None, :], Pqa * scale, 0.0))
+            tl.store(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :],
+                     tl.where(toka[:, None] > toka[None, :], Pba, 0.0))
         tl.store(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], tl.where(toka[:, None] > tokk[None, :], Pbk, 0.0))
 
 
@@ -532,12 +547,16 @@ class _ChunkDPLR(torch.autograd.Function):
         # the gradients of the products
         dmqk = f32c(C, NK)
         dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
+        dsap = f32c(NA) if tied else None
+        if tied:
+            dmqa = dlba = None
         dgp = f32c(C) if gate == 1 else None
+        sa32 = sa.float().contiguous() if sa is not None and Rab > 0 else None
         _grad_products_kernel[(NC, B * H)](
             do, v if raw else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
-            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), scale, T, NC, H=H, V=V, TC=C, RKV=Rkv,
-            RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do, RAW=raw,
-            VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v),
+            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), opt(dsap), scale, T, NC, H=H, V=V,
+            TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
+            RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied,
             num_warps=_CONFIG["products"],
             num_stages=1,
         )
@@ -550,14 +569,13 @@ class _ChunkDPLR(torch.autograd.Function):
         NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
         asc = sa is not None and Rab > 0
-        sa32 = sa.float().contiguous() if asc else None
         dsa = torch.empty(*a.shape[:-1], NKB, **f32) if asc else None
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
-            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC, H=H, K=K,
+            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(dsap), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
             BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k),
-            E_A=_is16(a), E_B=_is16(b), TIED=tied, LP_QK=_lowp(q, k), LP_KK=_lowp(k),
+            E_A=_is16(a), E_B=_is16(b), TIED=tied,
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
         if gate == 1:
