@@ -19,6 +19,11 @@ itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of va
 ``_grad_products_kernel`` (the products' gradients, per chunk) and ``_grad_inputs_kernel`` (the
 decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk and block
 of key channels: dq, dk, da, db and dg through the products and decays).
+
+With a decay per row (scalar gate or none) every kernel reads q, k, v and a as given, the rows'
+decays and factors applied on the other side of each product, so the forward saves no decayed
+copies. When a and b are k itself (the delta rule, ``ties_keys``), the tiles that meet the same
+rows are added in the products kernel and step 4 writes k's three gradients as one.
 """
 from __future__ import annotations
 
