@@ -551,10 +551,10 @@ class _ChunkDPLR(torch.autograd.Function):
         )
         # the gradients of the products
         dmqk = f32c(C, NK)
-        dmqa, dlba, dlbk = (f32c(C, NA), f32c(NA, NA), f32c(NA, NK)) if Rab else (None, None, None)
+        # tied: dM_QA and dL_BA come added into dM_QK and dL_BK, d sa's share from them in dsap
+        dmqa, dlba = (f32c(C, NA), f32c(NA, NA)) if Rab and not tied else (None, None)
+        dlbk = f32c(NA, NK) if Rab else None
         dsap = f32c(NA) if tied else None
-        if tied:
-            dmqa = dlba = None
         dgp = f32c(C) if gate == 1 else None
         sa32 = sa.float().contiguous() if sa is not None and Rab > 0 else None
         _grad_products_kernel[(NC, B * H)](
@@ -577,8 +577,8 @@ class _ChunkDPLR(torch.autograd.Function):
         dsa = torch.empty(*a.shape[:-1], NKB, **f32) if asc else None
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
-            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(dsap), T, NC, H=H, K=K,
-            KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
+            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(dsap), T, NC,
+            H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
             BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k),
             E_A=_is16(a), E_B=_is16(b), TIED=tied,
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,

@@ -278,7 +278,7 @@ def _intra_kernel(
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
-    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, DECAYED: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -287,7 +287,7 @@ def _intra_kernel(
     # A decay per row (GATE 0 or 1): the rows' decays to the chunk's end (with a's and v's factors)
     # go to kf and af and q's decays (with the scale) to qf, for the ``RAW`` forms of the state and
     # output kernels, and with SAVE the decays alone to kdec (the backward's K̃ = kdec ⊙ k). A
-    # per-channel gate (GATE 2): Q̃ and Ã are stored instead, and DECAYED: K̃ and V (with its factors) too.
+    # per-channel gate (GATE 2): Q̃, K̃, Ã and V (with its factors) are stored instead.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -341,7 +341,7 @@ def _intra_kernel(
             Vr = V16 * fac_v[:, None]
         else:
             Vr = V16
-        if DECAYED:
+        if GATE == 2:
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
@@ -353,20 +353,18 @@ def _intra_kernel(
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
     if GATE != 2:
-        fk_end = tl.full([NK], 1.0, tl.float32)
-        if VSC:
-            fk_end = fk_end * fac_v
         if GATE == 1:
-            fk_end = fk_end * tl.exp((G_end - Gk).to(tl.float32))
+            dec_k = tl.exp((G_end - Gk).to(tl.float32))
             tl.store(qf + c * TC + r_q, tl.exp(Gq.to(tl.float32)) * scale)
         else:
+            dec_k = tl.full([NK], 1.0, tl.float32)
             tl.store(qf + c * TC + r_q, tl.full([TC], 1.0, tl.float32) * scale)
-        tl.store(kf + c * NK + r_k, fk_end)
         if SAVE:
-            if GATE == 1:
-                tl.store(kdec + c * NK + r_k, tl.exp((G_end - Gk).to(tl.float32)))
-            else:
-                tl.store(kdec + c * NK + r_k, tl.full([NK], 1.0, tl.float32))
+            tl.store(kdec + c * NK + r_k, dec_k)
+        if VSC:
+            tl.store(kf + c * NK + r_k, dec_k * fac_v)
+        else:
+            tl.store(kf + c * NK + r_k, dec_k)
         if RAB > 0:
             fa_end = tl.full([NA], 1.0, tl.float32)
             if ASC:
@@ -377,12 +375,9 @@ def _intra_kernel(
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if DECAYED:
+        if GATE == 2:
             Kr = _load_rows(k, fk, vk, o_k, m_k, K)
-            if GATE == 1:
-                Kr = Kr * tl.exp((G_end - Gk).to(tl.float32))[:, None]
-            elif GATE == 2:
-                Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+            Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
             tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if GATE == 2:
             eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
@@ -506,15 +501,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # read q, k, v and a as given, with the rows' decays as factors (their RAW forms); no decayed
     # copies Q̃, K̃, Ã or V are stored
     raw = gate != 2
-    decayed = not raw
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **f32) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **f32)
-    kd = torch.empty(B, H, NC, NK, K, **f32) if decayed else None
-    vf = torch.empty(B, H, NC, NK, V, **f32) if decayed else None
+    kd = torch.empty(B, H, NC, NK, K, **f32) if not raw else None
+    vf = torch.empty(B, H, NC, NK, V, **f32) if not raw else None
     mqa = torch.empty(B, H, NC, TC, NA, **f32) if Rab else None
     w = torch.empty(B, H, NC, NA, K, **f32) if Rab else None
     ad = torch.empty_like(w) if Rab and not raw else None
@@ -538,7 +532,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v), DECAYED=decayed,
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v),
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
