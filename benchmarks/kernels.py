@@ -6,7 +6,9 @@ A registry of (op, shapes); one runner prints, for forward and forward+backward,
 median milliseconds (calls back to back, as do_bench times them, and each call alone on an
 idle GPU: see ``bench``), TFLOP/s from an explicit FLOP count (``rankdecay.ops.
 chunk_flops_per_token``; backward counted as twice the forward), peak memory, and
-the ratio to each peer present (fla if importable, SDPA causal attention). Results
+the ratio to each peer present (fla if importable, SDPA causal attention). Decode steps
+are timed as plain calls and as a CUDA graph's replay ("fwd graph", ours and fla's alike:
+the GPU's time once no host launches are left in the loop). Results
 as a Markdown table and, with --json, a JSON file. bf16 inputs; B=8, T=2048, H=16,
 K=V=128 unless --shape says otherwise.
 """
@@ -149,8 +151,24 @@ def bench(fn, warmup=5, reps=20) -> dict:
     return {"ms": back_to_back, "sync_ms": statistics.median(times), "host_ms": host}
 
 
-def measure(call, inputs, backward: bool) -> dict:
-    """``bench``'s times and the peak memory above the inputs (MB) of forward (+ backward)."""
+def graphed(fn):
+    """``fn`` recorded once as a CUDA graph (after warm-up on a side stream); returns its replay.
+    What a decode loop pays per step once the host's launches are out of the way."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def measure(call, inputs, backward: bool, graph: bool = False) -> dict:
+    """``bench``'s times and the peak memory above the inputs (MB) of forward (+ backward);
+    with ``graph``, of the forward recorded as a CUDA graph and replayed."""
     leaves = {k: (v.detach().requires_grad_(backward) if v.is_floating_point() and k != "mask" else v)
               for k, v in inputs.items()}
 
@@ -167,7 +185,7 @@ def measure(call, inputs, backward: bool) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = bench(step)
+    times = bench(graphed(step) if graph else step)
     return {**times, "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
 
 
@@ -177,18 +195,18 @@ def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
     tokens = B * (1 if case.decode else T)
     flops_fwd = tokens * H * case.flops_per_token_head(K, V, C)
     rows = []
-    for passes in (("fwd",) if case.decode else ("fwd", "fwd+bwd")):
-        backward = passes == "fwd+bwd"
+    for passes in (("fwd", "fwd graph") if case.decode else ("fwd", "fwd+bwd")):
+        backward, graph = passes == "fwd+bwd", passes == "fwd graph"
         row = dict(case=key, op=case.name, shape=dict(B=B, T=T, H=H, K=K, V=V), dtype=str(dtype), pass_=passes)
         flops = flops_fwd * (3 if backward else 1)
         try:
-            m = measure(case.ours, inputs, backward)
+            m = measure(case.ours, inputs, backward, graph)
             row.update(m, tflops=flops / m["ms"] / 1e9)
         except Exception as e:  # noqa: BLE001 - a failing case is a result too
             row.update(error=f"{type(e).__name__}: {e}"[:200])
         for peer, call in case.peers.items():
             try:
-                m = measure(call, inputs, backward)
+                m = measure(call, inputs, backward, graph)
                 row[f"{peer}_ms"], row[f"{peer}_sync_ms"] = m["ms"], m["sync_ms"]
                 if "ms" in row:
                     row[f"vs_{peer}"] = m["ms"] / row["ms"]

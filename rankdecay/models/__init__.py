@@ -1,5 +1,7 @@
 """Language models: one class for every mixer, registered with transformers' Auto classes."""
 from .config import MIXERS, PRESETS, RankDecayConfig
+from .generation import GraphDecoder
 from .modeling import RankDecayForCausalLM, RankDecayModel, build_mixer
 
-__all__ = ["MIXERS", "PRESETS", "RankDecayConfig", "RankDecayModel", "RankDecayForCausalLM", "build_mixer"]
+__all__ = ["MIXERS", "PRESETS", "RankDecayConfig", "RankDecayModel", "RankDecayForCausalLM", "build_mixer",
+           "GraphDecoder"]

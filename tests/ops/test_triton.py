@@ -338,3 +338,24 @@ def test_gated_delta_rule_decode_fast_path(gate):
         o_ref, s_ref = ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, mode="naive")
     assert_matches(o, o_ref, 1e-5, "o")
     assert_matches(s, s_ref, 1e-5, "final state")
+
+
+def test_gated_delta_rule_decode_fast_path_errors():
+    """The fast path checks what dplr would, with the same messages."""
+    q = torch.randn(1, 1, 2, 16, device=DEVICE)
+    beta = torch.rand(1, 1, 2, device=DEVICE)
+    call = lambda **kw: ops.gated_delta_rule(**{"q": q, "k": q, "v": q, "g": None, "beta": beta,  # noqa: E731
+                                                "mode": "fused_recurrent", **kw})
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[N, H, K, V\] = \[1, 2, 16, 16\]"):
+        call(initial_state=torch.zeros(1, 2, 16, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        call(scale="0.1")
+    with pytest.raises(ValueError, match="computes in fp32"):
+        call(initial_state=torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(RuntimeError, match="no backward"):
+        call(q=q.clone().requires_grad_())
+    with torch.no_grad():
+        o, s = call(scale=0.5, output_final_state=True)
+        ref, s_ref = ops.gated_delta_rule(q, q, q, None, beta, scale=0.5, output_final_state=True, mode="naive")
+    assert_matches(o, ref, 1e-5, "o with scale")
+    assert_matches(s, s_ref, 1e-5, "state")

@@ -54,6 +54,11 @@ def _fused_recurrent_fwd_kernel(
     tl.store(ht + p_h, S, mask=m_h)
 
 
+def _pow2(n: int) -> int:
+    """The next power of two >= n, in plain Python: the decode step's host time is its cost."""
+    return 1 << (n - 1).bit_length()
+
+
 def gate_kind(g: torch.Tensor | None) -> int:
     """The kernels' GATE constant for a canonical log-gate [..., 1 | K]: 0 none, 1 scalar, 2 per channel."""
     return 0 if g is None else (1 if g.shape[-1] == 1 else 2)
@@ -82,10 +87,10 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
     Rab = a.shape[-2] if a is not None else 0
     ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
     o = q.new_empty(N, T, H, V, dtype=torch.float32)
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 32 if BK > 128 else 64)
+    BK = _pow2(K)
+    BV = min(_pow2(V), 32 if BK > 128 else 64)
     dummy = q  # never read when its constexpr flag is off
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (-(-V // BV), N * H)
     _fused_recurrent_fwd_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(),
         a.contiguous() if a is not None else dummy, b.contiguous() if b is not None else dummy,
@@ -145,9 +150,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
     o = q.new_empty(N, T, H, V)
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 32 if BK > 64 else 64)
-    grid = (triton.cdiv(V, BV), N * H)
+    BK = _pow2(K)
+    BV = min(_pow2(V), 32 if BK > 64 else 64)
+    grid = (-(-V // BV), N * H)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
         scale, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, num_warps=4,

@@ -1,0 +1,94 @@
+"""Per-token decode latency of whole models on a GPU: transformers' generate, the eager step, the CUDA graph.
+
+    python benchmarks/decode_gpu.py [--preset 340m] [--mixers gdn hdla hh-gdn gdn-h1] [--batches 1 64]
+
+Random weights in bf16. For each mixer and batch size, after a prompt of --prompt tokens:
+- ``generate``: ``model.generate`` (transformers' loop and dynamic cache), ms per new token;
+- ``eager``: ``GraphDecoder(cuda_graph=False).step``, the same step on static buffers, launched
+  kernel by kernel;
+- ``graph``: ``GraphDecoder().step``, the step replayed as one CUDA graph.
+Median of --steps steps, each synchronised. Prints a Markdown table; --json writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
+
+
+def per_step(fn, steps: int) -> float:
+    """Median milliseconds of ``fn()``, synchronised around each call."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def build(preset: str, mixer: str) -> RankDecayForCausalLM:
+    kw = {"layer_mixers": ["gdn", "swa"] * 12} if mixer == "gdn-h1" else {"mixer": mixer}
+    if mixer.startswith("hh-"):
+        kw["hh_rank"] = 4
+    torch.manual_seed(0)
+    return RankDecayForCausalLM(RankDecayConfig.from_preset(preset, **kw)).cuda().to(torch.bfloat16).eval()
+
+
+@torch.no_grad()
+def run(model, B: int, prompt: int, steps: int, new_tokens: int) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda")
+    row = {}
+    for name, decoder in (("eager", GraphDecoder(model, cuda_graph=False)), ("graph", GraphDecoder(model))):
+        decoder.prefill(ids)
+        token = torch.zeros(B, dtype=torch.long, device="cuda")
+        for _ in range(3):
+            decoder.step(token)
+        row[f"{name}_ms"] = per_step(lambda: decoder.step(token), steps)  # noqa: B023
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    short = per_step(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), 3)
+    long = per_step(lambda: model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw), 3)
+    row["generate_ms"] = (long - short) / new_tokens
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="340m")
+    parser.add_argument("--mixers", nargs="+", default=["gdn", "hdla", "hh-gdn", "gdn-h1"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import transformers
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
+    print("| mixer | B | generate ms/token | eager step ms | graph step ms | graph speed-up |\n|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for mixer in args.mixers:
+        model = build(args.preset, mixer)
+        for B in args.batches:
+            r = dict(mixer=mixer, B=B, preset=args.preset, **run(model, B, args.prompt, args.steps, args.new_tokens))
+            rows.append(r)
+            print(f"| {mixer} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | {r['graph_ms']:.3f} | "
+                  f"{r['eager_ms'] / r['graph_ms']:.1f}x |", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

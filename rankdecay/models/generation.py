@@ -1,0 +1,233 @@
+"""Fast decoding: the whole model's one-token step captured once as a CUDA graph.
+
+A recurrent model's decode step is a few dozen small kernels per layer whose launches,
+not their work, set the time per token at small batch (the state is fixed-size, so the
+work is tiny). Captured as a CUDA graph the step is one launch (Mamba's ``cg=True``)::
+
+    from rankdecay.models import GraphDecoder
+
+    decoder = GraphDecoder(model)                 # CUDA graph on a GPU, the same steps eagerly on a CPU
+    out = decoder.generate(input_ids, attention_mask=mask, max_new_tokens=64)   # [B, T + new]
+
+The prompt is prefilled eagerly (the chunked kernels). The cache is then copied into
+static buffers, and the step ``logits = model(token, cache); cache <- new cache`` is
+recorded once per batch size and replayed per token; the copy back into the buffers is
+part of the graph. Sliding-window attention's cache is padded to its full window with
+keys marked as padding, so every buffer keeps its shape from step to step.
+
+``generate`` follows ``transformers``' ``model.generate`` for what it supports: greedy
+or sampled (``temperature``, ``top_k``, ``top_p``, through transformers' logits warpers),
+``eos_token_id`` / ``pad_token_id``, left-padded batches with ``attention_mask``, and it
+returns the prompt followed by the new tokens.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ..layers.cache import Cache
+
+
+def _leaves(x) -> list[torch.Tensor]:
+    """The tensors of a cache entry (dicts, tuples, lists, None) in a fixed order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for key in sorted(x) for t in _leaves(x[key])]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _leaves(item)]
+    return []
+
+
+def _clone(x):
+    """A copy of a cache entry with fresh tensors (the static buffers)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {key: _clone(value) for key, value in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(item) for item in x)
+    return x
+
+
+def _pad_window(entry: dict, window: int) -> dict:
+    """A sliding-window attention cache padded on the left to ``window - 1`` keys marked as
+    padding (``real`` False): the same attention, and a shape that no longer changes."""
+    keep = window - 1
+    P = entry["k"].shape[1]
+    if P >= keep:
+        return entry
+    pad = lambda x: torch.cat([x.new_zeros((x.shape[0], keep - P) + tuple(x.shape[2:])), x], 1)  # noqa: E731
+    return {**entry, "k": pad(entry["k"]), "v": pad(entry["v"]), "real": pad(entry["real"])}
+
+
+def _setting(value, config, name: str, fallback):
+    """``value``, else the generation config's, else transformers' default."""
+    if value is not None:
+        return value
+    return fallback if getattr(config, name, None) is None else getattr(config, name)
+
+
+class GraphDecoder:
+    """Token-by-token decoding of a ``RankDecayForCausalLM`` with the step as a CUDA graph.
+
+    Args:
+        model: the language model (any mixer, hybrids with sliding-window attention too).
+        cuda_graph: record and replay the step as a CUDA graph. Default: when the model
+            is on a GPU. ``False`` runs the very same static-buffer steps eagerly (CPU).
+
+    One graph is kept for the last batch size and dtype seen; a new batch size records a
+    new one (a few eager warm-up steps and the capture: milliseconds to a second).
+    """
+
+    def __init__(self, model, cuda_graph: bool | None = None):
+        device = next(model.parameters()).device
+        if cuda_graph is None:
+            cuda_graph = device.type == "cuda"
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device; it is on {device}")
+        self.model, self.device, self.cuda_graph = model, device, bool(cuda_graph)
+        self._key = None
+        self._graph = None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the prompt ``input_ids [B, T]`` (``attention_mask [B, T]``, 0 at left padding) and
+        load its cache into the step's buffers. Returns the last position's logits ``[B, vocab]``."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=True)
+        cache = out.past_key_values
+        layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
+        key = (input_ids.shape[0], tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)))
+        if key != self._key:
+            self._build(input_ids.shape[0], layers)
+            self._key = key
+        self._load(layers)
+        self._cache.seen_tokens = cache.seen_tokens
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``token [B]``); returns the next logits ``[B, vocab]``.
+        The returned tensor is a static buffer: the next ``step`` overwrites it."""
+        if self._key is None:
+            raise RuntimeError("call prefill(input_ids) before step()")
+        if token.shape != (self._key[0],):
+            raise ValueError(f"token must have shape [B] = [{self._key[0]}], got {list(token.shape)}")
+        self._ids.copy_(token[:, None])
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._run()
+        self._cache.seen_tokens += 1
+        return self._logits
+
+    def _static_shape(self, i: int, entry):
+        mixer = self.model.model.layers[i].mixer
+        return _pad_window(entry, mixer.window_size) if hasattr(mixer, "window_size") else entry
+
+    def _build(self, B: int, layers: list) -> None:
+        """Allocate the static buffers and, with ``cuda_graph``, record the step."""
+        self._graph = None
+        self._buffers = [_clone(entry) for entry in layers]
+        self._cache = Cache(len(layers))
+        self._cache.layers = list(self._buffers)
+        self._ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        self._logits = None
+        self._run(check=True)  # also the first compile of every kernel
+        if not self.cuda_graph:
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
+                self._run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._run()
+
+    def _run(self, check: bool = False) -> None:
+        """The recorded step: the model on the buffers, then its new cache copied into them."""
+        seen = self._cache.seen_tokens  # the forward counts the token; step() does, once per replay
+        out = self.model(self._ids, past_key_values=self._cache, use_cache=True)
+        self._cache.seen_tokens = seen
+        for i, (old, new) in enumerate(zip(self._buffers, self._cache.layers)):
+            olds, news = _leaves(old), _leaves(new)
+            if check and [t.shape for t in olds] != [t.shape for t in news]:
+                raise RuntimeError(f"layer {i}'s cache changes shape from step to step "
+                                   f"({[list(t.shape) for t in olds]} -> {[list(t.shape) for t in news]}); "
+                                   "a CUDA graph needs a fixed-size cache")
+            for dst, src in zip(olds, news):
+                dst.copy_(src)
+        self._cache.layers = list(self._buffers)
+        if self._logits is None:
+            self._logits = out.logits[:, -1].clone()
+        else:
+            self._logits.copy_(out.logits[:, -1])
+
+    def _load(self, layers: list) -> None:
+        for buffer, entry in zip(self._buffers, layers):
+            for dst, src in zip(_leaves(buffer), _leaves(entry)):
+                dst.copy_(src)
+        self._cache.layers = list(self._buffers)
+
+    # -- generation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int = 32, do_sample: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``input_ids [B, T]`` by ``max_new_tokens``; returns ``[B, T + n]`` (n is
+        smaller when every row has ended with an EOS token; ended rows are padded with
+        ``pad_token_id``). Defaults for ``eos_token_id`` / ``pad_token_id`` come from the
+        model's generation config, and so do ``temperature``, ``top_k`` and ``top_p`` when
+        None (transformers' defaults: 1.0, 50, 1.0). Greedy unless ``do_sample``."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        config = self.model.generation_config
+        eos = config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
+        pad = pad_token_id if pad_token_id is not None else config.pad_token_id
+        if eos.numel() and pad is None:
+            raise ValueError("pad_token_id is needed to fill rows that ended (or give eos_token_id=[])")
+        warpers = LogitsProcessorList()
+        if do_sample:
+            temperature = _setting(temperature, config, "temperature", 1.0)
+            top_k, top_p = _setting(top_k, config, "top_k", 50), _setting(top_p, config, "top_p", 1.0)
+            if temperature <= 0:
+                raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+            if temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                warpers.append(TopKLogitsWarper(top_k))
+            if top_p is not None and top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p))
+        tokens = [input_ids]
+        if max_new_tokens == 0:
+            return input_ids
+        logits = self.prefill(input_ids, attention_mask)
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
+        for i in range(max_new_tokens):
+            if do_sample:
+                probs = warpers(torch.cat(tokens, 1), logits.float()).softmax(-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            if eos.numel():
+                nxt = torch.where(done, pad, nxt)
+                done = done | torch.isin(nxt, eos)
+            tokens.append(nxt[:, None])
+            if i + 1 == max_new_tokens or (eos.numel() and bool(done.all())):
+                break
+            logits = self.step(nxt)
+        return torch.cat(tokens, 1)

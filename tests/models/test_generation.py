@@ -1,0 +1,122 @@
+"""GraphDecoder: the step on static buffers (eager on the CPU, a CUDA graph on a GPU) decodes
+exactly as transformers' generate with the dynamic cache."""
+import pytest
+import torch
+
+from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
+
+from ..conftest import assert_matches
+from .common import random_ids, tiny_model
+
+PAD = 258
+
+
+def _left_padded(lengths, seed=10):
+    L = max(lengths)
+    ids = torch.full((len(lengths), L), PAD)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, L - n:] = random_ids(1, n, seed=seed + i)[0]
+        mask[i, L - n:] = 1
+    return ids, mask
+
+
+def _hybrid():
+    torch.manual_seed(0)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "swa"], initializer_range=0.2)
+    return RankDecayForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla", "swa", "gdn+swa"])
+@pytest.mark.parametrize("lengths", [(11, 4, 8), (45, 40)], ids=["short", "past-window"])
+def test_greedy_equals_transformers_generate(mixer, lengths):
+    """Left-padded batches; prompts shorter than the tiny SWA window (32) exercise its padded
+    cache, longer ones the full window."""
+    model = _hybrid() if mixer == "gdn+swa" else tiny_model(mixer)
+    ids, mask = _left_padded(lengths)
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=[])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, **kw)
+    got = GraphDecoder(model, cuda_graph=False).generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got, ref), mixer
+    assert len(set(got[0, ids.shape[1]:].tolist())) > 1, "the test model should not emit a constant"
+
+
+def test_step_logits_equal_a_full_forward_and_the_decoder_is_reused():
+    """Two prompts of one batch size reuse the buffers; each step's logits are the full forward's."""
+    model = tiny_model("hh-gdn")
+    decoder = GraphDecoder(model, cuda_graph=False)
+    for seed in (1, 2):
+        ids = random_ids(2, 9 + seed, seed=seed)
+        seq = decoder.generate(ids, max_new_tokens=12, eos_token_id=[])
+        with torch.no_grad():
+            full = model(seq, use_cache=False).logits[:, -1]
+            decoder.prefill(seq[:, :-1])
+            last = decoder.step(seq[:, -1])
+        assert_matches(last, full, 1e-5, f"prompt {seed}")
+        assert decoder._cache.get_seq_length() == seq.shape[1]
+
+
+def test_eos_ends_rows_and_pads_them():
+    model = tiny_model("gdn")
+    ids = random_ids(3, 6)
+    free = GraphDecoder(model, cuda_graph=False).generate(ids, max_new_tokens=15, eos_token_id=[])
+    eos = int(free[0, 6 + 3])  # row 0 emits this token at its 4th step
+    got = GraphDecoder(model, cuda_graph=False).generate(ids, max_new_tokens=15, eos_token_id=eos, pad_token_id=PAD)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=15, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(got, ref)
+    assert (got[0, 6 + 4:] == PAD).all()
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    model = tiny_model("gdn")
+    ids = random_ids(2, 7)
+    decoder = GraphDecoder(model, cuda_graph=False)
+    a = decoder.generate(ids, max_new_tokens=20, do_sample=True, top_k=0, eos_token_id=[],
+                         generator=torch.Generator().manual_seed(4))
+    b = decoder.generate(ids, max_new_tokens=20, do_sample=True, top_k=0, eos_token_id=[],
+                         generator=torch.Generator().manual_seed(4))
+    c = decoder.generate(ids, max_new_tokens=20, do_sample=True, top_k=0, eos_token_id=[],
+                         generator=torch.Generator().manual_seed(5))
+    greedy = decoder.generate(ids, max_new_tokens=20, eos_token_id=[])
+    top1 = decoder.generate(ids, max_new_tokens=20, do_sample=True, top_k=1, eos_token_id=[],
+                            generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(top1, greedy)
+
+
+def test_bad_use_raises_clear_errors():
+    model = tiny_model("gdn")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+            GraphDecoder(model, cuda_graph=True)
+    decoder = GraphDecoder(model, cuda_graph=False)
+    with pytest.raises(RuntimeError, match="call prefill"):
+        decoder.step(torch.tensor([1]))
+    with pytest.raises(ValueError, match="input_ids must have shape"):
+        decoder.prefill(torch.tensor([1, 2]))
+    decoder.prefill(random_ids(2, 5))
+    with pytest.raises(ValueError, match=r"token must have shape \[B\] = \[2\]"):
+        decoder.step(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(random_ids(2, 5), max_new_tokens=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gdn+swa"])
+def test_cuda_graph_decodes_as_eager_steps(mixer):
+    """On a GPU: the recorded graph gives the eager steps' tokens and logits (fp32 model; the
+    fused decode kernel in both)."""
+    model = (_hybrid() if mixer == "gdn+swa" else tiny_model(mixer)).cuda()
+    ids, mask = _left_padded((40, 9, 25))
+    ids, mask = ids.cuda(), mask.cuda()
+    eager, graph = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=True)
+    kw = dict(max_new_tokens=30, eos_token_id=[])
+    ref, got = eager.generate(ids, mask, **kw), graph.generate(ids, mask, **kw)
+    assert graph._graph is not None
+    assert torch.equal(got, ref), mixer
+    with torch.no_grad():
+        for decoder in (eager, graph):
+            decoder.prefill(got[:, :-1], torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:-1])], 1))
+        assert_matches(graph.step(got[:, -1]), eager.step(got[:, -1]).clone(), 1e-6, mixer)
