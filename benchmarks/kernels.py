@@ -110,7 +110,9 @@ CASES = {
     "gdn-decode": Case("GDN decode step", make_decode,
                        lambda x: ops.gated_delta_rule(**x, output_final_state=True, mode="fused_recurrent")[0],
                        lambda K, V, C: 4.0 * K * V + 4 * K * V,
-                       {"fla": _fla("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")}, decode=True),
+                       # fla writes the new state only when asked, as a decode step must
+                       {"fla": lambda x: _fla("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")(
+                           x, output_final_state=True)}, decode=True),
 }
 
 

@@ -76,8 +76,11 @@ class ShortConvolution(nn.Module):
         if state is None:
             state = x.new_zeros(B, D, past)
         full = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, past + T, D]
-        y = torch.zeros_like(x)
         w = self.filters().to(x.dtype)
+        if T == 1 and starts is None:  # a decode step: one product and one sum instead of a kernel pair per tap
+            y = (full * w.t()).sum(1, keepdim=True)
+            return (F.silu(y) if self.activation == "silu" else y), full[:, 1:].transpose(1, 2)
+        y = torch.zeros_like(x)
         t = torch.arange(T, device=x.device)
         for i in range(self.kernel_size):  # y_t = sum_i w_i x_{t - i}; the newest input pairs with the last weight
             tap = full[:, past - i : past - i + T] * w[:, past - i]

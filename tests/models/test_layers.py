@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from rankdecay.layers import DeltaNet, GatedDeltaNet, HeadInHead, SlidingWindowAttention
+from rankdecay.layers.modules import ShortConvolution
 
 from ..conftest import assert_matches
 
@@ -87,3 +88,20 @@ def test_bad_layer_arguments(make, match):
 def test_attention_mask_shape_is_checked():
     with pytest.raises(ValueError, match=r"attention_mask must have shape \[B, T\]"):
         GatedDeltaNet(D, H)(torch.randn(2, 5, D), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("groups", [None, 2])
+def test_short_convolution_steps_equal_the_full_sequence(groups):
+    """One call over T equals T single-token steps carrying the state (the decode path), and a
+    one-token sequence packed with cu_seqlens starts fresh whatever state is passed."""
+    conv = ShortConvolution(8, 4, groups=groups)
+    x = torch.randn(3, 11, 8)
+    full, last = conv(x)
+    state, steps = None, []
+    for t in range(11):
+        y, state = conv(x[:, t:t + 1], state)
+        steps.append(y)
+    assert_matches(torch.cat(steps, 1), full, 1e-6)
+    assert_matches(state, last, 1e-7)
+    y, _ = conv(x[:, :1], torch.randn(3, 8, 3), starts=torch.zeros(1, dtype=torch.long))
+    assert_matches(y, conv(x[:, :1])[0], 1e-7, "a packed sequence's first token")
