@@ -85,13 +85,17 @@ def _generate(args) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sampling = args.temperature > 0
-    with torch.no_grad():
-        out = model.generate(
-            **batch, max_new_tokens=args.max_new_tokens, do_sample=sampling,
-            temperature=args.temperature if sampling else None, top_k=args.top_k if sampling else None,
-            top_p=args.top_p if sampling else None,
-            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else tokenizer.eos_token_id,
-        )
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=sampling,
+              temperature=args.temperature if sampling else None, top_k=args.top_k if sampling else None,
+              top_p=args.top_p if sampling else None,
+              pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else tokenizer.eos_token_id)
+    if args.cuda_graph:
+        from .models import GraphDecoder
+
+        out = GraphDecoder(model).generate(batch["input_ids"], batch.get("attention_mask"), **kw)
+    else:
+        with torch.no_grad():
+            out = model.generate(**batch, **kw)
     new = out[:, batch["input_ids"].shape[1]:]
     for prompt, row in zip(prompts, new):
         print(prompt + tokenizer.decode(row, skip_special_tokens=True))
@@ -245,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode with rankdecay.models.GraphDecoder: the step as a CUDA graph on a GPU "
+                        "(on a CPU the same static-buffer steps, eagerly)")
     p.set_defaults(func=_generate)
     return parser
 
