@@ -21,12 +21,29 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _rolled(entry: dict) -> dict:
+    """A ring cache (decode steps) back in time order: its ``window - 1`` newest slots, oldest first."""
+    B, W = entry["real"].shape
+    order = (entry["next"][:, None] + torch.arange(1, W, device=entry["k"].device)) % W  # [B, W - 1]
+    rows = torch.arange(B, device=order.device)[:, None]
+    return {"k": entry["k"][rows, order], "v": entry["v"][rows, order], "real": entry["real"][rows, order],
+            "count": entry["count"]}
+
+
 class SlidingWindowAttention(nn.Module):
     """Causal softmax attention over the last ``window_size`` tokens, with RoPE.
 
-    In decoding it keeps only the last ``window_size - 1`` keys and values: the cache
-    is bounded whatever the context length. Positions count real tokens only, so a
-    left-padded prompt attends exactly as the prompt alone.
+    In decoding it keeps only the last keys and values: the cache is bounded whatever
+    the context length. Positions count real tokens only, so a left-padded prompt
+    attends exactly as the prompt alone.
+
+    The cache has two layouts. After a prompt (several tokens) it holds the last
+    ``window_size - 1`` keys in time order. A one-token step turns it into a ring of
+    ``window_size`` slots (``"next"`` [B]: the slot the next token overwrites). The step then
+    writes its key into the ring in place (the token it replaces has left the window)
+    and attends over the ring: no copy of the window per token, and fixed shapes (CUDA
+    graphs). The order of keys does not matter to attention (RoPE is applied before
+    they are stored). A later multi-token input rolls the ring back into time order.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int | None = None, *, window_size: int = 2048,
@@ -47,6 +64,20 @@ class SlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
 
+    def ring_cache(self, entry: dict) -> dict:
+        """A time-ordered cache entry as a ring of ``window_size`` slots: left-padded with slots
+        marked as padding, one free slot at the end, which the next token takes."""
+        if "next" in entry:
+            return entry
+        W, P = self.window_size, entry["k"].shape[1]
+
+        def pad(x):
+            B, rest = x.shape[0], tuple(x.shape[2:])
+            return torch.cat([x.new_zeros((B, W - 1 - P) + rest), x, x.new_zeros((B, 1) + rest)], 1)
+
+        return {"k": pad(entry["k"]), "v": pad(entry["v"]), "real": pad(entry["real"]), "count": entry["count"],
+                "next": torch.full_like(entry["count"], W - 1)}
+
     def forward(self, x, attention_mask=None, cache: Cache | None = None, use_cache: bool = False,
                 cu_seqlens: torch.Tensor | None = None):
         B, T, _ = x.shape
@@ -56,17 +87,19 @@ class SlidingWindowAttention(nn.Module):
         if state is None:
             state = {"k": x.new_zeros(B, 0, H, D), "v": x.new_zeros(B, 0, H, D),
                      "real": real.new_zeros(B, 0), "count": torch.zeros(B, dtype=torch.long, device=x.device)}
+        starts = sequence_starts(T, cu_seqlens, x.device)
+        if T == 1 and starts is None and cache is not None and use_cache:
+            return self._step(x, real, self.ring_cache(state), cache)
+        if "next" in state:
+            state = _rolled(state)
         P = state["k"].shape[1]
 
-        starts = sequence_starts(T, cu_seqlens, x.device)
         t = torch.arange(T, device=x.device)
         if starts is not None:
             positions = (t - starts)[None].expand(B, T)
         else:  # real tokens before this one
             positions = state["count"][:, None] + real.long().cumsum(1) - real.long()
-        q = rotary(self.q_proj(x).view(B, T, H, D), positions, self.rope_theta)
-        k = rotary(self.k_proj(x).view(B, T, H, D), positions, self.rope_theta)
-        v = self.v_proj(x).view(B, T, H, D)
+        q, k, v = self._qkv(x, positions)
         keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
         key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
 
@@ -88,6 +121,31 @@ class SlidingWindowAttention(nn.Module):
                 "count": state["count"] + real.long().sum(1),
             }
         return o, cache
+
+    def _qkv(self, x, positions):
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q = rotary(self.q_proj(x).view(B, T, H, D), positions, self.rope_theta)
+        k = rotary(self.k_proj(x).view(B, T, H, D), positions, self.rope_theta)
+        return q, k, self.v_proj(x).view(B, T, H, D)
+
+    def _step(self, x, real, ring: dict, cache: Cache):
+        """One token against the ring: its key written in place over the slot that left the window."""
+        B, _, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = self._qkv(x, ring["count"][:, None])
+        slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
+        at = (torch.arange(B, device=x.device), slot)
+        ring["k"].index_put_(at, k[:, 0])
+        ring["v"].index_put_(at, v[:, 0])
+        ring["real"].index_put_(at, real[:, 0])
+        mine = torch.arange(self.window_size, device=x.device) == slot[:, None]  # a padding query sees itself
+        allowed = (ring["real"] | mine)[:, None, None, :]  # [B, 1, 1, W]: every slot is within the window
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), ring["k"].transpose(1, 2), ring["v"].transpose(1, 2),
+                                           attn_mask=allowed)
+        cache.layers[self.layer_idx] = {**ring, "count": ring["count"] + real.long()[:, 0],
+                                        "next": (slot + 1) % self.window_size}
+        return self.o_proj(o.transpose(1, 2).reshape(B, 1, H * D)), cache
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, window={self.window_size}"

@@ -12,8 +12,9 @@ work is tiny). Captured as a CUDA graph the step is one launch (Mamba's ``cg=Tru
 The prompt is prefilled eagerly (the chunked kernels). The cache is then copied into
 static buffers, and the step ``logits = model(token, cache); cache <- new cache`` is
 recorded once per batch size and replayed per token; the copy back into the buffers is
-part of the graph. Sliding-window attention's cache is padded to its full window with
-keys marked as padding, so every buffer keeps its shape from step to step.
+part of the graph. Sliding-window attention's cache is its ring of ``window`` slots
+(``SlidingWindowAttention.ring_cache``), written in place, so every buffer keeps its shape
+from step to step.
 
 ``generate`` follows ``transformers``' ``model.generate`` for what it supports: greedy
 or sampled (``temperature``, ``top_k``, ``top_p``, through transformers' logits warpers),
@@ -53,17 +54,6 @@ def _clone(x):
     if isinstance(x, (tuple, list)):
         return type(x)(_clone(item) for item in x)
     return x
-
-
-def _pad_window(entry: dict, window: int) -> dict:
-    """A sliding-window attention cache padded on the left to ``window - 1`` keys marked as
-    padding (``real`` False): the same attention, and a shape that no longer changes."""
-    keep = window - 1
-    P = entry["k"].shape[1]
-    if P >= keep:
-        return entry
-    pad = lambda x: torch.cat([x.new_zeros((x.shape[0], keep - P) + tuple(x.shape[2:])), x], 1)  # noqa: E731
-    return {**entry, "k": pad(entry["k"]), "v": pad(entry["v"]), "real": pad(entry["real"])}
 
 
 def _setting(value, config, name: str, fallback):
@@ -132,7 +122,7 @@ class GraphDecoder:
 
     def _static_shape(self, i: int, entry):
         mixer = self.model.model.layers[i].mixer
-        return _pad_window(entry, mixer.window_size) if hasattr(mixer, "window_size") else entry
+        return mixer.ring_cache(entry) if hasattr(mixer, "ring_cache") else entry
 
     def _build(self, B: int, layers: list) -> None:
         """Allocate the static buffers and, with ``cuda_graph``, record the step."""
@@ -167,7 +157,8 @@ class GraphDecoder:
                                    f"({[list(t.shape) for t in olds]} -> {[list(t.shape) for t in news]}); "
                                    "a CUDA graph needs a fixed-size cache")
             for dst, src in zip(olds, news):
-                dst.copy_(src)
+                if src is not dst:  # SWA's ring is written in place
+                    dst.copy_(src)
         self._cache.layers = list(self._buffers)
         if self._logits is None:
             self._logits = out.logits[:, -1].clone()

@@ -49,11 +49,15 @@ def test_prefill_then_decode_matches_full(mixer):
     assert_matches(split, full, 1e-5, mixer)
 
 
-def test_cache_reorder_selects_rows():
-    model = tiny_model("gdn")
-    ids = random_ids(3, 10)
+@pytest.mark.parametrize("mixer", ["gdn", "swa"])
+def test_cache_reorder_selects_rows(mixer):
+    """Beam search's reorder, after a prompt and after decode steps (SWA's ring)."""
+    model = tiny_model(mixer)
+    ids = random_ids(3, 40)
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = model(ids[:, :30], use_cache=True).past_key_values
+        for t in range(30, 40):
+            cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
         cache.reorder_cache(torch.tensor([2, 0]))
         nxt = random_ids(2, 1, seed=5)
         got = model(nxt, past_key_values=cache, use_cache=True).logits
