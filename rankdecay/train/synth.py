@@ -266,7 +266,8 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
     ``only={"seq_len": [512, 1024]}`` keeps the settings whose values are listed;
     ``task_params={"vocab_size": 512}`` changes the generator's parameters in every setting.
     ``jobs > 1`` runs that many trainings at once in separate processes (small models leave a GPU
-    mostly idle; on a CPU, jobs share the cores). Results are rewritten after every finished run."""
+    mostly idle; on a CPU, jobs share the cores); with several GPUs and ``device="auto"`` the runs
+    are spread over them in turn. Results are rewritten after every finished run."""
     if task not in SUITES:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(SUITES)}")
     if preset not in SUITES[task]:
@@ -295,6 +296,11 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
                   overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1)
              for si, setting in chosen for mixer in mechanisms for lr in lrs
              for seed in range(seeds)]
+    if jobs > 1:
+        import torch
+
+        for spec, dev in zip(specs, spread_devices(device, len(specs), torch.cuda.device_count())):
+            spec["device"] = dev
     runs: list[dict] = []
     table: list[dict] = []
 
@@ -320,6 +326,14 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
             for fut in as_completed([pool.submit(_one_run, spec) for spec in specs]):
                 done(fut.result())
     return table
+
+
+def spread_devices(device: str, runs: int, gpus: int) -> list[str]:
+    """Where each of ``runs`` parallel trainings goes: with ``device="auto"`` and several GPUs,
+    round-robin over them (``cuda:0``, ``cuda:1``, ...); otherwise ``device`` for every run."""
+    if device != "auto" or gpus < 2:
+        return [device] * runs
+    return [f"cuda:{i % gpus}" for i in range(runs)]
 
 
 def summarise(runs: list[dict], label: str) -> list[dict]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rankdecay.cli import main
-from rankdecay.train.synth import SUITES, SyntheticData, summarise
+from rankdecay.train.synth import SUITES, SyntheticData, spread_devices, summarise
 
 
 def test_model_batch_scores_every_target_including_the_last():
@@ -99,3 +99,9 @@ def test_parallel_jobs_give_the_sequential_results(tmp_path, monkeypatch):
         run_synth("parity", mechanisms=["gdn", "mamba9"], out=tmp_path / "bad")
     with pytest.raises(ValueError, match="no parity setting matches"):
         run_synth("parity", mechanisms=["gdn"], out=tmp_path / "bad", only={"seq_len": [99]})
+
+
+def test_parallel_runs_spread_over_the_gpus():
+    assert spread_devices("auto", 5, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]
+    assert spread_devices("auto", 3, 1) == ["auto"] * 3, "one GPU (or none): every run where 'auto' puts it"
+    assert spread_devices("cuda:1", 2, 8) == ["cuda:1", "cuda:1"], "an explicit device is kept"
