@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rankdecay.layers import DeltaNet, GatedDeltaNet, HeadInHead, SlidingWindowAttention
-from rankdecay.layers.modules import ShortConvolution
+from rankdecay.layers.modules import GatedRMSNorm, RMSNorm, ShortConvolution
 
 from ..conftest import assert_matches
 
@@ -105,3 +105,20 @@ def test_short_convolution_steps_equal_the_full_sequence(groups):
     assert_matches(state, last, 1e-7)
     y, _ = conv(x[:, :1], torch.randn(3, 8, 3), starts=torch.zeros(1, dtype=torch.long))
     assert_matches(y, conv(x[:, :1])[0], 1e-7, "a packed sequence's first token")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_compute_the_formula_in_fp32(dtype):
+    """RMSNorm: x / sqrt(mean(x²) + eps) * w, computed in fp32 and returned in x's dtype; the
+    gated one multiplies by SiLU(gate)."""
+    norm = GatedRMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, gate = 3 * torch.randn(5, 24).to(dtype), torch.randn(5, 24).to(dtype)
+    xd = x.double()
+    ref = xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight.double()
+    plain = RMSNorm.forward(norm, x)
+    assert plain.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert_matches(plain.double(), ref, tol, "RMSNorm")
+    assert_matches(norm(x, gate).double(), ref * torch.nn.functional.silu(gate.double()), 2 * tol, "gated")
