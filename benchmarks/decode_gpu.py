@@ -74,7 +74,8 @@ def main() -> None:
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
-    print("| mixer | B | generate ms/token | eager step ms | graph step ms | graph speed-up |\n|---|---:|---:|---:|---:|---:|")
+    print("| mixer | B | generate ms/token | eager step ms | graph step ms | graph speed-up |")
+    print("|---|---:|---:|---:|---:|---:|")
     rows = []
     for mixer in args.mixers:
         model = build(args.preset, mixer)

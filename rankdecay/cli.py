@@ -88,7 +88,7 @@ def _generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=sampling,
               temperature=args.temperature if sampling else None, top_k=args.top_k if sampling else None,
               top_p=args.top_p if sampling else None,
-              pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else tokenizer.eos_token_id)
+              pad_token_id=tokenizer.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id)
     if args.cuda_graph:
         from .models import GraphDecoder
 
