@@ -58,11 +58,31 @@ class Canonical:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        # fp32 state and accumulation whatever the input dtype; fp64 in, fp64 out.
-        tensors = [self.q, self.k, self.v, self.a, self.b, self.g, self.initial_state, self.a_scale, self.v_scale]
-        if any(t is not None and t.dtype == torch.float64 for t in tensors):
-            return torch.float64
-        return torch.float32
+        return compute_dtype([self.q, self.k, self.v, self.a, self.b, self.g, self.initial_state, self.a_scale,
+                              self.v_scale])
+
+
+def compute_dtype(tensors) -> torch.dtype:
+    """fp32 state and accumulation whatever the input dtype; fp64 in, fp64 out (None entries skipped)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def resolve_scale(scale, K: int) -> float:
+    """The query scale: ``K ** -0.5`` when None, else a checked float."""
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def check_devices(device, named) -> None:
+    """Every ``(name, tensor or None)`` of ``named`` on q's ``device``."""
+    for name, t in named:
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
 
 
 def _row_scale(x, name: str, of: str, shape: tuple, rank_axis: bool) -> torch.Tensor | None:
@@ -135,10 +155,7 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
         else:
             raise ValueError(f"g must have shape [B, T, H] or [B, T, H, K], got {list(g.shape)}")
 
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = resolve_scale(scale, K)
 
     lengths = None
     N = B
@@ -167,12 +184,10 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
     a_scale = _row_scale(a_scale, "a_scale", "a", (B, T, H, a.shape[3]) if a is not None else (), True)
     v_scale = _row_scale(v_scale, "v_scale", "v", (B, T, H, Rkv), kv_rank_axis)
 
-    for name, t in (("k", k), ("v", v), ("a", a), ("b", b), ("g", g), ("initial_state", initial_state),
-                    ("a_scale", a_scale), ("v_scale", v_scale)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
+    check_devices(device, (("k", k), ("v", v), ("a", a), ("b", b), ("g", g), ("initial_state", initial_state),
+                           ("a_scale", a_scale), ("v_scale", v_scale)))
 
-    return Canonical(q, k, v, a, b, g, float(scale), initial_state, cu_seqlens, lengths, kv_rank_axis,
+    return Canonical(q, k, v, a, b, g, scale, initial_state, cu_seqlens, lengths, kv_rank_axis,
                      a_scale, v_scale)
 
 

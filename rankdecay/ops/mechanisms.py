@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import check_float, check_shape
+from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
 from .backends import check_triton_mode
 from .dplr import dplr
 
@@ -300,23 +300,17 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost)."""
     B, T, H, K = q.shape
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = resolve_scale(scale, K)
     if initial_state is not None:
         check_float(initial_state, "initial_state")
         check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
     tensors = (q, k, v, g, beta, initial_state)
-    for name, t in zip(("k", "v", "g", "beta", "initial_state"), tensors[1:]):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share a device")
-    fp64 = any(t is not None and t.dtype == torch.float64 for t in tensors)
-    check_triton_mode("fused_recurrent", q, tensors, torch.float64 if fp64 else torch.float32)
+    check_devices(q.device, zip(("k", "v", "g", "beta", "initial_state"), tensors[1:]))
+    check_triton_mode("fused_recurrent", q, tensors, compute_dtype(tensors))
     from .triton import fused_recurrent_gated_delta_rule
 
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     o, state = fused_recurrent_gated_delta_rule(
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
-        c(beta), float(scale), c(initial_state))
+        c(beta), scale, c(initial_state))
     return o, (state if output_final_state else None)

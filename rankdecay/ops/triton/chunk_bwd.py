@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _pow2,
-                        _row_factor, _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd)
-from .fused_recurrent import gate_kind
+from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _row_factor,
+                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd)
+from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)

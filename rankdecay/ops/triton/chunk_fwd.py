@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .chunk_state import (_blocks, _chunk_rows, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
                           _raw_rows, _state_fwd_kernel)
-from .fused_recurrent import gate_kind
+from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 
@@ -447,10 +447,6 @@ def _output_kernel(
         acc -= tl.dot(Ma, U, input_precision=PRECISION)
     t = i_c * TC + r_q
     tl.store(o + ((i_b * T + t[:, None]) * H + i_h) * V + o_v[None, :], acc, mask=(t < T)[:, None] & m_v[None, :])
-
-
-def _pow2(n: int) -> int:
-    return 0 if n == 0 else triton.next_power_of_2(n)
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:

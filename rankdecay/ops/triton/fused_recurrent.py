@@ -55,8 +55,8 @@ def _fused_recurrent_fwd_kernel(
 
 
 def _pow2(n: int) -> int:
-    """The next power of two >= n, in plain Python: the decode step's host time is its cost."""
-    return 1 << (n - 1).bit_length()
+    """The next power of two >= n (0 for 0), in plain Python: a decode step's host time is its cost."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
 def gate_kind(g: torch.Tensor | None) -> int:
