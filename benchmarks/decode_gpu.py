@@ -8,6 +8,8 @@ Random weights in bf16. For each mixer and batch size, after a prompt of --promp
   kernel by kernel;
 - ``graph``: ``GraphDecoder().step``, the step replayed as one CUDA graph.
 Median of --steps steps, each synchronised. Prints a Markdown table; --json writes the rows.
+--profile N also profiles N eager steps per mixer (B = the first batch size) and prints the kernels
+that take the most GPU time and the number of kernels per step.
 """
 from __future__ import annotations
 
@@ -59,6 +61,35 @@ def run(model, B: int, prompt: int, steps: int, new_tokens: int) -> dict:
     return row
 
 
+@torch.no_grad()
+def profile(model, B: int, prompt: int, steps: int, top: int = 25) -> None:
+    """Print the CUDA kernels of ``steps`` eager decode steps, by total GPU time, and the kernels per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    decoder = GraphDecoder(model, cuda_graph=False)
+    decoder.prefill(torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda"))
+    token = torch.zeros(B, dtype=torch.long, device="cuda")
+    for _ in range(3):
+        decoder.step(token)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step(token)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.time_range.elapsed_us() for e in kernels) / steps
+    print(f"{len(kernels) / steps:.0f} kernels per step, {total / 1e3:.3f} ms of kernel time per step")
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    print("| kernel | calls/step | us/step | share |")
+    print("|---|---:|---:|---:|")
+    for name, t in rows:
+        print(f"| {name[:90]} | {len(t) / steps:.0f} | {sum(t) / steps:.1f} | {sum(t) / steps / total:.1%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="340m")
@@ -68,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N eager steps per mixer")
     args = parser.parse_args()
     import transformers
     import triton
@@ -84,6 +116,10 @@ def main() -> None:
             rows.append(r)
             print(f"| {mixer} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | {r['graph_ms']:.3f} | "
                   f"{r['eager_ms'] / r['graph_ms']:.1f}x |", flush=True)
+        if args.profile:
+            print(f"\nprofile: {mixer}, B={args.batches[0]}")
+            profile(model, args.batches[0], args.prompt, args.profile)
+            print()
         del model
         torch.cuda.empty_cache()
     if args.json:

@@ -1,6 +1,6 @@
 """Kernel benchmarks: rankdecay's ops against fla and PyTorch SDPA on one GPU.
 
-    python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling]
+    python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling] [--matmul-precision medium]
 
 A registry of (op, shapes); one runner prints, for forward and forward+backward, the
 median milliseconds (calls back to back, as do_bench times them, and each call alone on an
@@ -199,7 +199,8 @@ def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
     rows = []
     for passes in (("fwd", "fwd graph") if case.decode else ("fwd", "fwd+bwd")):
         backward, graph = passes == "fwd+bwd", passes == "fwd graph"
-        row = dict(case=key, op=case.name, shape=dict(B=B, T=T, H=H, K=K, V=V), dtype=str(dtype), pass_=passes)
+        row = dict(case=key, op=case.name, shape=dict(B=B, T=T, H=H, K=K, V=V), dtype=str(dtype), pass_=passes,
+                   matmul_precision=torch.get_float32_matmul_precision())
         flops = flops_fwd * (3 if backward else 1)
         try:
             m = measure(case.ours, inputs, backward, graph)
@@ -240,10 +241,15 @@ def main() -> None:
     parser.add_argument("--decode-batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--scaling", action="store_true", help="also T = 2k, 8k, 32k at 16k tokens per batch")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                        help="torch.set_float32_matmul_precision: the precision of our kernels' products "
+                             "(highest: fp32-accurate; high: one TF32 pass; medium: bf16, as fla)")
     args = parser.parse_args()
     import triton
 
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"float32 matmul precision {args.matmul_precision}")
     try:
         import fla
 

@@ -34,7 +34,7 @@ import triton.language as tl
 from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _row_factor,
                         _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd)
 from .fused_recurrent import _pow2, gate_kind
-from .chunk_state import _blocks, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
+from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
 _CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=32, grad=4, grad_channel=8, grad_bk=32)
@@ -130,15 +130,15 @@ def _grad_kernel(
         Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
         # a token against itself (M_QK, M_QA): no decay
         P = tl.where(tokq[:, None] == tokk[None, :], Pqk, 0.0)
-        dQ = tl.dot(P, Kr, input_precision=PRECISION)
-        dK = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+        dQ = _dot(P, Kr, PRECISION)
+        dK = _dot(tl.trans(P), Q, PRECISION)
         if RAB > 0:
             Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
             Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
             Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
             P = tl.where(tokq[:, None] == toka[None, :], Pqa, 0.0)
-            dQ += tl.dot(P, A, input_precision=PRECISION)
-            dA = tl.dot(tl.trans(P), Q, input_precision=PRECISION)
+            dQ += _dot(P, A, PRECISION)
+            dA = _dot(tl.trans(P), Q, PRECISION)
             dB = tl.zeros([NA, BK], dtype=tl.float32)
         for lvl in tl.static_range(LEVELS):
             # x rows (Q, B) decay from the midpoint, y rows (K, A) to it; 0 off their half
@@ -146,21 +146,21 @@ def _grad_kernel(
             fk_ = _level_y(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, TC >> lvl, BK)
             Qs, Ks = Q * fq_, Kr * fk_
             P = tl.where(_same_block(tokq, tokk, TC >> lvl), Pqk, 0.0)
-            dQs = tl.dot(P, Ks, input_precision=PRECISION)
-            dKs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
+            dQs = _dot(P, Ks, PRECISION)
+            dKs = _dot(tl.trans(P), Qs, PRECISION)
             if RAB > 0:
                 fb_ = _level_x(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, True, BK)
                 fa_ = _level_y(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, BK)
                 As, Bs = A * fa_, Bm * fb_
                 P = tl.where(_same_block(tokq, toka, TC >> lvl), Pqa, 0.0)
-                dQs += tl.dot(P, As, input_precision=PRECISION)
-                dAs = tl.dot(tl.trans(P), Qs, input_precision=PRECISION)
+                dQs += _dot(P, As, PRECISION)
+                dAs = _dot(tl.trans(P), Qs, PRECISION)
                 P = tl.where(_same_block(toka, toka, TC >> lvl), Pba, 0.0)
-                dBs = tl.dot(P, As, input_precision=PRECISION)
-                dAs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
+                dBs = _dot(P, As, PRECISION)
+                dAs += _dot(tl.trans(P), Bs, PRECISION)
                 P = tl.where(_same_block(toka, tokk, TC >> lvl), Pbk, 0.0)
-                dBs += tl.dot(P, Ks, input_precision=PRECISION)
-                dKs += tl.dot(tl.trans(P), Bs, input_precision=PRECISION)
+                dBs += _dot(P, Ks, PRECISION)
+                dKs += _dot(tl.trans(P), Bs, PRECISION)
                 dA += dAs * fa_
                 dB += dBs * fb_
             dQ += dQs * fq_
@@ -281,7 +281,7 @@ def _grad_values_kernel(
             kdS += _dot_xe(_load_rows(kd, fk, vk, o_k, m_k, K), dS, PRECISION, E_K)
         else:
             Kd = tl.load(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            kdS += tl.dot(Kd, dS, input_precision=PRECISION)
+            kdS += _dot(Kd, dS, PRECISION)
     if RAW:
         kdS = kdS * tl.load(kdec + c * NK + r_k)[:, None]
     dV += kdS
@@ -289,10 +289,10 @@ def _grad_values_kernel(
         r_a = tl.arange(0, NA)
         Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
         dU = tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        dX = tl.dot(tl.trans(Ti), dU, input_precision=PRECISION)
+        dX = _dot(tl.trans(Ti), dU, PRECISION)
         tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
         Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-        dV += tl.dot(tl.trans(Lbk), dX, input_precision=PRECISION)
+        dV += _dot(tl.trans(Lbk), dX, PRECISION)
     if VSC:
         tl.store(dsv + fk * tl.num_programs(0) + i_v, tl.sum(_load_rows(v, fk, vk, o_v, m_v, V) * dV, axis=1),
                  mask=vk)
@@ -375,11 +375,11 @@ def _grad_products_kernel(
             U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
-            Pba -= tl.dot(dX, tl.trans(U), input_precision=PRECISION)
+            Pba -= _dot(dX, tl.trans(U), PRECISION)
             if RAW:
                 Pbk += _dot_ex(dX, tl.trans(Vf), PRECISION, E_V)
             else:
-                Pbk += tl.dot(dX, tl.trans(Vf), input_precision=PRECISION)
+                Pbk += _dot(dX, tl.trans(Vf), PRECISION)
     if RAW and VSC:
         fv = _row_factor(sv, fk, vk)[None, :]
         Pqk = Pqk * fv
@@ -463,14 +463,14 @@ def _grad_inputs_kernel(
             Dk += _dot_xe(_load_rows(vf, fk, vk, o_v, m_v, V), tl.trans(dS), PRECISION, E_V)
         else:
             Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            Dk += tl.dot(Vf, tl.trans(dS), input_precision=PRECISION)
+            Dk += _dot(Vf, tl.trans(dS), PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
             U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            Da -= tl.dot(U, tl.trans(dS), input_precision=PRECISION)
-            Db += tl.dot(dX, tl.trans(S0), input_precision=PRECISION)
+            Da -= _dot(U, tl.trans(dS), PRECISION)
+            Db += _dot(dX, tl.trans(S0), PRECISION)
     if RAW and VSC:
         Dk = Dk * _row_factor(sv, fk, vk)[:, None]
     tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])

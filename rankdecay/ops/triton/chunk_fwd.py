@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_blocks, _chunk_rows, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
+from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
                           _raw_rows, _state_fwd_kernel)
 from .fused_recurrent import _pow2, gate_kind
 
@@ -111,7 +111,7 @@ def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.con
     second half against the columns of its first half, through the token at S/2 - 1."""
     Xs = X * _level_x(g, tokx, rkx, tx, i_b, i_h, T, H, o_k, m_k, KG, TC, RXP, S, STRICT, BK)
     Ys = Y * _level_y(g, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC, RYP, S, BK)
-    return tl.where(_same_block(tokx, toky, S), tl.dot(Xs, tl.trans(Ys), input_precision=PRECISION), 0.0)
+    return tl.where(_same_block(tokx, toky, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
     if LP:
         return tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
     else:
-        return tl.dot(X, tl.trans(Y), input_precision=PRECISION)
+        return _dot(X, tl.trans(Y), PRECISION)
 
 
 @triton.jit
@@ -345,7 +345,7 @@ def _intra_kernel(
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
-            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], tl.dot(Tinv, LV, input_precision=PRECISION),
+            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, LV, PRECISION),
                      mask=m_v[None, :])
 
     # Per key channel: K ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), and with a per-channel gate
@@ -396,7 +396,7 @@ def _intra_kernel(
                 A = A * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
                 tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
                 Bm = Bm * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
-                W = tl.dot(Tinv, Bm, input_precision=PRECISION)
+                W = _dot(Tinv, Bm, PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
@@ -431,7 +431,7 @@ def _output_kernel(
             acc += _dot_xe(Q, S, PRECISION, E_Q)
         else:
             Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            acc += tl.dot(Q, S, input_precision=PRECISION)
+            acc += _dot(Q, S, PRECISION)
     if RAW:
         acc = acc * tl.load(qf + c * TC + r_q)[:, None]
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
@@ -444,7 +444,7 @@ def _output_kernel(
         r_a = tl.arange(0, NA)
         Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
         U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-        acc -= tl.dot(Ma, U, input_precision=PRECISION)
+        acc -= _dot(Ma, U, PRECISION)
     t = i_c * TC + r_q
     tl.store(o + ((i_b * T + t[:, None]) * H + i_h) * V + o_v[None, :], acc, mask=(t < T)[:, None] & m_v[None, :])
 

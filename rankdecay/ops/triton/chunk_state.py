@@ -31,25 +31,39 @@ def _hi(X):
 
 
 @triton.jit
-def _dot_ex(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
-    """X @ Y; with EXACT, Y's entries are 16-bit numbers (exact in TF32), and two TF32 passes, X's
-    high and low parts times Y, are as accurate as tf32x3's three (whose third multiplies Y's low
-    part, here zero)."""
-    if EXACT:
-        Xh = _hi(X)
-        return tl.dot(X - Xh, Y, tl.dot(Xh, Y, input_precision="tf32"), input_precision="tf32")
+def _dot(X, Y, PRECISION: tl.constexpr):
+    """X @ Y accumulated in fp32 at PRECISION: "ieee", "tf32x3" (fp32-accurate), "tf32" (one pass)
+    or "bf16" (both operands rounded to bf16, as fla's kernels take their products; "bf16_ieee" is
+    its stand-in under the CPU interpreter, whose bf16 tl.dot is wrong: bf16 operands, fp32 product)."""
+    if PRECISION == "bf16":
+        return tl.dot(X.to(tl.bfloat16), Y.to(tl.bfloat16))
+    elif PRECISION == "bf16_ieee":
+        return tl.dot(X.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32),
+                      Y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(X, Y, input_precision=PRECISION)
 
 
 @triton.jit
+def _dot_ex(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
+    """X @ Y; with EXACT, Y's entries are 16-bit numbers (exact in TF32), and two TF32 passes, X's
+    high and low parts times Y, are as accurate as tf32x3's three (whose third multiplies Y's low
+    part, here zero). At a reduced PRECISION ("tf32", "bf16") it is one pass whatever EXACT says."""
+    if EXACT and (PRECISION == "tf32x3" or PRECISION == "ieee"):
+        Xh = _hi(X)
+        return tl.dot(X - Xh, Y, tl.dot(Xh, Y, input_precision="tf32"), input_precision="tf32")
+    else:
+        return _dot(X, Y, PRECISION)
+
+
+@triton.jit
 def _dot_xe(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
     """X @ Y with, under EXACT, X's entries 16-bit numbers (``_dot_ex`` the other way round)."""
-    if EXACT:
+    if EXACT and (PRECISION == "tf32x3" or PRECISION == "ieee"):
         Yh = _hi(Y)
         return tl.dot(X, Y - Yh, tl.dot(X, Yh, input_precision="tf32"), input_precision="tf32")
     else:
-        return tl.dot(X, Y, input_precision=PRECISION)
+        return _dot(X, Y, PRECISION)
 
 
 @triton.jit
@@ -121,14 +135,14 @@ def _state_fwd_kernel(
                                  mask=m_r[:, None] & m_k[None, :], other=0.0)
                     Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
                                  mask=m_r[:, None] & m_v[None, :], other=0.0)
-                    acc += tl.dot(tl.trans(Kd), Vf, input_precision=PRECISION)
+                    acc += _dot(tl.trans(Kd), Vf, PRECISION)
         for a0 in tl.static_range(0, CA, BCA):
             o_a = a0 + tl.arange(0, BCA)
             m_a = o_a < CA
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-            Uc = tl.dot(W, S, input_precision=PRECISION)
+            Uc = _dot(W, S, PRECISION)
             Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
             tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
             if SAME_AK:
@@ -143,7 +157,7 @@ def _state_fwd_kernel(
                 acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
             else:
                 Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-                acc -= tl.dot(tl.trans(Ad), Uc, input_precision=PRECISION)
+                acc -= _dot(tl.trans(Ad), Uc, PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
         elif GATE == 2:
@@ -213,10 +227,10 @@ def _state_bwd_kernel(
                 dU -= _dot_xe(Ar, dS, PRECISION, E_A) * fa[:, None]
             else:
                 Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-                dU -= tl.dot(Ad, dS, input_precision=PRECISION)
+                dU -= _dot(Ad, dS, PRECISION)
             tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
-            dS_prev += tl.dot(tl.trans(W), dU, input_precision=PRECISION)
+            dS_prev += _dot(tl.trans(W), dU, PRECISION)
         dS = dS_prev
     tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
 
@@ -244,9 +258,25 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.bfloat16 and not x.is_cuda else x.dtype
 
 
+_MATMUL_PRECISION = {"high": "tf32", "medium": "bf16"}
+
+
 def _precision(x: torch.Tensor) -> str:
-    # fp32 accuracy on tensor cores: three TF32 products per product (plain TF32 would
-    # cost ~1e-3 relative error; "ieee" runs on the FMA units, many times slower).
+    """The products' precision, from PyTorch's ``torch.get_float32_matmul_precision()``, which
+    governs the PyTorch path's fp32 matmuls too:
+
+    - "highest" (PyTorch's default): fp32 accuracy, three TF32 passes per product on tensor cores
+      ("tf32x3"; two where one operand is 16-bit), "ieee" under the CPU interpreter;
+    - "high": one TF32 pass (~1e-3 relative error per product);
+    - "medium": bf16 operands with fp32 accumulation, the precision fla's kernels use.
+
+    The diagonal blocks of the UT inverse stay in exact fp32 at every setting.
+    """
+    reduced = _MATMUL_PRECISION.get(torch.get_float32_matmul_precision())
+    if reduced == "bf16" and not x.is_cuda:
+        return "bf16_ieee"
+    if reduced is not None:
+        return reduced
     return "tf32x3" if x.is_cuda else "ieee"
 
 
