@@ -55,7 +55,10 @@ def dplr(
             low-rank decay on CUDA, run PyTorch intra-chunk parts around the Triton state kernel),
             ``"fused_recurrent"`` (the per-token loop as one Triton kernel: decoding,
             no autograd) or ``"auto"``: ``"triton"`` for CUDA tensors when triton is
-            installed and the compute dtype is fp32, else ``"chunk"``.
+            installed and the compute dtype is fp32, else ``"chunk"``. The Triton kernels'
+            products follow ``torch.set_float32_matmul_precision``: fp32-accurate at
+            ``"highest"`` (the default), one TF32 pass at ``"high"``, bf16 operands (fla's
+            precision) at ``"medium"``; the state and accumulation stay fp32.
         a_scale: optional per-row factors of ``a``, ``[B, T, H, Rab]`` (or ``[B, T, H]`` for
             every rank): the decay uses ``a_scale[..., None] * a``. Same for ``v_scale``
             (``[B, T, H, Rkv]`` or ``[B, T, H]``) and the writes' values. Mechanisms use them

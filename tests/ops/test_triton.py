@@ -267,7 +267,8 @@ def test_products_precision_follows_pytorch_setting():
             got[setting] = _precision(x)
     finally:
         torch.set_float32_matmul_precision(old)
-    assert got == {"highest": "tf32x3" if x.is_cuda else "ieee", "high": "tf32", "medium": "bf16" if x.is_cuda else "bf16_ieee"}
+    cuda = x.is_cuda
+    assert got == {"highest": "tf32x3" if cuda else "ieee", "high": "tf32", "medium": "bf16" if cuda else "bf16_ieee"}
 
 
 @pytest.mark.parametrize("matmul_precision", ["medium"], indirect=True)
