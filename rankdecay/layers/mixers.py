@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops.backends import triton_runs_on
+from ..ops.mechanisms import l2norm
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 
@@ -33,11 +34,6 @@ def _recurrent_mode(x: torch.Tensor) -> str:
     """The per-token path: the fused Triton kernel for inference on a GPU, else the PyTorch loop."""
     fused = x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and triton_runs_on(x)
     return "fused_recurrent" if fused else "naive"
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """L2 normalisation over the last dim in at least fp32 (fp64 inputs stay fp64)."""
-    return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
 class LinearMixer(nn.Module, abc.ABC):
@@ -134,6 +130,13 @@ class LinearMixer(nn.Module, abc.ABC):
 
     # --- what a mechanism provides -------------------------------------------------
 
+    decode_kernel = False  # decode_gates() feeds ops.gated_delta_rule_decode (the delta rule, one key per token)
+
+    def decode_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The gate projections of x for ``ops.gated_delta_rule_decode`` (``a``, ``b``, ``A_log``, ``dt_bias``,
+        ``beta_max``): the same gates as ``gates(x, None)``, formed inside its kernel."""
+        raise NotImplementedError
+
     def gates(self, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Per-token gate tensors from the (masked) input x [B, T, D]."""
         return {}
@@ -177,19 +180,24 @@ class LinearMixer(nn.Module, abc.ABC):
         q = q.view(B, T, H, K)
         k = k.view(B, T, n, H, K).flatten(1, 2)  # row t * n + j: the j-th key of token t
         v = v.view(B, T, n, H, V).flatten(1, 2)
-        if self.qk_norm == "l2":
-            q = _l2norm(q)
-        if self.qk_norm in ("l2", "k"):
-            k = _l2norm(k)
-        if self.qk_hook is not None:
-            self.qk_hook(self, q, k)
-
         recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
-        o, final_state = self.mix(
-            q, k, v, self.gates(x, mask),
-            initial_state=state["recurrent"] if state is not None else None,
-            cu_seqlens=cu_seqlens, mode=_recurrent_mode(x) if recurrent else "auto",
-        )
+        mode = _recurrent_mode(x) if recurrent else "auto"
+        initial_state = state["recurrent"] if state is not None else None
+        if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
+                and self.qk_norm == "l2" and self.qk_hook is None):
+            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
+            o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x), scale=self.scale,
+                                                         initial_state=initial_state, output_final_state=True,
+                                                         mode=mode)
+        else:
+            if self.qk_norm == "l2":
+                q = l2norm(q)
+            if self.qk_norm in ("l2", "k"):
+                k = l2norm(k)
+            if self.qk_hook is not None:
+                self.qk_hook(self, q, k)
+            o, final_state = self.mix(q, k, v, self.gates(x, mask), initial_state=initial_state,
+                                      cu_seqlens=cu_seqlens, mode=mode)
         if self.use_output_gate:
             gate = self.g_proj(x).view(B, T, H, V)
             if self.output_norm:
@@ -233,9 +241,14 @@ class DeltaNet(LinearMixer):
         self.allow_neg_eigval = allow_neg_eigval
         self.b_proj = nn.Linear(hidden_size, num_heads * self.kv_per_token, bias=False)
 
+    decode_kernel = True
+
     def gates(self, x, mask):
         beta = self.b_proj(x).float().sigmoid()
         return {"beta": 2 * beta if self.allow_neg_eigval else beta}
+
+    def decode_gates(self, x):
+        return {"a": None, "b": self.b_proj(x), "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
         return ops.delta_rule(q, k, v, gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
@@ -252,12 +265,17 @@ class GatedDeltaNet(DeltaNet):
     def gates(self, x, mask):
         return {**super().gates(x, mask), "g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
 
+    def decode_gates(self, x):
+        return {**super().decode_gates(x), "a": self.a_proj(x), "A_log": self.A_log, "dt_bias": self.dt_bias}
+
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
         return ops.gated_delta_rule(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
 
 
 class GatedDeltaProduct(GatedDeltaNet):
     """Gated DeltaProduct: ``num_householder`` keys, values and betas per token (``use_forget_gate=False``: DeltaProduct)."""
+
+    decode_kernel = False  # n_h keys per token
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, num_householder=2,
                  use_forget_gate=True, **kwargs):
@@ -359,6 +377,8 @@ class HeadInHead(GatedDeltaNet):
     projects it from x per token. M_org starts constant, so M starts as all ones:
     the model starts as its r = 1 baseline.
     """
+
+    decode_kernel = False  # the r x r mask inside the head
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, rank=4, mask="static",
                  gated=True, **kwargs):

@@ -14,6 +14,7 @@ least fp32, like the recurrence itself.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
 from .backends import check_triton_mode
@@ -118,18 +119,19 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               chunk_size=64, mode="auto"):
+               chunk_size=64, mode="auto", use_qk_l2norm_in_kernel=False):
     r"""DeltaNet: :math:`S_t = (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
-    q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+    q, k: ``[B, T, H, K]`` (k is expected L2-normalised, or give ``use_qk_l2norm_in_kernel``);
+    v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
     """
     return gated_delta_rule(q, k, v, None, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                            chunk_size=chunk_size, mode=mode)
+                            chunk_size=chunk_size, mode=mode, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     chunk_size=64, mode="auto"):
+                     chunk_size=64, mode="auto", use_qk_l2norm_in_kernel=False):
     r"""Gated DeltaNet (eq. 10): :math:`S_t = \alpha_t (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
@@ -137,13 +139,20 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     gate ``Diag(e^{g_t})(I - β k kᵀ)`` (Kimi Delta Attention), or None (DeltaNet);
     beta: ``[B, T, H]``.
 
+    ``use_qk_l2norm_in_kernel`` (fla's argument): q and k are L2-normalised first, in fp32
+    (``x / max(||x||, 1e-6)``). The decode kernel (``mode="fused_recurrent"``) does it inside the
+    kernel; the other paths normalise in PyTorch and round back to the inputs' dtype, through autograd.
+
     As DPLR: ``a = α β k``, ``b = k``, writes ``k (β v)ᵀ`` (DESIGN.md §1).
     """
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
     if mode == "fused_recurrent" and cu_seqlens is None:
-        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
     a, a_scale = _beta_alpha(k1, beta, g)
     # k stays in its dtype: the fused kernels multiply 16-bit pairs exactly on tensor cores and
@@ -152,6 +161,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     return dplr(q, k1, v[..., None, :], a, k1, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
                 a_scale=a_scale, v_scale=beta)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """L2 normalisation over the last dim in at least fp32 (``x / max(||x||, 1e-6)``), back in x's dtype."""
+    return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
 def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,
@@ -295,10 +309,12 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return n @ n.transpose(-1, -2)
 
 
-def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state):
+def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
+                         raw_gates=None):
     """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
-    second pass over what was (a decode step's host time is its cost)."""
+    second pass over what was (a decode step's host time is its cost). ``raw_gates``: see
+    ``gated_delta_rule_decode``."""
     B, T, H, K = q.shape
     scale = resolve_scale(scale, K)
     if initial_state is not None:
@@ -312,5 +328,48 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     o, state = fused_recurrent_gated_delta_rule(
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
-        c(beta), scale, c(initial_state))
+        c(beta), scale, c(initial_state), use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates)
     return o, (state if output_final_state else None)
+
+
+def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None, initial_state=None,
+                            output_final_state=False, use_qk_l2norm_in_kernel=True, mode="auto"):
+    r"""Gated DeltaNet's decode step with its gates formed in the kernel from the layer's projections
+    (the fused sigmoid-gating update of serving engines): one kernel for the L2 norms, the gates and
+    the recurrence, on a GPU, without autograd; elsewhere the same computation in PyTorch.
+
+    q, k: ``[B, T, H, K]`` (before the L2 norm with ``use_qk_l2norm_in_kernel``); v: ``[B, T, H, V]``;
+    a: ``[B, T, H]``, the decay's projection (``A_log`` and ``dt_bias``, ``[H]``, make
+    :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, Mamba2's); ``a=None``: no decay
+    (DeltaNet); b: ``[B, T, H]``, β's logits: :math:`eta = eta_{max} \sigma(b)`. Returns
+    ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as ``gated_delta_rule``.
+
+    mode: ``"fused_recurrent"`` (the kernel), ``"naive"`` (the gates and norms in PyTorch, then the
+    per-token loop, with autograd) or ``"auto"``: the kernel for CUDA tensors without autograd
+    when triton runs there, else ``"naive"``.
+    """
+    _check_qkv(q, k, v)
+    check_float(b, "b")
+    check_shape(b, "b", q.shape[:3], "[B, T, H]")
+    if a is not None:
+        _check_gate(a, q, name="a", per_channel=False)
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is None or x.shape != (q.shape[2],):
+                raise ValueError(f"{name} must be [H] = [{q.shape[2]}] with a decay projection a, "
+                                 f"got {None if x is None else list(x.shape)}")
+    if mode not in ("auto", "fused_recurrent", "naive"):
+        raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
+    if mode == "auto":
+        from .backends import triton_runs_on
+
+        fused = q.is_cuda and not torch.is_grad_enabled() and q.dtype != torch.float64 and triton_runs_on(q)
+        mode = "fused_recurrent" if fused else "naive"
+    if mode == "fused_recurrent":
+        raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
+        return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw)
+    beta = beta_max * _up(b).sigmoid()
+    g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, mode="naive",
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

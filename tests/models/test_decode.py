@@ -49,6 +49,29 @@ def test_prefill_then_decode_matches_full(mixer):
     assert_matches(split, full, 1e-5, mixer)
 
 
+@pytest.mark.parametrize("mixer,overrides", [("gdn", {}), ("deltanet", {"allow_neg_eigval": True}),
+                                              ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {})])
+def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
+    """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
+    ops.gated_delta_rule_decode, which forms the L2 norms and the gates inside one kernel, and
+    match the full forward; Head-in-Head, whose decay is not the delta rule's, keeps its own route."""
+    import rankdecay.layers.mixers as mixers
+
+    calls = []
+    decode = mixers.ops.gated_delta_rule_decode
+    monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
+    monkeypatch.setattr(mixers.ops, "gated_delta_rule_decode",
+                        lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
+    model = tiny_model(mixer, **overrides)
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        split = _decode(model, ids, [12] + [1] * 12)
+    assert_matches(split, full, 1e-5, f"{mixer} {overrides}")
+    expected = 0 if mixer.startswith("hh-") else 13 * model.config.num_hidden_layers
+    assert calls == ["fused_recurrent"] * expected
+
+
 @pytest.mark.parametrize("mixer", ["gdn", "swa"])
 def test_cache_reorder_selects_rows(mixer):
     """Beam search's reorder, after a prompt and after decode steps (SWA's ring)."""

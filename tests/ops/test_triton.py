@@ -416,3 +416,60 @@ def test_gated_delta_rule_decode_fast_path_errors():
         ref, s_ref = ops.gated_delta_rule(q, q, q, None, beta, scale=0.5, output_final_state=True, mode="naive")
     assert_matches(o, ref, 1e-5, "o with scale")
     assert_matches(s, s_ref, 1e-5, "state")
+
+
+@pytest.mark.parametrize("mode", ["fused_recurrent", "chunk", "naive"])
+def test_qk_l2norm_in_kernel(mode):
+    """use_qk_l2norm_in_kernel (fla's argument) equals normalising q and k first, on every path."""
+    B, T, H, K, V = 1, 19, 2, 20, 12
+    gen = torch.Generator().manual_seed(3)
+    q, k = [(3 * torch.randn(B, T, H, K, generator=gen)).to(DEVICE) for _ in range(2)]
+    v, beta = torch.randn(B, T, H, V, generator=gen).to(DEVICE), 2 * torch.rand(B, T, H, generator=gen).to(DEVICE)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).to(DEVICE)
+    k[0, 4, 1] = 0.0  # a zero key stays zero (the norm is clamped at 1e-6)
+    kw = dict(initial_state=torch.randn(B, H, K, V, generator=gen).to(DEVICE), output_final_state=True, chunk_size=16)
+    with torch.no_grad():
+        got = ops.gated_delta_rule(q, k, v, g, beta, mode=mode, use_qk_l2norm_in_kernel=True, **kw)
+        ref = ops.gated_delta_rule(F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v, g, beta,
+                                   mode="naive", **kw)
+    for name, x, y in zip(["o", "final state"], got, ref):
+        assert_matches(x, y, 1e-5, f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gdn", "deltanet"])
+@pytest.mark.parametrize("beta_max", [1.0, 2.0])
+def test_gated_delta_rule_decode_forms_the_gates(gated, beta_max):
+    """gated_delta_rule_decode's kernel forms β = beta_max σ(b) and g = -e^{A_log} softplus(a + dt_bias)
+    (softplus linear above 20, accurate far below 0: a from -60 to 60) as the layers do in PyTorch."""
+    B, T, H, K, V = 2, 5, 3, 20, 24
+    gen = torch.Generator().manual_seed(4)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
+    b = 4 * rnd(B, T, H)
+    a = torch.linspace(-60, 60, B * T * H).view(B, T, H).to(DEVICE) if gated else None
+    A_log, dt_bias = (rnd(H), rnd(H)) if gated else (None, None)
+    h0 = rnd(B, H, K, V)
+    g = -A_log.exp() * F.softplus(a + dt_bias) if gated else None
+    kw = dict(initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        got = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, beta_max=beta_max, mode="fused_recurrent",
+                                          **kw)
+        naive = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, beta_max=beta_max, mode="naive", **kw)
+        ref = ops.gated_delta_rule(F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v, g,
+                                   beta_max * b.sigmoid(), mode="naive", **kw)
+    for name, x, y, z in zip(["o", "final state"], got, naive, ref):
+        assert_matches(x, z, 1e-5, f"kernel: {name}")
+        assert_matches(y, z, 1e-6, f"naive: {name}")
+
+
+def test_gated_delta_rule_decode_errors():
+    q, b = torch.randn(1, 1, 2, 16, device=DEVICE), torch.randn(1, 1, 2, device=DEVICE)
+    A = torch.zeros(2, device=DEVICE)
+    with pytest.raises(ValueError, match=r"b must have shape \[B, T, H\]"):
+        ops.gated_delta_rule_decode(q, q, q, None, b[..., None])
+    with pytest.raises(ValueError, match=r"a must have shape \[B, T, H\]"):
+        ops.gated_delta_rule_decode(q, q, q, q, b, A, A)
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H\] = \[2\]"):
+        ops.gated_delta_rule_decode(q, q, q, b, b, A)
+    with pytest.raises(ValueError, match="mode must be"):
+        ops.gated_delta_rule_decode(q, q, q, None, b, mode="chunk")

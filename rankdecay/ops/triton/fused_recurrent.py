@@ -103,13 +103,26 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
 
 
 @triton.jit
+def _softplus(x):
+    """log(1 + e^x) in fp32 as torch's softplus (x above 20 taken as is): max(x, 0) + log1p(e^-|x|),
+    with log1p(y) = log(u) y / (u - 1), u = 1 + y, accurate where 1 + y rounds (Goldberg)."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * y / tl.where(u == 1.0, 1.0, u - 1.0))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+
+
+@triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, beta, g, h0, o, ht, scale, T,
+    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_H0: tl.constexpr,
+    GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
-    # a per-channel α applies after the reflection, as in ops.gated_delta_rule)
+    # a per-channel α applies after the reflection, as in ops.gated_delta_rule).
+    # QK_L2NORM: q and k are L2-normalised here (fla's use_qk_l2norm_in_kernel). RAW_GATES: beta
+    # and g hold the layer's projections: β = beta_max sigmoid(beta), and (scalar gate)
+    # g = -exp(A_log) softplus(g + dt_bias) per head (Mamba2's α, as the GatedDeltaNet layer forms it).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     o_k = tl.arange(0, BK)
@@ -120,12 +133,21 @@ def _fused_recurrent_gdn_kernel(
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + p_h, mask=m_h, other=0.0).to(tl.float32)
+    if RAW_GATES and GATE == 1:
+        neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h).to(tl.float32)
     for t in range(T):
         tok = (i_n * T + t) * H + i_h
         k_t = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         v_t = tl.load(v + tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if QK_L2NORM:  # x / max(||x||, 1e-6), as F.normalize
+            q_t = q_t / tl.maximum(tl.sqrt(tl.sum(q_t * q_t)), 1e-6)
+            k_t = k_t / tl.maximum(tl.sqrt(tl.sum(k_t * k_t)), 1e-6)
+        q_t = q_t * scale
         b_t = tl.load(beta + tok).to(tl.float32)
+        if RAW_GATES:
+            b_t = beta_max * tl.sigmoid(b_t)
         if GATE == 2:  # Diag(α)(I - β k kᵀ) S + β k vᵀ: the per-channel decay acts after the reflection
             kS = tl.sum(k_t[:, None] * S, axis=0)
             S = (S - b_t * k_t[:, None] * kS[None, :]) * tl.exp(
@@ -133,19 +155,27 @@ def _fused_recurrent_gdn_kernel(
             S += b_t * k_t[:, None] * v_t[None, :]
         else:
             if GATE == 1:
-                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+                g_t = tl.load(g + tok).to(tl.float32)
+                if RAW_GATES:
+                    g_t = neg_a * _softplus(g_t + bias)
+                S = S * tl.exp(g_t)
             u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
             S += k_t[:, None] * u[None, :]
         tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
     tl.store(ht + p_h, S, mask=m_h)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, inplace: bool = False):
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, inplace: bool = False,
+                                     use_qk_l2norm: bool = False, raw_gates: tuple | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
     initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] in q's dtype,
-    S_T [N, H, K, V] fp32); with ``inplace`` the state is updated in ``initial_state``."""
+    S_T [N, H, K, V] fp32); with ``inplace`` the state is updated in ``initial_state``.
+
+    ``use_qk_l2norm``: q and k are L2-normalised in the kernel. ``raw_gates = (A_log [H],
+    dt_bias [H] or None when g is None, beta_max)``: beta and g are the layer's projections, and
+    the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias)."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
@@ -153,8 +183,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     BK = _pow2(K)
     BV = min(_pow2(V), 32 if BK > 64 else 64)
     grid = (-(-V // BV), N * H)
+    A_log, dt_bias, beta_max = raw_gates if raw_gates is not None else (None, None, 1.0)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
-        scale, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, num_warps=4,
+        scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
+        H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
+        RAW_GATES=raw_gates is not None, num_warps=4,
     )
     return o, ht
