@@ -62,8 +62,9 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
     monkeypatch.setattr(mixers.ops, "gated_delta_rule_decode",
                         lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
-    model = tiny_model(mixer, **overrides)
-    ids = random_ids(2, 24)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs on a GPU, or interpreted on the CPU
+    model = tiny_model(mixer, **overrides).to(device)
+    ids = random_ids(2, 24).to(device)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         split = _decode(model, ids, [12] + [1] * 12)
