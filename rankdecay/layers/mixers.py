@@ -22,18 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
-from ..ops.backends import triton_runs_on
+from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
 from ..ops.mechanisms import l2norm
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
-
-
-def _recurrent_mode(x: torch.Tensor) -> str:
-    """The per-token path: the fused Triton kernel for inference on a GPU, else the PyTorch loop."""
-    fused = x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and triton_runs_on(x)
-    return "fused_recurrent" if fused else "naive"
 
 
 class LinearMixer(nn.Module, abc.ABC):

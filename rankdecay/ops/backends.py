@@ -42,6 +42,13 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return _has_triton() and (x.is_cuda or interpreting())
 
 
+def recurrent_mode(x: torch.Tensor) -> str:
+    """The per-token path for inputs like ``x``: ``"fused_recurrent"`` (the Triton kernel) for
+    inference on a GPU, else ``"naive"`` (the PyTorch loop, with autograd and fp64)."""
+    fused = x.is_cuda and x.dtype != torch.float64 and not torch.is_grad_enabled() and triton_runs_on(x)
+    return "fused_recurrent" if fused else "naive"
+
+
 def chunk_flops_per_token(K: int, V: int, chunk_size: int = 64, Rab: int = 0, Rkv: int = 1) -> float:
     """Forward FLOPs per token and head of the chunked algorithm (2 per multiply-add).
 

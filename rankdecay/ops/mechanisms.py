@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
-from .backends import check_triton_mode
+from .backends import check_triton_mode, recurrent_mode
 from .dplr import dplr
 
 
@@ -341,7 +341,7 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     q, k: ``[B, T, H, K]`` (before the L2 norm with ``use_qk_l2norm_in_kernel``); v: ``[B, T, H, V]``;
     a: ``[B, T, H]``, the decay's projection (``A_log`` and ``dt_bias``, ``[H]``, make
     :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, Mamba2's); ``a=None``: no decay
-    (DeltaNet); b: ``[B, T, H]``, β's logits: :math:`eta = eta_{max} \sigma(b)`. Returns
+    (DeltaNet); b: ``[B, T, H]``, β's logits: :math:`\beta = \beta_{max} \sigma(b)`. Returns
     ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as ``gated_delta_rule``.
 
     mode: ``"fused_recurrent"`` (the kernel), ``"naive"`` (the gates and norms in PyTorch, then the
@@ -360,10 +360,7 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     if mode not in ("auto", "fused_recurrent", "naive"):
         raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
     if mode == "auto":
-        from .backends import triton_runs_on
-
-        fused = q.is_cuda and not torch.is_grad_enabled() and q.dtype != torch.float64 and triton_runs_on(q)
-        mode = "fused_recurrent" if fused else "naive"
+        mode = recurrent_mode(q)
     if mode == "fused_recurrent":
         raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
