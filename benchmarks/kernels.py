@@ -1,6 +1,7 @@
 """Kernel benchmarks: rankdecay's ops against fla and PyTorch SDPA on one GPU.
 
     python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling] [--matmul-precision medium]
+                                 [--knob stored=bfloat16]
 
 A registry of (op, shapes); one runner prints, for forward and forward+backward, the
 median milliseconds (calls back to back, as do_bench times them, and each call alone on an
@@ -244,12 +245,19 @@ def main() -> None:
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "
                              "(highest: fp32-accurate; high: one TF32 pass; medium: bf16, as fla)")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
+                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16 (the tensors between kernels)")
     args = parser.parse_args()
     import triton
 
+    from rankdecay.ops.triton import chunk_fwd
+
+    for kv in args.knob:
+        name, value = kv.split("=")
+        chunk_fwd._KNOBS[name] = getattr(torch, value)
     torch.set_float32_matmul_precision(args.matmul_precision)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"float32 matmul precision {args.matmul_precision}")
+          f"float32 matmul precision {args.matmul_precision}" + (f", knobs {args.knob}" if args.knob else ""))
     try:
         import fla
 

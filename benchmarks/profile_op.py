@@ -1,6 +1,6 @@
 """Where an op's GPU time goes: torch.profiler's table for one case of benchmarks/kernels.py.
 
-    python benchmarks/profile_op.py gdn [--backward] [--shape B T H K V] [--rows 25]
+    python benchmarks/profile_op.py gdn [--backward] [--shape B T H K V] [--rows 25] [--matmul-precision medium]
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--shape", nargs=5, type=int, default=[8, 2048, 16, 128, 128])
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
     inputs = case.make(*args.shape, "cuda", torch.bfloat16)
     measure(case.ours, inputs, args.backward)  # warm up, compile

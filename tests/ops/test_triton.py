@@ -271,13 +271,23 @@ def test_products_precision_follows_pytorch_setting():
     assert got == {"highest": "tf32x3" if cuda else "ieee", "high": "tf32", "medium": "bf16" if cuda else "bf16_ieee"}
 
 
+@pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])
 @pytest.mark.parametrize("matmul_precision", ["medium"], indirect=True)
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")])
-def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_precision):
+def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_precision, stored, monkeypatch):
     """torch.set_float32_matmul_precision("medium"): the kernels take their products in bf16 with fp32
     accumulation (fla's precision), forward and backward. On inputs that bf16 holds exactly, every
     error against fp64 is then bf16-sized: above 2^-12 (the setting took effect; at "highest" they are
-    ~1e-7) and at most 2^-5, eight units of bf16's 2^-8 spacing, for chains of a few rounded products."""
+    ~1e-7) and at most 2^-5, eight units of bf16's 2^-8 spacing, for chains of a few rounded products.
+    ``stored``: the per-chunk tensors between kernels in 16 bits (``chunk_fwd._KNOBS``), which
+    changes nothing beyond that rounding."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    if stored is not None:
+        monkeypatch.setitem(chunk_fwd._KNOBS, "stored", stored)
+        q, k, v, a, b, g, h0 = random_inputs(1, 20, 1, 16, 16, Rab, Rkv, gate)
+        _, _, saved = chunk_fwd.chunk_dplr_fwd(q, k, v, a, b, None, 1.0, h0, save=True)
+        assert {n: saved[n].dtype for n in ("s0", "u", "mqk")} == dict.fromkeys(("s0", "u", "mqk"), stored)
     inputs = [None if x is None else x.bfloat16().float() for x in random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate)]
     exact = run("chunk", [None if x is None else x.double() for x in inputs], chunk_size=16)
     got = run("triton", inputs, chunk_size=16)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _row_factor,
-                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd)
+                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd, ties_keys)
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
@@ -270,17 +270,18 @@ def _grad_values_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     dO = _load_rows(do, fq, vq, o_v, m_v, V)
-    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
     dV = _dot_ex(tl.trans(Mk), dO, PRECISION, E_DO)
     kdS = tl.zeros([NK, BV], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                     other=0.0).to(tl.float32)
         if RAW:
             kdS += _dot_xe(_load_rows(kd, fk, vk, o_k, m_k, K), dS, PRECISION, E_K)
         else:
-            Kd = tl.load(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            Kd = tl.load(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
             kdS += _dot(Kd, dS, PRECISION)
     if RAW:
         kdS = kdS * tl.load(kdec + c * NK + r_k)[:, None]
@@ -288,7 +289,7 @@ def _grad_values_kernel(
     if NA > 0:
         r_a = tl.arange(0, NA)
         Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
-        dU = tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        dU = tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         dX = _dot(tl.trans(Ti), dU, PRECISION)
         tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
         Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
@@ -369,11 +370,11 @@ def _grad_products_kernel(
             Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
             Pqk += _input_dot(dO, Vf, do, vf, LP_DV, PRECISION)
         else:
-            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
             Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
         if NA > 0:
-            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
             Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
             Pba -= _dot(dX, tl.trans(U), PRECISION)
             if RAW:
@@ -386,7 +387,7 @@ def _grad_products_kernel(
         if NA > 0:
             Pbk = Pbk * fv
     if TIED:  # ranks 1: a's rows are k's
-        Mq = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+        Mq = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
         Lk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         tl.store(dsap + c * NA + r_a, tl.sum(Pqa * Mq, axis=0) + tl.sum(Pba * Lk, axis=0))
         fa = _row_factor(sa, fk, vk)[None, :]
@@ -402,9 +403,10 @@ def _grad_products_kernel(
             tl.store(dgp + c * TC + r_q, dgt)
     elif GATE == 1:
         # Z[i, j] = dP P summed over the ranks of tokens i and j (M and L are stored causally masked)
-        Z0 = _token_sum(Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]), TC, 1, RKVP)
+        Z0 = _token_sum(Pqk * tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32), TC, 1, RKVP)
         if NA > 0:
-            Z0 += _token_sum(Pqa * tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]), TC, 1, RABP)
+            Mqa = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
+            Z0 += _token_sum(Pqa * Mqa, TC, 1, RABP)
             Z1 = (_token_sum(Pba * tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :]), TC, RABP, RABP)
                   + _token_sum(Pbk * tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]), TC, RABP, RKVP))
             # L's pairs straddle j < t <= i - 1: those of j < t <= i less the ones on row i = t
@@ -455,20 +457,20 @@ def _grad_inputs_kernel(
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         m_kv = m_k[:, None] & m_v[None, :]
-        S0 = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-        dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        S0 = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
         Dq += _dot_xe(dO, tl.trans(S0), PRECISION, E_DO)
         if RAW:
             Dk += _dot_xe(_load_rows(vf, fk, vk, o_v, m_v, V), tl.trans(dS), PRECISION, E_V)
         else:
-            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
             Dk += _dot(Vf, tl.trans(dS), PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
-            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
-            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
             Da -= _dot(U, tl.trans(dS), PRECISION)
             Db += _dot(dX, tl.trans(S0), PRECISION)
     if RAW and VSC:
@@ -590,14 +592,6 @@ class _ChunkDPLR(torch.autograd.Function):
             da = db = a = b = None
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
                 cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
-
-
-def ties_keys(k, a, b, g, a_scale) -> bool:
-    """Whether ``chunk_dplr`` can take a and b as k itself (the delta rule: ``a = a_scale ⊙ k``,
-    ``b = k``, the same tensor object, ranks 1, a decay per row): the backward then forms k's
-    gradient as key, decay row and update row in one pass."""
-    return (a is k and b is k and k.shape[-2] == 1 and a_scale is not None
-            and (g is None or g.shape[-1] == 1))
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):

@@ -278,7 +278,7 @@ def _intra_kernel(
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
-    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr,
+    ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -288,6 +288,8 @@ def _intra_kernel(
     # go to kf and af and q's decays (with the scale) to qf, for the ``RAW`` forms of the state and
     # output kernels, and with SAVE the decays alone to kdec (the backward's K̃ = kdec ⊙ k). A
     # per-channel gate (GATE 2): Q̃, K̃, Ã and V (with its factors) are stored instead.
+    # TIED (a = b = k, ranks 1, a decay per row: the delta rule): M_QA = M_QK ⊙ sa and L_BA = L_BK ⊙ sa
+    # share their products, so two of the four are taken; M_QA is stored only for the backward (SAVE).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -311,20 +313,26 @@ def _intra_kernel(
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         if ASC:
             fac_a = _row_factor(sa, fa, va)
-        M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
-                      PRECISION, LP_QA)
+        if not TIED:
+            M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
+                          PRECISION, LP_QA)
         if ASC:
             M = M * fac_a[None, :]
-        tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
+        if SAVE or not TIED:  # tied, the output kernel forms M_QA U from M_QK itself
+            tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
-        L = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
+        P = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
                       BK, PRECISION, LP_BA)
+        L = P
         if ASC:
             L = L * fac_a[None, :]
         tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
-        L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
-                      BK, PRECISION, LP_BK)
+        if TIED:  # L_BK is L_BA before a's factors
+            L = P
+        else:
+            L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
+                          BK, PRECISION, LP_BK)
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
             tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
@@ -409,11 +417,13 @@ def _output_kernel(
     qd, s0, mqk, v, sv, mqa, u, o, qf, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-    RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr,
+    RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr, sa=None, TIED: tl.constexpr = False,
+    ASC: tl.constexpr = False,
 ):
     # O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n, with v as given (its factors on M_QK's columns, so a
     # 16-bit v takes two TF32 passes, ``_dot_ex``). RAW: qd is q [B, T, H, K] as given and
-    # Q̃ = qf ⊙ q, the factors applied to Q S_n's rows.
+    # Q̃ = qf ⊙ q, the factors applied to Q S_n's rows. TIED (the intra kernel's; M_QA = M_QK ⊙ sa):
+    # O = Q̃ S_n + M_QK (sv ⊙ v - sa ⊙ U_n), one product.
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -425,28 +435,48 @@ def _output_kernel(
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                    other=0.0).to(tl.float32)
         if RAW:
             Q = _raw_rows(qd, r_q, i_bh, i_c, T, H, TC, 1, 1, o_k, m_k, K)
             acc += _dot_xe(Q, S, PRECISION, E_Q)
         else:
-            Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
             acc += _dot(Q, S, PRECISION)
     if RAW:
         acc = acc * tl.load(qf + c * TC + r_q)[:, None]
-    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
-    if VSC:
-        _, _, _, valid, flat = _chunk_rows(r_k, i_b, i_h, i_c, T, H, TC, RKV, RKVP)
-        Mk = Mk * _row_factor(sv, flat, valid)[None, :]
+    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
+    _, _, _, valid, flat = _chunk_rows(r_k, i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
-    acc += _dot_ex(Mk, Vr, PRECISION, E_V)
-    if NA > 0:
+    if TIED:
+        if VSC:
+            Vr = Vr * _row_factor(sv, flat, valid)[:, None]
+        U = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        if ASC:
+            U = U * _row_factor(sa, flat, valid)[:, None]
+        acc += _dot(Mk, Vr - U, PRECISION)
+    else:
+        if VSC:
+            Mk = Mk * _row_factor(sv, flat, valid)[None, :]
+        acc += _dot_ex(Mk, Vr, PRECISION, E_V)
+    if NA > 0 and not TIED:
         r_a = tl.arange(0, NA)
-        Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
-        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+        Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
+        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         acc -= _dot(Ma, U, PRECISION)
     t = i_c * TC + r_q
     tl.store(o + ((i_b * T + t[:, None]) * H + i_h) * V + o_v[None, :], acc, mask=(t < T)[:, None] & m_v[None, :])
+
+
+# Module-wide overrides of chunk_dplr_fwd's _config (benchmarks, debugging). "stored" / "stored_state":
+# the dtype of the per-chunk tensors one kernel hands another as a product's operand (W, Ũ, the M
+# tiles, the decayed inputs / S_n and U_n, and with them dS and dU in the backward), fp32 by default.
+# A 16-bit dtype halves that traffic and loses nothing at "medium", where every product rounds its
+# operands to bf16 anyway, and every kernel takes those tensors to fp32 as it loads them. It is not
+# the default: on the H100 with Triton 3.6, bf16 W and S_n together made _state_fwd_kernel read
+# shared memory out of bounds (compute-sanitizer; an illegal memory access, in some processes and
+# not others), BENCHMARKS.md "session 13". The CPU tests run it in fp16.
+_KNOBS: dict = {}
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -463,6 +493,14 @@ def _lowp(*xs) -> bool:
     """
     dt = {x.dtype for x in xs}
     return len(dt) == 1 and (dt == {torch.float16} or (dt == {torch.bfloat16} and xs[0].is_cuda))
+
+
+def ties_keys(k, a, b, g, a_scale) -> bool:
+    """Whether a and b are k itself (the delta rule: ``a = a_scale ⊙ k``, ``b = k``, the same tensor
+    object, ranks 1, a decay per row): the forward then takes two of its four products and the
+    backward forms k's gradient as key, decay row and update row in one pass."""
+    return (a is k and b is k and k.shape[-2] == 1 and a_scale is not None
+            and (g is None or g.shape[-1] == 1))
 
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
@@ -486,7 +524,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     NK, NA = TC * _pow2(Rkv), TC * _pow2(Rab)
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
+    tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
+    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
+    cfg.update(_KNOBS, **(_config or {}))  # benchmarking knobs
+    prec = cfg["precision"]
     f32 = dict(device=q.device, dtype=torch.float32)
+    st = dict(device=q.device, dtype=cfg.get("stored", torch.float32))  # products' operands between kernels
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     a = a.contiguous() if a is not None else None
     b = b.contiguous() if b is not None else None
@@ -499,23 +542,20 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     raw = gate != 2
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
-    qd = torch.empty(B, H, NC, TC, K, **f32) if not raw else None
+    qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
-    mqk = torch.empty(B, H, NC, TC, NK, **f32)
-    kd = torch.empty(B, H, NC, NK, K, **f32) if not raw else None
-    vf = torch.empty(B, H, NC, NK, V, **f32) if not raw else None
-    mqa = torch.empty(B, H, NC, TC, NA, **f32) if Rab else None
-    w = torch.empty(B, H, NC, NA, K, **f32) if Rab else None
+    mqk = torch.empty(B, H, NC, TC, NK, **st)
+    kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
+    vf = torch.empty(B, H, NC, NK, V, **st) if not raw else None
+    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab else None
+    w = torch.empty(B, H, NC, NA, K, **st) if Rab else None
     ad = torch.empty_like(w) if Rab and not raw else None
-    uv = torch.empty(B, H, NC, NA, V, **f32) if Rab else None
+    uv = torch.empty(B, H, NC, NA, V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
-    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
-    cfg.update(_config or {})  # benchmarking knobs
-    prec = cfg["precision"]
     BK = min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dummy = mqk
@@ -528,12 +568,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
         LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v),
+        E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
         num_warps=cfg["intra_warps"], num_stages=1,
     )
     blocks = _blocks(K, V, NK, NA)
-    s0 = torch.empty(B, H, NC, K, V, **f32)
-    u = torch.empty(B, H, NC, NA, V, **f32)
+    sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
+    s0 = torch.empty(B, H, NC, K, V, **sst)
+    u = torch.empty(B, H, NC, NA, V, **sst)
     ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
@@ -550,7 +591,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     _output_kernel[(triton.cdiv(V, BV), NC, B * H)](
         q if raw else qd, s0, mqk, v, opt(sv), opt(mqa), u, o, opt(qf), T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA,
         RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BV, PRECISION=prec, RAW=raw, VSC=sv is not None, E_Q=_is16(q),
-        E_V=_is16(v), num_warps=4, num_stages=1,
+        E_V=_is16(v), sa=opt(sa), TIED=tied, ASC=sa is not None, num_warps=4, num_stages=1,
     )
     if not save:
         return o, ht

@@ -38,8 +38,9 @@ def _dot(X, Y, PRECISION: tl.constexpr):
     if PRECISION == "bf16":
         return tl.dot(X.to(tl.bfloat16), Y.to(tl.bfloat16))
     elif PRECISION == "bf16_ieee":
-        return tl.dot(X.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32),
-                      Y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32), input_precision="ieee")
+        return tl.dot(X.to(tl.float32).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32),
+                      Y.to(tl.float32).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32),
+                      input_precision="ieee")
     else:
         return tl.dot(X, Y, input_precision=PRECISION)
 
@@ -132,18 +133,18 @@ def _state_fwd_kernel(
                     acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None], PRECISION, E_K)
                 else:
                     Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :],
-                                 mask=m_r[:, None] & m_k[None, :], other=0.0)
+                                 mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                     Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
-                                 mask=m_r[:, None] & m_v[None, :], other=0.0)
+                                 mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                     acc += _dot(tl.trans(Kd), Vf, PRECISION)
         for a0 in tl.static_range(0, CA, BCA):
             o_a = a0 + tl.arange(0, BCA)
             m_a = o_a < CA
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
-            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
             Uc = _dot(W, S, PRECISION)
-            Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
+            Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
             tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
             if SAME_AK:
                 Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
@@ -156,7 +157,7 @@ def _state_fwd_kernel(
                 fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
                 acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
             else:
-                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 acc -= _dot(tl.trans(Ad), Uc, PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
@@ -202,7 +203,8 @@ def _state_bwd_kernel(
                 Q = _raw_rows(qd, r_q, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
                 dS_prev = _dot_xe(tl.trans(Q), dO * tl.load(qf + c * TC + r_q)[:, None], PRECISION, E_Q)
             else:
-                Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+                Qd = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :],
+                             other=0.0).to(tl.float32)
                 dS_prev = _dot_ex(tl.trans(Qd), dO, PRECISION, E_DO)
         else:
             dS_prev = tl.load(ds0 + c * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
@@ -217,19 +219,20 @@ def _state_bwd_kernel(
             m_av = (o_a < CA)[:, None] & m_v[None, :]
             m_ak = (o_a < CA)[:, None] & m_k[None, :]
             if FROM_OUT:
-                Ma = tl.load(mqa + (c * TC + r_q[:, None]) * CA + o_a[None, :], mask=(o_a < CA)[None, :], other=0.0)
+                Ma = tl.load(mqa + (c * TC + r_q[:, None]) * CA + o_a[None, :], mask=(o_a < CA)[None, :],
+                             other=0.0).to(tl.float32)
                 dU = -_dot_ex(tl.trans(Ma), dO, PRECISION, E_DO)
             else:
-                dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0)
+                dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
             if RAW:
                 Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
                 fa = tl.load(af + c * CA + o_a, mask=o_a < CA, other=0.0)
                 dU -= _dot_xe(Ar, dS, PRECISION, E_A) * fa[:, None]
             else:
-                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 dU -= _dot(Ad, dS, PRECISION)
             tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
-            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0)
+            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
             dS_prev += _dot(tl.trans(W), dU, PRECISION)
         dS = dS_prev
     tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
