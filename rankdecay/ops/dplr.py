@@ -80,7 +80,7 @@ def dplr(
     if mode in ("triton", "fused_recurrent"):
         check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state, a_scale, v_scale), dtype)
     q, k, v, a, b, g, sa, sv = x.q, x.k, x.v, x.a, x.b, x.g, x.a_scale, x.v_scale
-    tied = a is k and b is k  # the delta rule's a = b = k (one tensor): see chunk_bwd.ties_keys
+    tied = a is k and b is k  # the delta rule's a = b = k (one tensor): see chunk_fwd.ties_keys
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))

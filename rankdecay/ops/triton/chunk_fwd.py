@@ -313,12 +313,12 @@ def _intra_kernel(
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         if ASC:
             fac_a = _row_factor(sa, fa, va)
-        if not TIED:
-            M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS, BK,
-                          PRECISION, LP_QA)
-        if ASC:
-            M = M * fac_a[None, :]
         if SAVE or not TIED:  # tied, the output kernel forms M_QA U from M_QK itself
+            if not TIED:  # tied, M_QA is M_QK times a's factors
+                M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS,
+                              BK, PRECISION, LP_QA)
+            if ASC:
+                M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         P = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
