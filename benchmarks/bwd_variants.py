@@ -1,6 +1,6 @@
 """Backward kernels under launch knobs: per-kernel GPU time of one case's forward+backward.
 
-    python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 state_stages=2 ...]
+    python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 state_stages=2 ...] [--matmul-precision medium]
 
 Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
@@ -35,7 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+", choices=list(CASES))
     parser.add_argument("--set", nargs="*", default=[], help="overrides, e.g. grad=8 grad_bk=16")
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     for name in args.cases:
         case = CASES[name]
         inputs = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)

@@ -1,11 +1,17 @@
 """Where the fused forward's time goes: its kernels timed with one part replaced by a stub.
 
     python benchmarks/intra_parts.py gdn [--variants base inv_stub ...] [--json out.json]
+                                         [--matmul-precision medium] [--knob stored=bfloat16] [--after-fla]
 
 Each variant runs in its own process (Triton caches a kernel with the helpers it was
 compiled with) on ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) and prints the
 milliseconds per call of every Triton kernel of ``chunk_dplr_fwd``. Stubbed variants give
-wrong results on purpose: they bound what making that part free would save.
+wrong results on purpose: they bound what making that part free would save. The others
+also report ``err``: the largest difference of their output from the same variant's with
+fp32 between kernels (no ``--knob``), and ``exact``: from the PyTorch chunked path in fp64,
+both relative to the largest entry. ``--after-fla`` runs
+fla's ``chunk_gated_delta_rule`` once first in each process (session 13's state-kernel fault
+appeared only then).
 
 - ``base``: as shipped.
 - ``inv_stub``: the UT inverse returns L as loaded (no forward substitution, no block products).
@@ -70,7 +76,28 @@ def _patch(variant: str) -> dict:
     return {}
 
 
-def _one(case_name: str, variant: str) -> dict:
+STUBS = ("inv_stub", "prod_stub", "dot1")
+
+
+def _exact(fwd, args, kw):
+    """The output of ``fwd(*args, **kw)`` (``chunk_dplr_fwd``) from the PyTorch chunked path in fp64."""
+    import inspect
+
+    import torch
+
+    from rankdecay.ops.chunk import chunk_dplr_core
+
+    bound = inspect.signature(fwd).bind(*args, **kw).arguments
+    x = {n: None if bound.get(n) is None else bound[n].double() for n in ("q", "k", "v", "a", "b", "g")}
+    if bound.get("a_scale") is not None:
+        x["a"] = x["a"] * bound["a_scale"].double()[..., None]
+    if bound.get("v_scale") is not None:
+        x["v"] = x["v"] * bound["v_scale"].double()[..., None]
+    h0 = bound.get("initial_state")
+    return chunk_dplr_core(*x.values(), bound["scale"], None if h0 is None else h0.double(), torch.float64)[0]
+
+
+def _one(case_name: str, variant: str, precision: str, knobs: list[str], after_fla: bool) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,6 +105,7 @@ def _one(case_name: str, variant: str) -> dict:
     import rankdecay.ops.triton.chunk_fwd as cf
     from kernels import CASES
 
+    torch.set_float32_matmul_precision(precision)
     cfg = _patch(variant)
     captured = {}
     orig = cf.chunk_dplr_fwd
@@ -89,19 +117,32 @@ def _one(case_name: str, variant: str) -> dict:
     rt.chunk_dplr_fwd = grab
     case = CASES[case_name]
     x = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
+    if after_fla:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
     with torch.no_grad():
         case.ours(x)
     args, kw = captured["args"], dict(captured["kw"])
+    ref = orig(*args, **kw)[0].float()
+    for kv in knobs:
+        name, value = kv.split("=")
+        cf._KNOBS[name] = getattr(torch, value)
     kw["_config"] = cfg
     for _ in range(3):
-        orig(*args, **kw)
+        out = orig(*args, **kw)[0]
     torch.cuda.synchronize()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    exact = _exact(orig, args, kw)
+    err_exact = ((out.double() - exact).abs().max() / exact.abs().max()).item()
     reps = 10
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             orig(*args, **kw)
         torch.cuda.synchronize()
-    return {e.key: e.device_time_total / 1e3 / reps for e in prof.key_averages() if e.key.startswith("_")}
+    times = {e.key: e.device_time_total / 1e3 / reps for e in prof.key_averages() if e.key.startswith("_")}
+    stub = variant in STUBS
+    return {"times": times, "err": None if stub else err, "exact": None if stub else err_exact}
 
 
 def main() -> None:
@@ -109,24 +150,33 @@ def main() -> None:
     parser.add_argument("cases", nargs="+")
     parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
+                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16")
+    parser.add_argument("--after-fla", action="store_true", help="run fla's chunk_gated_delta_rule once first")
     parser.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
-        print("RESULT " + json.dumps(_one(*args._child)), flush=True)
+        res = _one(*args._child, args.matmul_precision, args.knob, args.after_fla)
+        print("RESULT " + json.dumps(res), flush=True)
         return
+    extra = ["--matmul-precision", args.matmul_precision, *(["--knob", *args.knob] if args.knob else []),
+             *(["--after-fla"] if args.after_fla else [])]
     results = {}
     for case in args.cases:
         for variant in args.variants:
-            proc = subprocess.run([sys.executable, __file__, case, "--_child", case, variant],
+            proc = subprocess.run([sys.executable, __file__, case, "--_child", case, variant, *extra],
                                   capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 print(f"{case} {variant}: failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
                 continue
-            times = json.loads(lines[-1][7:])
-            results[f"{case}/{variant}"] = times
+            res = json.loads(lines[-1][7:])
+            results[f"{case}/{variant}"] = res
+            times = res["times"]
+            err = "" if res["err"] is None else f"; err {res['err']:.1e}, exact {res['exact']:.1e}"
             print(f"{case} {variant}: total {sum(times.values()):.3f} ms; "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in sorted(times.items())), flush=True)
+                  + ", ".join(f"{k} {v:.3f}" for k, v in sorted(times.items())) + err, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,12 +1,17 @@
 """Errors against fp64 of the Triton path and the PyTorch chunked path under each float32 matmul precision.
 
     python benchmarks/precision_errors.py [--settings highest high medium] [--shape B T H K V] [--json out.json]
+                                          [--cases dplr gdn] [--knob stored=bfloat16] [--after-fla]
 
 ``torch.set_float32_matmul_precision`` sets the precision of the Triton kernels' products
 (``rankdecay.ops.triton.chunk_state._precision``) and of the PyTorch path's fp32 matmuls. For bf16
 inputs (the realistic-size test's: delta-rule-like DPLR inputs, Rab = Rkv = 1 with a scalar gate,
 Rab = 2 with a per-channel gate, Rab = 0 with a per-channel gate), prints the relative RMS error of
-the output, the final state and every gradient against the same computation in fp64.
+the output, the final state and every gradient against the same computation in fp64; ``gdn``:
+Gated DeltaNet itself through ``ops.gated_delta_rule`` (k taken as a and b: the tied kernels).
+``--knob``: ``chunk_fwd._KNOBS`` overrides (the tensors between kernels); ``--after-fla``: run fla's
+``chunk_gated_delta_rule`` forward and backward once first (BENCHMARKS.md sessions 13-14: a
+miscompiled kernel read what fla's kernels had left in shared memory).
 """
 from __future__ import annotations
 
@@ -22,6 +27,45 @@ from tests.conftest import rel_rms  # noqa: E402
 from tests.ops.test_triton import names, random_inputs, run  # noqa: E402
 
 CASES = [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")]
+COLUMNS = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dg", "dbeta", "dh0"]
+
+
+def gdn_inputs(B, T, H, K, V, dtype, seed=5):
+    """Gated DeltaNet's inputs (q, k, v, g, beta in ``dtype``; h0 fp32), as the GPU test draws them."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return [x.to(dev, dtype) for x in (q, k, v, g, beta)] + [h0.to(dev)]
+
+
+def gdn_run(mode, inputs, exact=False):
+    """o, final state and the gradients of q, k, v, g, beta, h0 through ``ops.gated_delta_rule``."""
+    from rankdecay import ops
+
+    xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
+    o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+    w = torch.linspace(-1, 1, o.shape[-1], device=o.device, dtype=torch.float64)
+    ((o.double() * w).sum() + s.double().sin().sum()).backward()
+    return dict(zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [o, s] + [x.grad for x in xs]))
+
+
+def run_fla_once():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from kernels import make_gdn
+
+    x = make_gdn(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
+    xs = {n: t.requires_grad_() for n, t in x.items()}
+    try:
+        chunk_gated_delta_rule(**xs)[0].float().sum().backward()
+    except Exception as e:  # fla 0.6.0 refuses this backward on Triton 3.6 / Hopper: the forward has run
+        print(f"fla backward: {str(e).splitlines()[0][:100]}")
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -29,23 +73,42 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["highest", "high", "medium"])
     parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[2, 1000, 4, 128, 128])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cases", nargs="+", choices=["dplr", "gdn"], default=["dplr", "gdn"])
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
+                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16 (the tensors between kernels)")
+    parser.add_argument("--after-fla", action="store_true", help="run fla's chunk_gated_delta_rule once first")
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    from rankdecay.ops.triton import chunk_fwd
+
+    for kv in args.knob:
+        name, value = kv.split("=")
+        chunk_fwd._KNOBS[name] = getattr(torch, value)
+    if args.after_fla:
+        run_fla_once()
     rows = []
-    print("| setting | Rab, Rkv, gate | path | " + " | ".join(n for n in ["o", "final_state", "dq", "dk", "dv", "da",
-                                                                   "db", "dg", "dh0"]) + " |")
-    print("|---|---|---|" + "---:|" * 9)
+    print("| setting | case | path | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|---|" + "---:|" * len(COLUMNS))
+
+    def report(setting, case, path, errs):
+        rows.append(dict(setting=setting, case=case, path=path, dtype=str(dtype), knobs=args.knob, **errs))
+        cells = " | ".join(f"{errs[n]:.1e}" if n in errs else "—" for n in COLUMNS)
+        print(f"| {setting} | {case} | {path} | {cells} |", flush=True)
+
     for setting in args.settings:
         torch.set_float32_matmul_precision(setting)
-        for Rab, Rkv, gate in CASES:
-            inputs = random_inputs(*args.shape, Rab, Rkv, gate, dtype=dtype)
-            exact = run("chunk", [None if x is None else x.double() for x in inputs])
+        if "dplr" in args.cases:
+            for Rab, Rkv, gate in CASES:
+                inputs = random_inputs(*args.shape, Rab, Rkv, gate, dtype=dtype)
+                exact = run("chunk", [None if x is None else x.double() for x in inputs])
+                for path in ("triton", "chunk"):
+                    report(setting, f"{Rab}, {Rkv}, {gate}", path,
+                           {n: rel_rms(x, e) for n, x, e in zip(names(inputs), run(path, inputs), exact)})
+        if "gdn" in args.cases:
+            inputs = gdn_inputs(*args.shape, dtype)
+            exact = gdn_run("chunk", inputs, exact=True)
             for path in ("triton", "chunk"):
-                errs = {n: rel_rms(x, e) for n, x, e in zip(names(inputs), run(path, inputs), exact)}
-                rows.append(dict(setting=setting, Rab=Rab, Rkv=Rkv, gate=gate, path=path, dtype=str(dtype), **errs))
-                cells = " | ".join(f"{errs[n]:.1e}" if n in errs else "—"
-                                   for n in ["o", "final_state", "dq", "dk", "dv", "da", "db", "dg", "dh0"])
-                print(f"| {setting} | {Rab}, {Rkv}, {gate} | {path} | {cells} |", flush=True)
+                report(setting, "gdn", path, {n: rel_rms(x, exact[n]) for n, x in gdn_run(path, inputs).items()})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

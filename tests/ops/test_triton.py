@@ -271,6 +271,19 @@ def test_products_precision_follows_pytorch_setting():
     assert got == {"highest": "tf32x3" if cuda else "ieee", "high": "tf32", "medium": "bf16" if cuda else "bf16_ieee"}
 
 
+def test_tensors_between_kernels_16bit_only_where_products_are():
+    """bf16 between the fused kernels by default only on a GPU at the bf16 products' precision and
+    K <= 128 (``chunk_fwd.stored_dtype``; at K > 128 the state kernel's 32-wide value block was
+    miscompiled with bf16 operands on Triton 3.6 / H100)."""
+    from rankdecay.ops.triton.chunk_fwd import stored_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert stored_dtype("bf16", 128, cuda) == torch.bfloat16
+    assert stored_dtype("bf16", 256, cuda) == torch.float32
+    assert {stored_dtype(p, 64, cuda) for p in ("tf32x3", "tf32", "ieee")} == {torch.float32}
+    assert stored_dtype("bf16_ieee", 64, cpu) == torch.float32
+
+
 @pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])
 @pytest.mark.parametrize("matmul_precision", ["medium"], indirect=True)
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")])
@@ -378,6 +391,37 @@ def test_gpu_bf16_reduced_matmul_precision(Rab, Rkv, gate, matmul_precision):
     for name, x, e in zip(names(inputs), got, exact):
         err = rel_rms(x, e)
         assert err <= bound, f"{matmul_precision} {name}: triton {err:.2e} > {bound:.1e}"
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+def test_gpu_gated_delta_rule_realistic_size(matmul_precision):
+    """Gated DeltaNet itself (k taken as a and b: the tied forward and backward, ``ties_keys``), bf16
+    inputs at B2 T1000 H4 K=V=128, against fp64 on the same (bf16-rounded) inputs: at "highest" no
+    worse than the PyTorch path on the bf16 inputs, at "medium" within 2^-5, for the output, final
+    state and every gradient."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 1000, 4, 128
+    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
+    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+
+    def call(mode, exact=False):
+        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
+        o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    exact = call("chunk", exact=True)
+    got, ref = call("triton"), call("chunk")
+    for name, x, y, e in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact):
+        assert torch.isfinite(x).all(), f"{name}: not finite"
+        err, ref_err = rel_rms(x, e), rel_rms(y, e)
+        bound = 1.5 * ref_err + 1e-6 if matmul_precision == "highest" else 2 ** -5
+        assert err <= bound, f"{matmul_precision} {name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"
 
 
 @GPU

@@ -36,8 +36,17 @@ from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
-# launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block)
-_CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=32, grad=4, grad_channel=8, grad_bk=32)
+# launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
+# inputs_bk / grad_bk 0: _key_block's choice
+_CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=0, grad=4, grad_channel=8, grad_bk=0)
+
+
+def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
+    """Key block of the inputs' (``inputs_bk``) and step-4 (``grad_bk``) kernels: 64 with bf16
+    products (H100, GDN: 0.46 / 0.56 ms against 0.50 / 0.67 at 32; BENCHMARKS.md session 14), 32 at
+    fp32 accuracy (64 was slower there, session 9) and in step 4 with a per-channel gate."""
+    wide = precision.startswith("bf16") and not (knob == "grad_bk" and per_channel)
+    return min(_CONFIG[knob] or (64 if wide else 32), max(16, triton.next_power_of_2(K)))
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec")
 
 
@@ -514,7 +523,7 @@ class _ChunkDPLR(torch.autograd.Function):
         prec = _precision(q)
         raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
         # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
-        blocks = _blocks(K, V, NK, NA)
+        blocks = _blocks(K, V, NK, NA, backward=True, precision=prec)
         dhn = torch.empty_like(s0)
         du = torch.empty_like(u)
         dh0 = torch.empty(B, H, K, V, **f32)
@@ -544,7 +553,7 @@ class _ChunkDPLR(torch.autograd.Function):
         dad, dbd = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
         ddch = f32c(K) if g is not None else None
         gate = gate_kind(g)
-        BKi = min(_CONFIG["inputs_bk"], max(16, triton.next_power_of_2(K)))
+        BKi = _key_block("inputs_bk", K, prec, gate == 2)
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
             do, s0, dhn, v if raw else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
             opt(sv32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
@@ -572,7 +581,7 @@ class _ChunkDPLR(torch.autograd.Function):
         dq, dk = like(q), like(k)
         da, db = (like(a), like(b)) if Rab and not tied else (None, None)
         dg = like(g) if gate == 2 else None
-        BKg = min(_CONFIG["grad_bk"], max(16, triton.next_power_of_2(K)))
+        BKg = _key_block("grad_bk", K, prec, gate == 2)
         NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
         asc = sa is not None and Rab > 0

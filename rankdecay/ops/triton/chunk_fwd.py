@@ -470,13 +470,19 @@ def _output_kernel(
 
 # Module-wide overrides of chunk_dplr_fwd's _config (benchmarks, debugging). "stored" / "stored_state":
 # the dtype of the per-chunk tensors one kernel hands another as a product's operand (W, Ũ, the M
-# tiles, the decayed inputs / S_n and U_n, and with them dS and dU in the backward), fp32 by default.
-# A 16-bit dtype halves that traffic and loses nothing at "medium", where every product rounds its
-# operands to bf16 anyway, and every kernel takes those tensors to fp32 as it loads them. It is not
-# the default: on the H100 with Triton 3.6, bf16 W and S_n together made _state_fwd_kernel read
-# shared memory out of bounds (compute-sanitizer; an illegal memory access, in some processes and
-# not others), BENCHMARKS.md "session 13". The CPU tests run it in fp16.
+# tiles, the decayed inputs / S_n and U_n, and with them dS and dU in the backward). By default
+# (``stored_dtype``) bf16 where the products take bf16 operands anyway (matmul precision "medium"),
+# which halves that traffic and costs only Ũ's and U's rounding, else fp32. Every kernel takes
+# those tensors to fp32 as it loads them. Not at K > 128, whose state kernels take a 32-wide value
+# block: on the H100 with Triton 3.6 that block, with bf16 W and S_n, was miscompiled (wrong
+# results, out-of-range shared reads under compute-sanitizer), BENCHMARKS.md sessions 13 and 14.
 _KNOBS: dict = {}
+
+
+def stored_dtype(precision: str, K: int, device: torch.device) -> torch.dtype:
+    """The default dtype of the tensors between the fused kernels (``_KNOBS``): bf16 on a GPU at
+    the "bf16" products' precision with K <= 128, else fp32."""
+    return torch.bfloat16 if precision == "bf16" and K <= 128 and device.type == "cuda" else torch.float32
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -529,7 +535,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     cfg.update(_KNOBS, **(_config or {}))  # benchmarking knobs
     prec = cfg["precision"]
     f32 = dict(device=q.device, dtype=torch.float32)
-    st = dict(device=q.device, dtype=cfg.get("stored", torch.float32))  # products' operands between kernels
+    # products' operands between kernels
+    st = dict(device=q.device, dtype=cfg.get("stored", stored_dtype(prec, K, q.device)))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     a = a.contiguous() if a is not None else None
     b = b.contiguous() if b is not None else None

@@ -238,14 +238,22 @@ def _state_bwd_kernel(
     tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
 
 
-# launch knobs of the state kernels (benchmarks/bwd_variants.py sweeps them: --set state_stages=2 ...)
-_LAUNCH = dict(warps=4, stages=1, bv=0)
+# launch knobs of the state kernels (benchmarks/bwd_variants.py sweeps them: --set state_stages=2 ...);
+# bv / bwd_bv: the forward's / backward's value block, 0 for _blocks' choice
+_LAUNCH = dict(warps=4, stages=1, bv=0, bwd_bv=0)
 
 
-def _blocks(K: int, V: int, CR: int, CA: int) -> dict:
-    """Tile sizes: the whole key dim, a slice of the values, <= 64 rows of a chunk at a time."""
+def _blocks(K: int, V: int, CR: int, CA: int, backward: bool = False, precision: str = "") -> dict:
+    """Tile sizes: the whole key dim, a slice of the values, <= 64 rows of a chunk at a time.
+
+    The value block is 64 wide up to K = 128 in the forward (H100: 0.22 against 0.32 ms at 32
+    for GDN; and at 32 with bf16 W and S_n, Triton 3.6 miscompiled the kernel, BENCHMARKS.md
+    session 14). In the backward it is 64 wide up to K = 128 with bf16 products (0.26 against
+    0.40 ms) and 32 at fp32 accuracy, where 64 was the slower (session 9).
+    """
     BK = max(16, triton.next_power_of_2(K))
-    BV = _LAUNCH["bv"] or max(16, min(triton.next_power_of_2(V), 64 if BK <= 64 else 32))
+    wide = 64 if BK <= (128 if not backward or precision.startswith("bf16") else 64) else 32
+    BV = _LAUNCH["bwd_bv" if backward else "bv"] or max(16, min(triton.next_power_of_2(V), wide))
     rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
     return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
 
@@ -322,7 +330,7 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     V = vf.shape[-1]
     CA = u.shape[-2]
     gate = gate_kind(d)
-    blocks = _blocks(K, V, CR, CA)
+    blocks = _blocks(K, V, CR, CA, backward=True, precision=_precision(kd))
     ds0 = torch.zeros_like(s0) if ds0 is None else ds0.contiguous()
     du = torch.zeros_like(u) if du is None else du.contiguous()
     dh_next = torch.empty_like(s0)
