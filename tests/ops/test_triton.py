@@ -379,7 +379,7 @@ def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate, grads):
 
 @GPU
 @pytest.mark.parametrize("matmul_precision", ["high", "medium"], indirect=True)
-@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")])
+@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel"), (4, 1, "scalar")])
 def test_gpu_bf16_reduced_matmul_precision(Rab, Rkv, gate, matmul_precision):
     """At a reduced precision every error against fp64 stays within eight units of the products'
     rounding: 8 * 2^-11 = 2^-8 for one TF32 pass ("high"), 8 * 2^-8 = 2^-5 for bf16 ("medium"), as on the CPU.
