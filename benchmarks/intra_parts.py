@@ -19,7 +19,8 @@ appeared only then).
 - ``dot1``: ``_dot_ex`` as one TF32 pass instead of two.
 - ``tf32``: every fp32 product in one TF32 pass (``precision`` and ``state_precision``).
 - ``w8`` / ``w2``: the intra kernel on 8 / 2 warps.
-- ``state_bv64`` / ``state_w8``: the state kernel with a 64-wide value block / 8 warps.
+- ``state_bv32`` / ``state_w8``: the state kernel with a 32-wide value block / 8 warps.
+- ``out_bv128`` / ``out_w8``: the output kernel with a 128-wide value block / 8 warps.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import sys
 import triton
 import triton.language as tl
 
-VARIANTS = ["base", "inv_stub", "prod_stub", "dot1", "tf32", "w8", "w2", "state_bv64", "state_w8"]
+VARIANTS = ["base", "inv_stub", "prod_stub", "dot1", "tf32", "w8", "w2", "state_bv32", "state_w8", "out_bv128", "out_w8"]
 
 
 @triton.jit
@@ -69,10 +70,14 @@ def _patch(variant: str) -> dict:
         return dict(precision="tf32", state_precision="tf32")
     elif variant in ("w8", "w2"):
         return dict(intra_warps=int(variant[1:]))
-    elif variant == "state_bv64":
-        cs._LAUNCH["bv"] = 64
+    elif variant == "state_bv32":
+        cs._LAUNCH["bv"] = 32
     elif variant == "state_w8":
         cs._LAUNCH["warps"] = 8
+    elif variant == "out_bv128":
+        return dict(output_bv=128)
+    elif variant == "out_w8":
+        return dict(output_warps=8)
     return {}
 
 
@@ -103,7 +108,7 @@ def _one(case_name: str, variant: str, precision: str, knobs: list[str], after_f
 
     import rankdecay.ops.triton as rt
     import rankdecay.ops.triton.chunk_fwd as cf
-    from kernels import CASES
+    from kernels import CASES, apply_knobs
 
     torch.set_float32_matmul_precision(precision)
     cfg = _patch(variant)
@@ -125,9 +130,7 @@ def _one(case_name: str, variant: str, precision: str, knobs: list[str], after_f
         case.ours(x)
     args, kw = captured["args"], dict(captured["kw"])
     ref = orig(*args, **kw)[0].float()
-    for kv in knobs:
-        name, value = kv.split("=")
-        cf._KNOBS[name] = getattr(torch, value)
+    apply_knobs(knobs)
     kw["_config"] = cfg
     for _ in range(3):
         out = orig(*args, **kw)[0]
@@ -151,8 +154,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
-    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
-                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="chunk_fwd._KNOBS overrides, as kernels.py's --knob")
     parser.add_argument("--after-fla", action="store_true", help="run fla's chunk_gated_delta_rule once first")
     parser.add_argument("--_child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

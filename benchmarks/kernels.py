@@ -235,6 +235,19 @@ def markdown_row(r: dict) -> str:
             f"{f('sdpa_ms', '{:.3f}')} | {f('vs_sdpa', '{:.2f}')} |")
 
 
+KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat16 (the tensors between kernels), "
+             "output_bv=128, output_warps=8, intra_warps=8")
+
+
+def apply_knobs(pairs: list[str]) -> None:
+    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS``: an integer, else a torch dtype's name."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    for kv in pairs:
+        name, value = kv.split("=")
+        chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES))
@@ -245,16 +258,11 @@ def main() -> None:
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "
                              "(highest: fp32-accurate; high: one TF32 pass; medium: bf16, as fla)")
-    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
-                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16 (the tensors between kernels)")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help=KNOB_HELP)
     args = parser.parse_args()
     import triton
 
-    from rankdecay.ops.triton import chunk_fwd
-
-    for kv in args.knob:
-        name, value = kv.split("=")
-        chunk_fwd._KNOBS[name] = getattr(torch, value)
+    apply_knobs(args.knob)
     torch.set_float32_matmul_precision(args.matmul_precision)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"float32 matmul precision {args.matmul_precision}" + (f", knobs {args.knob}" if args.knob else ""))

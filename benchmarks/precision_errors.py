@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conftest import rel_rms  # noqa: E402
 from tests.ops.test_triton import names, random_inputs, run  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import KNOB_HELP, apply_knobs  # noqa: E402
+
 CASES = [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")]
 COLUMNS = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dg", "dbeta", "dh0"]
 
@@ -74,16 +77,11 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[2, 1000, 4, 128, 128])
     parser.add_argument("--json", default=None)
     parser.add_argument("--cases", nargs="+", choices=["dplr", "gdn"], default=["dplr", "gdn"])
-    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=DTYPE",
-                        help="chunk_fwd._KNOBS overrides, e.g. stored=bfloat16 (the tensors between kernels)")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help=KNOB_HELP)
     parser.add_argument("--after-fla", action="store_true", help="run fla's chunk_gated_delta_rule once first")
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    from rankdecay.ops.triton import chunk_fwd
-
-    for kv in args.knob:
-        name, value = kv.split("=")
-        chunk_fwd._KNOBS[name] = getattr(torch, value)
+    apply_knobs(args.knob)
     if args.after_fla:
         run_fla_once()
     rows = []

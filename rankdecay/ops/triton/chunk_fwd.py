@@ -476,6 +476,7 @@ def _output_kernel(
 # those tensors to fp32 as it loads them. Not at K > 128, whose state kernels take a 32-wide value
 # block: on the H100 with Triton 3.6 that block, with bf16 W and S_n, was miscompiled (wrong
 # results, out-of-range shared reads under compute-sanitizer), BENCHMARKS.md sessions 13 and 14.
+# Launch knobs: "intra_warps", "output_bv" (the output kernel's value block), "output_warps".
 _KNOBS: dict = {}
 
 
@@ -531,7 +532,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
-    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q))
+    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q), output_bv=64, output_warps=4)
     cfg.update(_KNOBS, **(_config or {}))  # benchmarking knobs
     prec = cfg["precision"]
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -595,10 +596,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     BKo = min(64, max(16, triton.next_power_of_2(K)))
-    _output_kernel[(triton.cdiv(V, BV), NC, B * H)](
+    BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))
+    _output_kernel[(triton.cdiv(V, BVo), NC, B * H)](
         q if raw else qd, s0, mqk, v, opt(sv), opt(mqa), u, o, opt(qf), T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA,
-        RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BV, PRECISION=prec, RAW=raw, VSC=sv is not None, E_Q=_is16(q),
-        E_V=_is16(v), sa=opt(sa), TIED=tied, ASC=sa is not None, num_warps=4, num_stages=1,
+        RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BVo, PRECISION=prec, RAW=raw, VSC=sv is not None, E_Q=_is16(q),
+        E_V=_is16(v), sa=opt(sa), TIED=tied, ASC=sa is not None, num_warps=cfg["output_warps"], num_stages=1,
     )
     if not save:
         return o, ht
