@@ -202,8 +202,11 @@ def chunk_dplr_core(
     Rkv = k.shape[-2]
 
     def products(x, gx, strict):
+        # contiguous: a slice of the last dim has no unit-stride dim, and CPU matmuls of such operands
+        # (and their gradients) take a per-matrix loop, ~10x slower at these sizes
         p = _decayed_products_checkpointed(x, cols, gx, G, strict)  # [..., C, R1, C, Rkv+Rab]
-        return p[..., :Rkv].flatten(-4, -3).flatten(-2, -1), p[..., Rkv:].flatten(-4, -3).flatten(-2, -1)
+        return tuple(p[..., s].flatten(-4, -3).flatten(-2, -1).contiguous() for s in (slice(None, Rkv),
+                                                                                    slice(Rkv, None)))
 
     M_qk, M_qa = products(q[..., None, :], G, strict=False)  # [B, H, NC, C, C*Rkv], [.., C, C*Rab]
     k_dec = k_dec.flatten(-3, -2)  # [B, H, NC, C*Rkv, K]

@@ -203,6 +203,28 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
 
 
 @triton.jit
+def _tied_products(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
+                   GATE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, LP_QK: tl.constexpr,
+                   LP_KK: tl.constexpr):
+    """The delta rule's two products in one pass over the key channels, each k block loaded once:
+    (M_QK [TC, TC], P [TC, TC]) = ``_products(q, k, ...)`` and ``_products(k, k, ..., STRICT)``
+    with a decay per row (GATE 0 or 1); Gk_ex is k's exclusive log-cumsum (the b rows' G^x)."""
+    tok, _, _, vr, fr = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    m = tl.zeros([TC, TC], dtype=tl.float32)
+    p = tl.zeros([TC, TC], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Q = _load_rows(q, fr, vr, o_k, m_k, K)
+        Kr = _load_rows(k, fr, vr, o_k, m_k, K)
+        m += _input_dot(Q, Kr, q, k, LP_QK, PRECISION)
+        p += _input_dot(Kr, Kr, k, k, LP_KK, PRECISION)
+    m = m * _decays(Gq, Gk, tok, tok, False, GATE)
+    p = p * _decays(Gk_ex, Gk, tok, tok, True, GATE)
+    return m, p
+
+
+@triton.jit
 def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
     """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16), as [N, N].
 
@@ -303,9 +325,12 @@ def _intra_kernel(
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
 
-    # O's intra-chunk products (the scale folded in)
-    M = _products(q, k, g, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
-                  PRECISION, LP_QK)
+    # O's intra-chunk products (the scale folded in); tied, with L_BA's before its factors
+    if TIED:
+        M, P = _tied_products(q, k, Gq, Gk, Gq_ex, i_b, i_h, i_c, T, H, K, TC, GATE, BK, PRECISION, LP_QK, LP_BA)
+    else:
+        M = _products(q, k, g, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
+                      PRECISION, LP_QK)
     tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
@@ -321,8 +346,9 @@ def _intra_kernel(
                 M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
-        P = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
-                      BK, PRECISION, LP_BA)
+        if not TIED:
+            P = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
+                          BK, PRECISION, LP_BA)
         L = P
         if ASC:
             L = L * fac_a[None, :]
