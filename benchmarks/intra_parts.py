@@ -51,6 +51,13 @@ def _products_stub(x, y, g, Gx, Gy, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.con
 
 
 @triton.jit
+def _tied_products_stub(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
+                        GATE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, LP_QK: tl.constexpr,
+                        LP_KK: tl.constexpr):
+    return tl.zeros([TC, TC], dtype=tl.float32), tl.zeros([TC, TC], dtype=tl.float32)
+
+
+@triton.jit
 def _dot1_stub(X, Y, PRECISION: tl.constexpr, EXACT: tl.constexpr):
     return tl.dot(X, Y, input_precision="tf32")
 
@@ -64,6 +71,7 @@ def _patch(variant: str) -> dict:
         cf._unit_lower_inverse = _inverse_stub
     elif variant == "prod_stub":
         cf._products = _products_stub
+        cf._tied_products = _tied_products_stub
     elif variant == "dot1":
         cf._dot_ex = _dot1_stub
     elif variant == "tf32":

@@ -1,6 +1,10 @@
 """Where an op's GPU time goes: torch.profiler's table for one case of benchmarks/kernels.py.
 
     python benchmarks/profile_op.py gdn [--backward] [--shape B T H K V] [--rows 25] [--matmul-precision medium]
+                                        [--resources]
+
+``--resources`` also prints, for every compiled variant of our Triton kernels, its registers per
+thread, spilled registers, shared memory and warps (what limits how many programs share an SM).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[8, 2048, 16, 128, 128])
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
+    parser.add_argument("--resources", action="store_true", help="registers / shared memory per kernel")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
@@ -27,6 +32,26 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         measure(case.ours, inputs, args.backward)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    if args.resources:
+        print_resources()
+
+
+def print_resources() -> None:
+    """Registers, spills, shared memory and warps of every compiled variant of our kernels."""
+    import rankdecay.ops.triton as rt
+    from triton.runtime.jit import JITFunction
+
+    mods = [m for name, m in vars(rt).items() if getattr(m, "__name__", "").startswith(rt.__name__ + ".")]
+    for mod in mods:
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for entry in getattr(fn, "device_caches", {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for kernel in cache.values():
+                    md = kernel.metadata
+                    print(f"{name}: {kernel.n_regs} registers, {kernel.n_spills} spilled, "
+                          f"{md.shared} B shared, {md.num_warps} warps")
 
 
 if __name__ == "__main__":

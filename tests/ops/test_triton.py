@@ -310,6 +310,21 @@ def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_prec
         assert 2 ** -12 < err <= 2 ** -5, f"Rab={Rab} gate={gate} {name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("Rab", [0, 1])
+def test_output_kernel_value_blocks(Rab, monkeypatch):
+    """The output kernel's value block (``output_bv``: 128 with bf16 products, else 64) over
+    V = 130: a full block and a partial one, at fp32 accuracy so any misplaced column shows."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    inputs = random_inputs(1, 20, 1, 16, 130, Rab, 1, "scalar")
+    ref = run("chunk", inputs, grads=False, chunk_size=16)
+    for bv in (64, 128):
+        monkeypatch.setitem(chunk_fwd._KNOBS, "output_bv", bv)
+        got = run("triton", inputs, grads=False, chunk_size=16)
+        for name, x, y in zip(("o", "final_state"), got, ref):
+            assert_matches(x, y, 1e-5, f"output_bv={bv} Rab={Rab}: {name}")
+
+
 def test_row_scales_checked():
     q, k, v, a, b, g, h0 = random_inputs(1, 5, 2, 16, 8, 2, 1, "scalar")
     with pytest.raises(ValueError, match=r"a_scale must have shape \[B, T, H\] or \[B, T, H, Rab\]"):

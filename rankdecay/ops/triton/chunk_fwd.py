@@ -558,7 +558,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
-    cfg = dict(intra_warps=4, precision=_precision(q), state_precision=_precision(q), output_bv=64, output_warps=4)
+    prec = _precision(q)
+    # the output kernel's value block: 128 with bf16 products (H100 GDN: 150 against 165 µs at 64;
+    # BENCHMARKS.md session 15), 64 with fp32 tiles, twice the registers
+    cfg = dict(intra_warps=4, precision=prec, state_precision=prec, output_bv=128 if prec.startswith("bf16") else 64,
+               output_warps=4)
     cfg.update(_KNOBS, **(_config or {}))  # benchmarking knobs
     prec = cfg["precision"]
     f32 = dict(device=q.device, dtype=torch.float32)
