@@ -52,12 +52,11 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, dsap, T, NC,
+    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
-    TIED: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -71,11 +70,8 @@ def _grad_kernel(
     d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
     16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
 
-    TIED (the delta rule; a decay per row, ranks 1, ASC): a = sa ⊙ k and b = k, one tensor. The
-    products' tiles meet the same rows and decays, and ``_grad_products_kernel`` stores them
-    added: M = P_QK + P_QA sa in dmqk, N = P_BK + P_BA sa in dlbk. Then dq = M k and
-    dk + sa ⊙ da + db = Mᵀ q + N k + Nᵀ k, stored as one dk (da, db unused), three products
-    instead of eight; d sa's share from the products (dsap) is added by the first key block.
+
+    The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -97,54 +93,47 @@ def _grad_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
-        if TIED:  # a and b are k, row for row
-            A16 = Kr
-            Bm = Kr
-        else:
-            A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
-            Bm = _load_rows(b, fa, va, o_k, m_k, K)
+        A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
+        Bm = _load_rows(b, fa, va, o_k, m_k, K)
         if ASC:
             fac_a = tl.load(sa + fa, mask=va, other=0.0)
             A = A16 * fac_a[:, None]
         else:
             A = A16
-    if TIED:  # the tiles come added (M in dmqk, N in dlbk); d sa's products' share in dsap
-        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
-        dQ = _dot_ex(P, Kr, PRECISION, E_K)
-        dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
-        P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * _decays(Gb, Ga, toka, toka, True, GATE)
-        dK += _dot_ex(P, Kr, PRECISION, E_K) + _dot_ex(tl.trans(P), Kr, PRECISION, E_K)
-        dsa_p = tl.load(dsap + c * NA + r_a) * (i_k == 0).to(tl.float32)
-    elif GATE < 2:
+    if GATE < 2:
         # dP ⊙ decays: the gradients of the undecayed products x yᵀ, one [C, C] tile live at a time
         # (products with A as P ⊙ sa times a as given: exact factors stay exact)
-        P = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]) * _decays(Gq, Gk, tokq, tokk, False, GATE)
+        P = (tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
+             * _decays(Gq, Gk, tokq, tokk, False, GATE))
         dQ = _dot_ex(P, Kr, PRECISION, E_K)
         dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
         if RAB > 0:
-            P = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]) * _decays(Gq, Ga, tokq, toka, False, GATE)
+            P = (tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
+                 * _decays(Gq, Ga, tokq, toka, False, GATE))
             dA = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
             if ASC:
                 P = P * fac_a[None, :]
             dQ += _dot_ex(P, A16, PRECISION, E_A)
-            P = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * _decays(Gb, Ga, toka, toka, True, GATE)
+            P = (tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]).to(tl.float32)
+                 * _decays(Gb, Ga, toka, toka, True, GATE))
             dA += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
             if ASC:
                 P = P * fac_a[None, :]
             dB = _dot_ex(P, A16, PRECISION, E_A)
-            P = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * _decays(Gb, Gk, toka, tokk, True, GATE)
+            P = (tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]).to(tl.float32)
+                 * _decays(Gb, Gk, toka, tokk, True, GATE))
             dK += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
             dB += _dot_ex(P, Kr, PRECISION, E_K)
     else:
-        Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :])
+        Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
         # a token against itself (M_QK, M_QA): no decay
         P = tl.where(tokq[:, None] == tokk[None, :], Pqk, 0.0)
         dQ = _dot(P, Kr, PRECISION)
         dK = _dot(tl.trans(P), Q, PRECISION)
         if RAB > 0:
-            Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :])
-            Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
-            Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+            Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
+            Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]).to(tl.float32)
+            Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]).to(tl.float32)
             P = tl.where(tokq[:, None] == toka[None, :], Pqa, 0.0)
             dQ += _dot(P, A, PRECISION)
             dA = _dot(tl.trans(P), Q, PRECISION)
@@ -176,8 +165,8 @@ def _grad_kernel(
             dK += dKs * fk_
     # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
     # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
-    Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+    Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
     # dg: each decayed input's share directly as the cumulative sum over the gates it depends on
     # (sQ: Q̃_t ⊙ dQ̃_t, on g_s for s <= t; sKA: K̃ and Ã, s > t; sB: B̃, s < t; e^{G_C}: every s)
     if GATE == 1:
@@ -202,11 +191,10 @@ def _grad_kernel(
         dG = Q * dQ - tl.sum(tl.reshape(Kr * dK, (TC, RKVP, BK)), axis=1)
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
-    if not TIED:
-        tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
+    tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
-        Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+        Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         if GATE == 1:
             Da = Da * tl.exp((G_end - Ga).to(tl.float32))[:, None]
             Db = Db * tl.exp(Gb.to(tl.float32))[:, None]
@@ -219,17 +207,12 @@ def _grad_kernel(
             sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
             dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
             dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
-        if TIED:  # everything on k: as k, as a (times sa) and as b
-            tl.store(dsa + fa * tl.num_programs(0) + i_k, dsa_p + tl.sum(A16 * Da, axis=1), mask=va)
-            tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk + Da * fac_a[:, None] + Db,
-                     mask=vk[:, None] & m_k[None, :])
-        else:
-            dA += Da
-            if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
-                tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
-                dA = dA * fac_a[:, None]
-            tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
-            tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
+        dA += Da
+        if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
+            tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
+            dA = dA * fac_a[:, None]
+        tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
+        tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
     if GATE == 1:  # this block's share (the products' share: _grad_products_kernel)
         row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
         tl.store(pdg + row + r_q, sQ)
@@ -245,6 +228,60 @@ def _grad_kernel(
                  mask=(tq < T)[:, None] & m_k[None, :])
 
 
+@triton.jit
+def _grad_tied_kernel(
+    q, k, g, dmqk, dlbk, dqd, dkd, dbd, dch, ddch, dq, dk, pdg, T, NC,
+    H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+    PRECISION: tl.constexpr, E_Q: tl.constexpr, E_K: tl.constexpr,
+):
+    """Step 4 of the delta rule (``ties_keys``: a = sa ⊙ k and b = k, one tensor; ranks 1; no gate or a
+    scalar one) for one chunk and block of key channels.
+
+    ``_grad_products_kernel`` stores the tiles that meet the same rows added: M = dM_QK + dM_QA sa
+    in dmqk, N = dL_BK + dL_BA sa in dlbk; ``_grad_inputs_kernel`` stores dK̃ + sa ⊙ dÃ in dkd. Then
+    dq = M k and dk + sa ⊙ da + db = Mᵀ q + N k + Nᵀ k (plus the decayed inputs' share), one dk:
+    three products instead of eight. dq is finished and stored before dk starts, so few [C, BK]
+    tiles are live at once. d sa: ``_grad_values_kernel``; a scalar gate's dg as in ``_grad_kernel``.
+    """
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    tok, rk, t, valid, flat = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)  # q's rows are k's and a's
+    r = tl.arange(0, TC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_rows = valid[:, None] & m_k[None, :]
+    tile = (c * TC + r[:, None]) * TC + r[None, :]
+    block = (c * TC + r[:, None]) * K + o_k[None, :]
+    G, G_ex = _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H, 1, GATE)
+    Q = _load_rows(q, flat, valid, o_k, m_k, K)
+    Kr = _load_rows(k, flat, valid, o_k, m_k, K)
+    # dq = M k + dQ̃ e^G (the decayed inputs' share)
+    P = tl.load(dmqk + tile).to(tl.float32) * _decays(G, G, tok, tok, False, GATE)
+    Dq = tl.load(dqd + block, mask=m_k[None, :], other=0.0).to(tl.float32)
+    if GATE == 1:
+        Dq = Dq * tl.exp(G.to(tl.float32))[:, None]
+        sQ = tl.sum(Q * Dq, axis=1)
+    tl.store(dq + flat[:, None] * K + o_k[None, :], _dot_ex(P, Kr, PRECISION, E_K) + Dq, mask=m_rows)
+    # dk = Mᵀ q + N k + Nᵀ k + (dK̃ + sa ⊙ dÃ) e^{G_C - G} + dB̃ e^{G_{i-1}}
+    dK = _dot_ex(tl.trans(P), Q, PRECISION, E_Q)
+    P = tl.load(dlbk + tile).to(tl.float32) * _decays(G_ex, G, tok, tok, True, GATE)
+    dK += _dot_ex(P, Kr, PRECISION, E_K) + _dot_ex(tl.trans(P), Kr, PRECISION, E_K)
+    Dk = tl.load(dkd + block, mask=m_k[None, :], other=0.0).to(tl.float32)
+    Db = tl.load(dbd + block, mask=m_k[None, :], other=0.0).to(tl.float32)
+    if GATE == 1:
+        Dk = Dk * tl.exp((tl.sum(G - G_ex, axis=0) - G).to(tl.float32))[:, None]
+        Db = Db * tl.exp(G_ex.to(tl.float32))[:, None]
+    tl.store(dk + flat[:, None] * K + o_k[None, :], dK + Dk + Db, mask=m_rows)
+    if GATE == 1:  # this block's share of the decayed inputs' dg (_finish_scalar_dg)
+        row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
+        tl.store(pdg + row + r, sQ)
+        tl.store(pdg + row + TC + r, tl.sum(Kr * Dk, axis=1))
+        tl.store(pdg + row + 2 * TC + r, tl.sum(Kr * Db, axis=1))
+        eC = tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
+        tl.store(pdg + row + 3 * TC + tl.arange(0, 1), eC + tl.zeros([1], dtype=tl.float32))
+
+
 def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Tensor:
     """dg [B, T, H, 1] of a scalar gate: the products' share dgp [B, H, NC, C] plus the decayed
     inputs', from the key blocks' per-token sums pdg [B, H, NC, NKB, 3C + 1] (sQ, sKA, sB, e^{G_C} share)."""
@@ -258,16 +295,17 @@ def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Ten
 
 @triton.jit
 def _grad_values_kernel(
-    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, T, NC,
+    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, u, dsa, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
     NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
-    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr,
+    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr, TIED: tl.constexpr = False,
 ):
     """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
     chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
     With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv.
     RAW (a decay per row): kd is k [B, T, H, Rkv, K] as given and K̃ = kdec ⊙ k (two TF32 passes
-    when k is 16-bit: E_K)."""
+    when k is 16-bit: E_K). TIED (a = sa ⊙ k, b = k): all of d sa, this block's share -Σ_v U ⊙ dV,
+    goes to dsa [B, T, H, 1, value blocks]."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -303,6 +341,12 @@ def _grad_values_kernel(
         tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
         Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         dV += _dot(tl.trans(Lbk), dX, PRECISION)
+    if TIED:
+        # d sa (a = sa ⊙ k, rows of a = rows of k; M_QA = M_QK sa, L_BA = L_BK sa, Ã = sa ⊙ K̃):
+        # Σ_i dM_QA ⊙ M_QK + Σ_i dL_BA ⊙ L_BK + Σ_k K̃ ⊙ dÃ = -Σ_v U ⊙ (M_QKᵀ dO + L_BKᵀ dX + K̃ dS_{n+1}),
+        # which is -U against dV before v's factors: this block of v's share
+        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        tl.store(dsa + fk * tl.num_programs(0) + i_v, -tl.sum(U * dV, axis=1), mask=vk)
     if VSC:
         tl.store(dsv + fk * tl.num_programs(0) + i_v, tl.sum(_load_rows(v, fk, vk, o_v, m_v, V) * dV, axis=1),
                  mask=vk)
@@ -330,7 +374,7 @@ def _token_sum(Z, TC: tl.constexpr, RX: tl.constexpr, RY: tl.constexpr):
 
 @triton.jit
 def _grad_products_kernel(
-    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, sa, dsap, scale, T, NC,
+    do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, sa, scale, T, NC,
     H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr,
     BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr, RAW: tl.constexpr,
     VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
@@ -349,10 +393,11 @@ def _grad_products_kernel(
     the inputs' dtype when both are 16-bit (LP_DV, exact), dX vᵀ in two TF32 passes (E_V), and
     sv on the columns.
 
-    TIED (a = sa ⊙ k, b = k: ``_grad_kernel``'s TIED): the pairs of tiles that meet the same rows
+    TIED (a = sa ⊙ k, b = k: ``_grad_tied_kernel``): the pairs of tiles that meet the same rows
     are stored added, dM_QK + dM_QA sa into dmqk and dL_BK + dL_BA sa into dlbk (M_QA = M_QK sa,
-    L_BA = L_BK sa), and their share of d sa, Σ_i dM_QA ⊙ M_QK + Σ_i dL_BA ⊙ L_BK over every key
-    channel, goes to dsap."""
+    L_BA = L_BK sa). Both sums are products with one tile, dO (sv ⊙ v - sa ⊙ u)ᵀ and
+    dX (sv ⊙ v - sa ⊙ u)ᵀ: two accumulators instead of four. Their share of d sa comes from
+    ``_grad_values_kernel``, which has M_QKᵀ dO + L_BKᵀ dX at hand."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -368,46 +413,56 @@ def _grad_products_kernel(
     if NA > 0:
         r_a = tl.arange(0, NA)
         toka = r_a // RABP
-        Pqa = tl.zeros([TC, NA], dtype=tl.float32)
-        Pba = tl.zeros([NA, NA], dtype=tl.float32)
         Pbk = tl.zeros([NA, NK], dtype=tl.float32)
+        if not TIED:
+            Pqa = tl.zeros([TC, NA], dtype=tl.float32)
+            Pba = tl.zeros([NA, NA], dtype=tl.float32)
+    if TIED:  # the rows' factors, on the columns of both tiles
+        fa = _row_factor(sa, fk, vk)[:, None]
+        if VSC:
+            fv = _row_factor(sv, fk, vk)[:, None]
+        else:
+            fv = tl.full([NK, 1], 1.0, dtype=tl.float32)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
-        if RAW:
-            Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
-            Pqk += _input_dot(dO, Vf, do, vf, LP_DV, PRECISION)
-        else:
-            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-            Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
-        if NA > 0:
+        if TIED:  # M_QA = M_QK sa and L_BA = L_BK sa: dO and dX against (sv ⊙ v - sa ⊙ u) once
             U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-            Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
-            Pba -= _dot(dX, tl.trans(U), PRECISION)
+            Wv = tl.trans(_load_rows(vf, fk, vk, o_v, m_v, V) * fv - U * fa)
+            Pqk += _dot(dO, Wv, PRECISION)
+            Pbk += _dot(dX, Wv, PRECISION)
+        else:
             if RAW:
-                Pbk += _dot_ex(dX, tl.trans(Vf), PRECISION, E_V)
+                Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
+                Pqk += _input_dot(dO, Vf, do, vf, LP_DV, PRECISION)
             else:
-                Pbk += _dot(dX, tl.trans(Vf), PRECISION)
-    if RAW and VSC:
+                Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                             other=0.0).to(tl.float32)
+                Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
+            if NA > 0:
+                U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+                dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                             other=0.0).to(tl.float32)
+                Pqa -= _dot_xe(dO, tl.trans(U), PRECISION, E_DO)
+                Pba -= _dot(dX, tl.trans(U), PRECISION)
+                if RAW:
+                    Pbk += _dot_ex(dX, tl.trans(Vf), PRECISION, E_V)
+                else:
+                    Pbk += _dot(dX, tl.trans(Vf), PRECISION)
+    if RAW and VSC and not TIED:
         fv = _row_factor(sv, fk, vk)[None, :]
         Pqk = Pqk * fv
         if NA > 0:
             Pbk = Pbk * fv
-    if TIED:  # ranks 1: a's rows are k's
-        Mq = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
-        Lk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-        tl.store(dsap + c * NA + r_a, tl.sum(Pqa * Mq, axis=0) + tl.sum(Pba * Lk, axis=0))
-        fa = _row_factor(sa, fk, vk)[None, :]
-        Pqk += Pqa * fa
-        Pbk += Pba * fa
     tl.store(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :],
              tl.where(r_q[:, None] >= tokk[None, :], Pqk * scale, 0.0))
     if TIED:
         if GATE == 1:
-            Z1 = _token_sum(Pbk * Lk, TC, 1, 1)
-            dgt = (_straddle(_token_sum(Pqk * Mq, TC, 1, 1) + Z1, TC)
+            Mq = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
+            Z1 = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * Pbk
+            dgt = (_straddle(Pqk * Mq + Z1, TC)
                    - tl.sum(tl.where(r_q[:, None] > r_q[None, :], Z1, 0.0), axis=1))
             tl.store(dgp + c * TC + r_q, dgt)
     elif GATE == 1:
@@ -434,17 +489,21 @@ def _grad_products_kernel(
 
 @triton.jit
 def _grad_inputs_kernel(
-    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, scale, T, NC,
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
-    E_V: tl.constexpr = False,
+    E_V: tl.constexpr = False, TIED: tl.constexpr = False,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
     dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel).
     RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given, V = sv ⊙ v with VSC (two TF32
-    passes when v is 16-bit: E_V)."""
+    passes when v is 16-bit: E_V).
+
+    TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
+    stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
+    ``_grad_values_kernel``)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -460,8 +519,15 @@ def _grad_inputs_kernel(
     Dd = tl.zeros([BK], dtype=tl.float32)
     if NA > 0:
         r_a = tl.arange(0, NA)
-        Da = tl.zeros([NA, BK], dtype=tl.float32)
         Db = tl.zeros([NA, BK], dtype=tl.float32)
+        if not TIED:
+            Da = tl.zeros([NA, BK], dtype=tl.float32)
+    if TIED:
+        fa = _row_factor(sa, fk, vk)[:, None]
+        if VSC:
+            fv = _row_factor(sv, fk, vk)[:, None]
+        else:
+            fv = tl.full([NK, 1], 1.0, dtype=tl.float32)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -470,7 +536,10 @@ def _grad_inputs_kernel(
         dS = tl.load(dhn + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
         dO = _load_rows(do, fq, vq, o_v, m_v, V)
         Dq += _dot_xe(dO, tl.trans(S0), PRECISION, E_DO)
-        if RAW:
+        if TIED:
+            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            Dk += _dot(_load_rows(vf, fk, vk, o_v, m_v, V) * fv - U * fa, tl.trans(dS), PRECISION)
+        elif RAW:
             Dk += _dot_xe(_load_rows(vf, fk, vk, o_v, m_v, V), tl.trans(dS), PRECISION, E_V)
         else:
             Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
@@ -478,18 +547,21 @@ def _grad_inputs_kernel(
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
-            U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            if not TIED:
+                U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                            other=0.0).to(tl.float32)
+                Da -= _dot(U, tl.trans(dS), PRECISION)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-            Da -= _dot(U, tl.trans(dS), PRECISION)
             Db += _dot(dX, tl.trans(S0), PRECISION)
-    if RAW and VSC:
+    if RAW and VSC and not TIED:
         Dk = Dk * _row_factor(sv, fk, vk)[:, None]
     tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])
     tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
     if GATE > 0:
         tl.store(ddch + c * K + o_k, Dd, mask=m_k)
     if NA > 0:
-        tl.store(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
+        if not TIED:
+            tl.store(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
         tl.store(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
 
 
@@ -540,37 +612,45 @@ class _ChunkDPLR(torch.autograd.Function):
         dx = torch.empty_like(u) if Rab else None
         BV = min(64, max(16, triton.next_power_of_2(V)))
         sv32 = sv.float().contiguous() if sv is not None else None
-        dsv = torch.empty(*v.shape[:-1], triton.cdiv(V, BV), **f32) if sv is not None else None
-        _grad_values_kernel[(triton.cdiv(V, BV), NC, B * H)](
+        NVB = triton.cdiv(V, BV)
+        dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
+        gate = gate_kind(g)
+        BKg = _key_block("grad_bk", K, prec, gate == 2)  # step 4's key block
+        NKB = triton.cdiv(K, BKg)
+        asc = sa is not None and Rab > 0
+        sa32 = sa.float().contiguous() if asc else None
+        # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
+        dsa = torch.empty(*a.shape[:-1], NVB if tied else NKB, **f32) if asc else None
+        _grad_values_kernel[(NVB, NC, B * H)](
             do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
-            opt(dsv), opt(kdec), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv, RKVP=_pow2(Rkv), NA=NA,
-            BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec, VSC=sv is not None, E_DO=e_do,
-            RAW=raw, E_K=_is16(k), num_warps=_CONFIG["values"], num_stages=1,
+            opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
+            RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec,
+            VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, num_warps=_CONFIG["values"], num_stages=1,
         )
         # the gradients of the decayed inputs
         f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
-        dqd, dkd = f32c(C, K), f32c(NK, K)
-        dad, dbd = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
+        # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
+        stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
+        dqd, dkd = stc(C, K), stc(NK, K)
+        dad = stc(NA, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
+        dbd = stc(NA, K) if Rab else None
         ddch = f32c(K) if g is not None else None
-        gate = gate_kind(g)
         BKi = _key_block("inputs_bk", K, prec, gate == 2)
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
             do, s0, dhn, v if raw else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
-            opt(sv32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec,
-            E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v),
+            opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
+            PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
             num_warps=_CONFIG["inputs"], num_stages=1,
         )
         # the gradients of the products
-        dmqk = f32c(C, NK)
-        # tied: dM_QA and dL_BA come added into dM_QK and dL_BK, d sa's share from them in dsap
-        dmqa, dlba = (f32c(C, NA), f32c(NA, NA)) if Rab and not tied else (None, None)
-        dlbk = f32c(NA, NK) if Rab else None
-        dsap = f32c(NA) if tied else None
+        dmqk = stc(C, NK)
+        # tied: dM_QA and dL_BA come added into dM_QK and dL_BK
+        dmqa, dlba = (stc(C, NA), stc(NA, NA)) if Rab and not tied else (None, None)
+        dlbk = stc(NA, NK) if Rab else None
         dgp = f32c(C) if gate == 1 else None
-        sa32 = sa.float().contiguous() if sa is not None and Rab > 0 else None
         _grad_products_kernel[(NC, B * H)](
             do, v if raw else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
-            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), opt(dsap), scale, T, NC, H=H, V=V,
+            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
             TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
             RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied,
             num_warps=_CONFIG["products"],
@@ -581,19 +661,22 @@ class _ChunkDPLR(torch.autograd.Function):
         dq, dk = like(q), like(k)
         da, db = (like(a), like(b)) if Rab and not tied else (None, None)
         dg = like(g) if gate == 2 else None
-        BKg = _key_block("grad_bk", K, prec, gate == 2)
-        NKB = triton.cdiv(K, BKg)
         pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
-        asc = sa is not None and Rab > 0
-        dsa = torch.empty(*a.shape[:-1], NKB, **f32) if asc else None
-        _grad_kernel[(NKB, NC, B * H)](
-            q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
-            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(dsap), T, NC,
-            H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab),
-            BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k),
-            E_A=_is16(a), E_B=_is16(b), TIED=tied,
-            num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
-        )
+        if tied:
+            _grad_tied_kernel[(NKB, NC, B * H)](
+                q, k, opt(g), dmqk, dlbk, dqd, dkd, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg), T, NC,
+                H=H, K=K, TC=C, BK=BKg, GATE=gate, PRECISION=prec, E_Q=_is16(q), E_K=_is16(k),
+                num_warps=_CONFIG["grad"], num_stages=1,
+            )
+        else:
+            _grad_kernel[(NKB, NC, B * H)](
+                q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
+                opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC,
+                H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
+                RABP=_pow2(Rab), BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc,
+                E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=_is16(b),
+                num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
+            )
         if gate == 1:
             dg = _finish_scalar_dg(dgp, pdg, T)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
