@@ -64,7 +64,7 @@ def _grad_kernel(
     No gate (GATE 0) or a scalar one (1): each product's gradient times its decays, then plain
     products with the inputs, one product at a time; a scalar gate's dg sums over every key
     channel, so each block writes its share per token (pdg: dG_t, dG_{t-1}, dG_C) and
-    ``_finish_scalar_dg`` adds them up. Per channel (2): the forward's levels in reverse, each
+    ``_scalar_dg_kernel`` adds them up. Per channel (2): the forward's levels in reverse, each
     block's lower-left quarter through its midpoint (``chunk_fwd._level_product``), and dg here.
     With ASC, a's rows carry the factors sa: everything runs on sa ⊙ a, and this block's share of
     d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
@@ -273,7 +273,7 @@ def _grad_tied_kernel(
         Dk = Dk * tl.exp((tl.sum(G - G_ex, axis=0) - G).to(tl.float32))[:, None]
         Db = Db * tl.exp(G_ex.to(tl.float32))[:, None]
     tl.store(dk + flat[:, None] * K + o_k[None, :], dK + Dk + Db, mask=m_rows)
-    if GATE == 1:  # this block's share of the decayed inputs' dg (_finish_scalar_dg)
+    if GATE == 1:  # this block's share of the decayed inputs' dg (_scalar_dg_kernel)
         row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
         tl.store(pdg + row + r, sQ)
         tl.store(pdg + row + TC + r, tl.sum(Kr * Dk, axis=1))
@@ -282,15 +282,30 @@ def _grad_tied_kernel(
         tl.store(pdg + row + 3 * TC + tl.arange(0, 1), eC + tl.zeros([1], dtype=tl.float32))
 
 
-def _finish_scalar_dg(dgp: torch.Tensor, pdg: torch.Tensor, T: int) -> torch.Tensor:
-    """dg [B, T, H, 1] of a scalar gate: the products' share dgp [B, H, NC, C] plus the decayed
-    inputs', from the key blocks' per-token sums pdg [B, H, NC, NKB, 3C + 1] (sQ, sKA, sB, e^{G_C} share)."""
-    p = pdg.sum(3)
-    C = dgp.shape[-1]
-    sQ, sKA, sB, eC = p[..., :C], p[..., C:2 * C], p[..., 2 * C:3 * C], p[..., 3 * C:]
-    rev = lambda x: x.flip(-1).cumsum(-1).flip(-1)  # noqa: E731
-    dg = dgp + rev(sQ) + (sKA.cumsum(-1) - sKA) + (rev(sB) - sB) + eC  # [B, H, NC, C]
-    return dg.flatten(2)[..., :T].transpose(1, 2)[..., None]
+@triton.jit
+def _scalar_dg_kernel(dgp, pdg, dg, T, NC, H: tl.constexpr, TC: tl.constexpr, NKB: tl.constexpr):
+    """dg [B, T, H, 1] of a scalar gate for one chunk: the products' share dgp [B, H, NC, C] plus the
+    decayed inputs', from the key blocks' per-token sums pdg [B, H, NC, NKB, 3C + 1] (sQ, sKA, sB,
+    e^{G_C}'s share). Token t's sQ depends on the gates g_s, s <= t, so g_s takes the reverse
+    cumulative sum; sKA (s > t) the exclusive cumulative sum, sB (s < t) the exclusive reverse
+    one, and e^{G_C} every gate of the chunk. One launch where torch took a dozen."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    c = i_bh * NC + i_c
+    r = tl.arange(0, TC)
+    sQ = tl.zeros([TC], dtype=tl.float32)
+    sKA = tl.zeros([TC], dtype=tl.float32)
+    sB = tl.zeros([TC], dtype=tl.float32)
+    eC = tl.zeros([1], dtype=tl.float32)
+    for j in tl.static_range(NKB):
+        row = (c * NKB + j) * (3 * TC + 1)
+        sQ += tl.load(pdg + row + r)
+        sKA += tl.load(pdg + row + TC + r)
+        sB += tl.load(pdg + row + 2 * TC + r)
+        eC += tl.load(pdg + row + 3 * TC + tl.arange(0, 1))
+    d = (tl.load(dgp + c * TC + r) + tl.cumsum(sQ, axis=0, reverse=True) + tl.cumsum(sKA, axis=0) - sKA
+         + tl.cumsum(sB, axis=0, reverse=True) - sB + tl.sum(eC, axis=0))
+    t = i_c * TC + r
+    tl.store(dg + (i_bh // H * T + t) * H + i_bh % H, d, mask=t < T)
 
 
 @triton.jit
@@ -678,7 +693,8 @@ class _ChunkDPLR(torch.autograd.Function):
                 num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
             )
         if gate == 1:
-            dg = _finish_scalar_dg(dgp, pdg, T)
+            dg = like(g)
+            _scalar_dg_kernel[(NC, B * H)](dgp, pdg, dg, T, NC, H=H, TC=C, NKB=NKB, num_warps=1)
         cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
         if tied:
             da = db = a = b = None
