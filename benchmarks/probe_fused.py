@@ -1,11 +1,12 @@
-"""Does the fused path run, and agree, where ``dplr._fused_applies`` keeps the unfused one?
+"""Does the fused path run, and agree with the unfused one (``dplr._fused_applies`` forced either way)?
 
     python benchmarks/probe_fused.py hdla [--shape B T H K V] [--matmul-precision medium] [--backward]
+        [--knob intra_warps 8] [--knob intra_bk 16]
 
-Forces the fused Triton kernels for one case of ``kernels.py`` (HDLA: per-channel gates with a
-low-rank decay), runs forward (and backward) once against the unfused path at the same
-precision, and prints the relative error and both times. Run it in its own process: a kernel
-fault ends the process.
+Runs one case of ``kernels.py`` (HDLA: per-channel gates with a low-rank decay) forward (and
+backward) through the fused Triton kernels and through the unfused path at the same precision,
+and prints the relative error and both times; ``--knob`` tries other launch parameters. Run it
+in its own process: a kernel fault ends the process.
 """
 from __future__ import annotations
 
@@ -25,14 +26,20 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[8, 2048, 16, 128, 128])
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--knob", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                        help="a launch knob of the fused kernels (chunk_fwd._KNOBS or chunk_bwd._CONFIG), "
+                        "e.g. --knob intra_bk 64")
     args = parser.parse_args()
+    fwd = importlib.import_module("rankdecay.ops.triton.chunk_fwd")
+    bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
+    for name, value in args.knob:
+        knobs = bwd._CONFIG if name in bwd._CONFIG else fwd._KNOBS
+        knobs[name] = int(value) if value.lstrip("-").isdigit() else value
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
     x = case.make(*args.shape, "cuda", torch.bfloat16)
-    unfused = dplr._fused_applies
-
-    def run(force: bool):
-        dplr._fused_applies = (lambda *a: True) if force else unfused
+    def run(fused: bool):
+        dplr._fused_applies = lambda *a: fused
         leaves = {k: (v.detach().requires_grad_(args.backward) if v.is_floating_point() and k != "mask" else v)
                   for k, v in x.items()}
         o = case.ours(leaves)

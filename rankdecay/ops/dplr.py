@@ -115,14 +115,18 @@ def dplr(
 
 
 def _fused_applies(q, k, a, g) -> bool:
-    """The fused Triton kernels run for ranks up to 4 (``chunk_fwd.fused_chunk_size``).
+    """The fused Triton kernels run for ranks up to 4 (``chunk_fwd.fused_chunk_size``); larger
+    ranks take the unfused path (``chunk_dplr_core`` with Triton pieces).
 
-    Per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are exact under the
-    interpreter but do not yet run on Triton 3.6 / Hopper (an illegal memory access at
-    small K, out of shared memory at K = 128): on CUDA they keep the unfused path.
+    On CUDA, per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are fused where the H100
+    runs with Triton 3.6 were right: bf16 products (matmul precision "medium") and K <= 128
+    (BENCHMARKS.md session 17). At fp32 accuracy the intra kernel's compile did not finish in
+    150 s at K = 128, and K = 256 is untried: those keep the unfused path.
     """
     from .triton.chunk_fwd import fused_chunk_size
+    from .triton.chunk_state import _precision
 
-    if fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is None:
-        return False
-    return not (q.is_cuda and a is not None and g is not None and g.shape[-1] > 1)
+    if q.is_cuda and a is not None and g is not None and g.shape[-1] > 1:
+        if _precision(q) != "bf16" or q.shape[-1] > 128:
+            return False
+    return fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is not None

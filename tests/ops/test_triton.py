@@ -542,3 +542,20 @@ def test_gated_delta_rule_decode_errors():
         ops.gated_delta_rule_decode(q, q, q, b, b, A)
     with pytest.raises(ValueError, match="mode must be"):
         ops.gated_delta_rule_decode(q, q, q, None, b, mode="chunk")
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_chunk_log_cumsum(T):
+    """The per-channel decays' log-cumsums: fp64, restarting every chunk, gates past T counted as 0
+    (every entry of a chunk past T equals the last real one)."""
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
+
+    B, H, K, C = 2, 3, 20, 16
+    g = F.logsigmoid(torch.randn(B, T, H, K, device=DEVICE))
+    gc = chunk_log_cumsum(g, C)
+    NC = -(-T // C)
+    assert gc.shape == (B, H, NC, C, K) and gc.dtype == torch.float64
+    padded = torch.zeros(B, NC * C, H, K, dtype=torch.float64, device=DEVICE)
+    padded[:, :T] = g.double()
+    ref = padded.view(B, NC, C, H, K).cumsum(2).permute(0, 3, 1, 2, 4)
+    torch.testing.assert_close(gc, ref, rtol=1e-12, atol=1e-12)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _row_factor,
-                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd, ties_keys)
+                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, ties_keys)
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
@@ -78,6 +78,7 @@ def _grad_kernel(
     c = i_bh * NC + i_c
     NK: tl.constexpr = TC * RKVP
     NA: tl.constexpr = TC * RABP
+    gc = g + c * TC * KG  # a per-channel gate (GATE 2): g is chunk_log_cumsum's [B, H, NC, TC, K]
     tokq, rkq, tq, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
     tokk, rkk, tk, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     r_q = tl.arange(0, TC)
@@ -140,15 +141,15 @@ def _grad_kernel(
             dB = tl.zeros([NA, BK], dtype=tl.float32)
         for lvl in tl.static_range(LEVELS):
             # x rows (Q, B) decay from the midpoint, y rows (K, A) to it; 0 off their half
-            fq_ = _level_x(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, TC >> lvl, False, BK)
-            fk_ = _level_y(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, TC >> lvl, BK)
+            fq_ = _level_x(gc, tokq, o_k, m_k, KG, TC >> lvl, False)
+            fk_ = _level_y(gc, tokk, o_k, m_k, KG, TC >> lvl)
             Qs, Ks = Q * fq_, Kr * fk_
             P = tl.where(_same_block(tokq, tokk, TC >> lvl), Pqk, 0.0)
             dQs = _dot(P, Ks, PRECISION)
             dKs = _dot(tl.trans(P), Qs, PRECISION)
             if RAB > 0:
-                fb_ = _level_x(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, True, BK)
-                fa_ = _level_y(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, TC >> lvl, BK)
+                fb_ = _level_x(gc, toka, o_k, m_k, KG, TC >> lvl, True)
+                fa_ = _level_y(gc, toka, o_k, m_k, KG, TC >> lvl)
                 As, Bs = A * fa_, Bm * fb_
                 P = tl.where(_same_block(tokq, toka, TC >> lvl), Pqa, 0.0)
                 dQs += _dot(P, As, PRECISION)
@@ -179,8 +180,8 @@ def _grad_kernel(
         sB = tl.zeros([TC], dtype=tl.float32)
         eC = tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
     elif GATE == 2:
-        eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
-        ek = _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+        eq = _channel_decays(gc, tokq, o_k, m_k, KG, TC, False, False)
+        ek = _channel_decays(gc, tokk, o_k, m_k, KG, TC, True, False)
         Dq = Dq * eq
         Dk = Dk * ek
         sQ = Q * Dq
@@ -201,8 +202,8 @@ def _grad_kernel(
             sKA += tl.sum(tl.reshape(tl.sum(A * Da, axis=1), (TC, RABP)), axis=1)
             sB += tl.sum(tl.reshape(tl.sum(Bm * Db, axis=1), (TC, RABP)), axis=1)
         elif GATE == 2:
-            Da = Da * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
-            Db = Db * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
+            Da = Da * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
+            Db = Db * _channel_decays(gc, toka, o_k, m_k, KG, TC, False, True)
             sKA += tl.sum(tl.reshape(A * Da, (TC, RABP, BK)), axis=1)
             sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
             dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
@@ -684,8 +685,9 @@ class _ChunkDPLR(torch.autograd.Function):
                 num_warps=_CONFIG["grad"], num_stages=1,
             )
         else:
+            gc = chunk_log_cumsum(g, C) if gate == 2 else g  # per channel: the decays' log-cumsums
             _grad_kernel[(NKB, NC, B * H)](
-                q, k, opt(a), opt(b), opt(g), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
+                q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
                 opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC,
                 H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
                 RABP=_pow2(Rab), BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc,

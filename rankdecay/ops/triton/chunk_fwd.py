@@ -16,9 +16,10 @@ nothing), so one kernel family serves every (Rab, Rkv). A chunk holds
 64-row tile whatever the ranks; the result does not depend on the chunk size.
 
 Decays are never formed as a quotient: with a scalar gate the log-cumsums are fp64
-vectors and their differences are taken in fp64; with a per-channel gate every
-exponent is a sum of log-gates over a token range, accumulated directly (no
-difference of two large cumsums), and the [C, C] products are built level by level
+vectors and their differences are taken in fp64; with a per-channel gate the chunk-local
+log-cumsums are formed once in fp64 (``chunk_log_cumsum``, [B, H, NC, C, K]) and every
+exponent is a difference of two of them, taken in fp64 (exact wherever it matters, as
+in the PyTorch path), and the [C, C] products are built level by level
 as in ``rankdecay.ops.chunk._blocked_products``: at each level the rows of a block's
 second half meet the columns of its first half through the block's midpoint, both
 factors <= 1, as one tensor-core product.
@@ -60,42 +61,36 @@ def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, CH
 
 
 @triton.jit
-def _seg_cumsum(x, NSEG: tl.constexpr, SEG: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
-    """Cumulative sums of [NSEG * SEG, BK] restarting every SEG rows."""
-    if NSEG == 1:
-        return tl.cumsum(x, axis=0, reverse=REVERSE)
-    else:
-        y = tl.cumsum(tl.reshape(x, (NSEG, SEG, BK)), axis=1, reverse=REVERSE)
-        return tl.reshape(y, (NSEG * SEG, BK))
+def _gc_at(gc, tok, ok, o_k, m_k, KG: tl.constexpr):
+    """[rows, BK] chunk-local log-cumsums G (fp64) at the chunk's tokens tok where ok, else 0.
+    gc: this chunk's [C, KG] slice of ``chunk_log_cumsum``'s output."""
+    return tl.load(gc + tok[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0)
 
 
 @triton.jit
-def _level_x(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
-             RP: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr, BK: tl.constexpr):
+def _level_x(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr):
     """Decays of the row side at one level of the per-channel products (blocks of S tokens):
     exp of the gates from the block's midpoint (token S/2 - 1) to each row of the block's second
     half, up to the row's token (STRICT: strictly before it), and 0 on the first half's rows."""
     HS: tl.constexpr = S // 2
-    if STRICT:  # sum of g over (mid, tok): the gates strictly between
-        gx = _g_at(g, i_b, i_h, t - 1, (rk == 0) & (tok % HS != 0), T, H, o_k, m_k, KG, True)
-    else:       # sum of g over (mid, tok]
-        gx = _g_at(g, i_b, i_h, t, rk == 0, T, H, o_k, m_k, KG, True)
-    ex = _seg_cumsum(gx, TC // HS, HS * RP, BK, False)
     sel = (tok % S) >= HS
-    return tl.where(sel[:, None], tl.exp(tl.where(sel[:, None], ex, 0.0)), 0.0)
+    mid = tok - tok % S + HS - 1
+    if STRICT:  # the gates over (mid, tok)
+        ex = _gc_at(gc, tok - 1, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
+    else:       # over (mid, tok]
+        ex = _gc_at(gc, tok, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
+    return tl.where(sel[:, None], tl.exp(ex.to(tl.float32)), 0.0)
 
 
 @triton.jit
-def _level_y(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
-             RP: tl.constexpr, S: tl.constexpr, BK: tl.constexpr):
+def _level_y(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
     """Decays of the column side at one level: exp of the gates after each row's token up to the
     midpoint, on the block's first half (0 on its second half)."""
     HS: tl.constexpr = S // 2
-    # sum of g over (tok, mid]; reverse sums count a token's gate on its last row, forward sums on its first
-    gy = _g_at(g, i_b, i_h, t + 1, (rk == RP - 1) & (tok % HS != HS - 1), T, H, o_k, m_k, KG, True)
-    ey = _seg_cumsum(gy, TC // HS, HS * RP, BK, True)
     sel = (tok % S) < HS
-    return tl.where(sel[:, None], tl.exp(tl.where(sel[:, None], ey, 0.0)), 0.0)
+    mid = tok - tok % S + HS - 1
+    ey = _gc_at(gc, mid, sel, o_k, m_k, KG) - _gc_at(gc, tok, sel, o_k, m_k, KG)  # the gates over (tok, mid]
+    return tl.where(sel[:, None], tl.exp(ey.to(tl.float32)), 0.0)
 
 
 @triton.jit
@@ -104,31 +99,29 @@ def _same_block(tokx, toky, S: tl.constexpr):
 
 
 @triton.jit
-def _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H: tl.constexpr, o_k, m_k,
-                   KG: tl.constexpr, TC: tl.constexpr, RXP: tl.constexpr, RYP: tl.constexpr, S: tl.constexpr,
-                   STRICT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """One level of the per-channel products: in blocks of S tokens, the rows of each block's
     second half against the columns of its first half, through the token at S/2 - 1."""
-    Xs = X * _level_x(g, tokx, rkx, tx, i_b, i_h, T, H, o_k, m_k, KG, TC, RXP, S, STRICT, BK)
-    Ys = Y * _level_y(g, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC, RYP, S, BK)
+    Xs = X * _level_x(gc, tokx, o_k, m_k, KG, S, STRICT)
+    Ys = Y * _level_y(gc, toky, o_k, m_k, KG, S)
     return tl.where(_same_block(tokx, toky, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
 
 
 @triton.jit
-def _channel_decays(g, tok, rk, t, i_b, i_h, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr,
-                    RP: tl.constexpr, TO_END: tl.constexpr, EXCLUSIVE: tl.constexpr):
+def _channel_decays(gc, tok, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr, TO_END: tl.constexpr,
+                    EXCLUSIVE: tl.constexpr):
     """Per-channel decays of a row set [rows, BK] inside the chunk: TO_END, exp(G_C - G_tok) (the
     gates after the row's token); else exp(G_tok) from the chunk's start, or with EXCLUSIVE
-    exp(G_{tok-1}) (the gates before it)."""
+    exp(G_{tok-1}) (the gates before it). gc: the chunk's log-cumsums (``_gc_at``)."""
+    every = tok >= 0
     if TO_END:
-        x = _g_at(g, i_b, i_h, t + 1, (rk == RP - 1) & (tok < TC - 1), T, H, o_k, m_k, KG, True)
-        return tl.exp(tl.cumsum(x, axis=0, reverse=True))
+        x = _gc_at(gc, tok * 0 + TC - 1, every, o_k, m_k, KG) - _gc_at(gc, tok, every, o_k, m_k, KG)
     elif EXCLUSIVE:
-        x = _g_at(g, i_b, i_h, t - 1, (rk == 0) & (tok > 0), T, H, o_k, m_k, KG, True)
-        return tl.exp(tl.cumsum(x, axis=0))
+        x = _gc_at(gc, tok - 1, tok > 0, o_k, m_k, KG)
     else:
-        x = _g_at(g, i_b, i_h, t, rk == 0, T, H, o_k, m_k, KG, True)
-        return tl.exp(tl.cumsum(x, axis=0))
+        x = _gc_at(gc, tok, every, o_k, m_k, KG)
+    return tl.exp(x.to(tl.float32))
 
 
 @triton.jit
@@ -173,7 +166,8 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
 
     G^y is the inclusive log-cumsum; G^x the exclusive one (STRICT: b rows, whose decay
     starts before their own token) or the inclusive one (queries). Gx, Gy: fp64 row
-    vectors for a scalar gate (GATE 1), unused otherwise.
+    vectors for a scalar gate (GATE 1), unused otherwise; g: with a per-channel gate (GATE 2),
+    this chunk's [C, K] log-cumsums (``chunk_log_cumsum``), unused otherwise.
     """
     tokx, rkx, tx, vx, fx = _rows(i_b, i_h, i_c, T, H, TC, RX, RXP)
     toky, rky, ty, vy, fy = _rows(i_b, i_h, i_c, T, H, TC, RY, RYP)
@@ -189,8 +183,7 @@ def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
             if not STRICT:
                 acc += tl.where(same_tok, _input_dot(X, Y, x, y, LP, PRECISION), 0.0)
             for lvl in tl.static_range(LEVELS):
-                acc += _level_product(X, Y, g, tokx, rkx, tx, toky, rky, ty, i_b, i_h, T, H, o_k, m_k, KG, TC,
-                                      RXP, RYP, TC >> lvl, STRICT, BK, PRECISION)
+                acc += _level_product(X, Y, g, tokx, toky, o_k, m_k, KG, TC >> lvl, STRICT, PRECISION)
     else:
         for k0 in tl.static_range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -294,6 +287,35 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 
 @triton.jit
+def _chunk_log_cumsum_kernel(g, gc, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, BK: tl.constexpr):
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t = i_c * TC + tl.arange(0, TC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    x = tl.load(g + ((i_b * T + t[:, None]) * H + i_h) * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
+                other=0.0)
+    c = i_bh * tl.num_programs(1) + i_c
+    tl.store(gc + (c * TC + tl.arange(0, TC)[:, None]) * K + o_k[None, :], tl.cumsum(x.to(tl.float64), axis=0),
+             mask=m_k[None, :])
+
+
+def chunk_log_cumsum(g: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Chunk-local inclusive log-cumsums of a per-channel log-gate, in fp64.
+
+    g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] fp64 with
+    NC = ceil(T / chunk_size): entry t of chunk n is the sum of g over tokens n*C .. n*C + t;
+    past T the gates count as 0. Every per-channel decay inside a chunk is the exp of a
+    difference of two of these (``_channel_decays``, ``_level_x``, ``_level_y``)."""
+    B, T, H, K = g.shape
+    NC = triton.cdiv(T, chunk_size)
+    gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=torch.float64)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](g.contiguous(), gc, T, H=H, K=K, TC=chunk_size, BK=BK)
+    return gc
+
+
+@triton.jit
 def _intra_kernel(
     q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, kdec, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
@@ -317,6 +339,7 @@ def _intra_kernel(
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
     NK: tl.constexpr = TC * RKVP
     NA: tl.constexpr = TC * RABP
+    gc = g + c * TC * KG  # a per-channel gate (GATE 2): g is chunk_log_cumsum's [B, H, NC, TC, K]
     tokq, rkq, tq, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
     tokk, rkk, tk, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, tq, tokq, rkq, T, H, KG, GATE)
@@ -329,7 +352,7 @@ def _intra_kernel(
     if TIED:
         M, P = _tied_products(q, k, Gq, Gk, Gq_ex, i_b, i_h, i_c, T, H, K, TC, GATE, BK, PRECISION, LP_QK, LP_BA)
     else:
-        M = _products(q, k, g, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
+        M = _products(q, k, gc, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
                       PRECISION, LP_QK)
     tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
     if RAB > 0:
@@ -340,14 +363,14 @@ def _intra_kernel(
             fac_a = _row_factor(sa, fa, va)
         if SAVE or not TIED:  # tied, the output kernel forms M_QA U from M_QK itself
             if not TIED:  # tied, M_QA is M_QK times a's factors
-                M = _products(q, a, g, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS,
+                M = _products(q, a, gc, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS,
                               BK, PRECISION, LP_QA)
             if ASC:
                 M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         if not TIED:
-            P = _products(b, a, g, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
+            P = _products(b, a, gc, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
                           BK, PRECISION, LP_BA)
         L = P
         if ASC:
@@ -357,7 +380,7 @@ def _intra_kernel(
         if TIED:  # L_BK is L_BA before a's factors
             L = P
         else:
-            L = _products(b, k, g, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
+            L = _products(b, k, gc, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
                           BK, PRECISION, LP_BK)
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
@@ -411,10 +434,10 @@ def _intra_kernel(
         m_k = o_k < K
         if GATE == 2:
             Kr = _load_rows(k, fk, vk, o_k, m_k, K)
-            Kr = Kr * _channel_decays(g, tokk, rkk, tk, i_b, i_h, T, H, o_k, m_k, KG, TC, RKVP, True, False)
+            Kr = Kr * _channel_decays(gc, tokk, o_k, m_k, KG, TC, True, False)
             tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
         if GATE == 2:
-            eq = _channel_decays(g, tokq, rkq, tq, i_b, i_h, T, H, o_k, m_k, KG, TC, 1, False, False)
+            eq = _channel_decays(gc, tokq, o_k, m_k, KG, TC, False, False)
             Q = _load_rows(q, fq, vq, o_k, m_k, K) * eq
             tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
             tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
@@ -427,9 +450,9 @@ def _intra_kernel(
                 A = _load_rows(a, fa, va, o_k, m_k, K)
                 if ASC:
                     A = A * fac_a[:, None]
-                A = A * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, True, False)
+                A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
                 tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-                Bm = Bm * _channel_decays(g, toka, rka, ta, i_b, i_h, T, H, o_k, m_k, KG, TC, RABP, False, True)
+                Bm = Bm * _channel_decays(gc, toka, o_k, m_k, KG, TC, False, True)
                 W = _dot(Tinv, Bm, PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
@@ -502,7 +525,8 @@ def _output_kernel(
 # those tensors to fp32 as it loads them. Not at K > 128, whose state kernels take a 32-wide value
 # block: on the H100 with Triton 3.6 that block, with bf16 W and S_n, was miscompiled (wrong
 # results, out-of-range shared reads under compute-sanitizer), BENCHMARKS.md sessions 13 and 14.
-# Launch knobs: "intra_warps", "output_bv" (the output kernel's value block), "output_warps".
+# Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
+# kernel's value block), "output_warps".
 _KNOBS: dict = {}
 
 
@@ -594,10 +618,19 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
-    BK = min(32 if gate == 2 else 64, max(16, triton.next_power_of_2(K)))
+    # the intra kernel's key block: 32 for a per-channel gate without a low-rank decay (GLA); with one
+    # (HDLA) 64 even where K is 32 (masked): at 32, Triton 3.6 on the H100 miscompiled that kernel with
+    # bf16 products (wrong results at K = 32 and 128, out-of-range shared-memory reads, an illegal
+    # access); at 64 it is right (BENCHMARKS.md session 17)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    if gate == 2:
+        BK = (64 if K > 16 else 16) if Rab else min(BK, 32)
+    BK = cfg.get("intra_bk", BK)
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
+    if gate == 2:  # the kernels read per-channel decays as differences of these
+        g = chunk_log_cumsum(g, TC)
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
         dummy if sv is None else sv, opt(qd), mqk,
