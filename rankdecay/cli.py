@@ -147,7 +147,8 @@ def _synth(args) -> int:
                       steps=args.steps, batch_size=args.batch_size, overrides=_pairs(args.set, "--set"),
                       jobs=args.jobs, only=_pairs(args.only, "--only", lambda v: v.split(",")),
                       task_params=_pairs(args.task_set, "--task-set"), device=args.device,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, time_limit=args.time_limit,
+                      train_overrides=_pairs(args.train_set, "--train-set"))
     print(markdown(table, args.task, SUITES[args.task][args.preset].label))
     print(f"\nwrote results.md/.csv/.json/.png to {out}")
     return 0
@@ -221,12 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "mechanism, evaluate, tabulate")
     p.add_argument("task", choices=sorted(SUITES))
     p.add_argument("--mechanisms", default="gdn,hdla,hh-gdn,deltanet", help="comma-separated mixers")
-    p.add_argument("--preset", default="cpu", choices=["cpu", "paper"],
-                   help="cpu: minutes on 2 cores; paper: the papers' shapes and sweeps")
+    p.add_argument("--preset", default="cpu", choices=sorted({k for suites in SUITES.values() for k in suites}),
+                   help="cpu: minutes on 2 cores; paper: the papers' shapes and sweeps; zoology (mqar): the paper "
+                        "model trained once on short sequences (Zoology's curriculum), tested at 256-2048 tokens")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--lr-sweep", nargs="+", default=None, help="learning rates (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
+                   help="stop each training after this long and evaluate it where it got (0: no limit)")
+    p.add_argument("--train-set", action="append", metavar="KEY=VALUE",
+                   help="trainer setting for every run, e.g. matmul_precision=medium or weight_decay=0.01")
     p.add_argument("--task-set", action="append", metavar="KEY=VALUE",
                    help="task generator parameter for every setting, e.g. vocab_size=512")
     p.add_argument("--only", action="append", metavar="KEY=V1,V2", help="run only the preset's settings with "

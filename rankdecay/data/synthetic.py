@@ -17,9 +17,11 @@ import numpy as np
 IGNORE = -100
 
 
-def split_seed(seed: int, split: str) -> int:
-    """Independent seeds for the train and test sets of one run seed."""
-    return int(np.random.SeedSequence([seed, {"train": 0, "test": 1}[split]]).generate_state(1)[0])
+def split_seed(seed: int, split: str, part: int = 0) -> int:
+    """Independent seeds for the train and test sets of one run seed (and for the parts of a
+    training mixture or the test sets of several settings: ``part``)."""
+    entropy = [seed, {"train": 0, "test": 1}[split]] + ([part] if part else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def to_labels(targets: np.ndarray) -> np.ndarray:

@@ -342,19 +342,28 @@ class HDLA(LinearMixer):
     λ = sigmoid(W_λ x) per key channel (eq. 6), β = 2 sigmoid(W_β x) in (0, 2) (§3.1.2);
     q, k, v through SiLU (eq. 25), only k L2-normalised (eq. 26), and a linear output
     gate o = y ⊙ (W_g x) without output norm (eqs. 29-30). Each is a flag here.
+
+    ``gate_logit_normalizer`` τ: λ = sigmoid(W_λ x)^(1/τ), GLA's form (the paper makes λ
+    "analogous to GLA's" decay). The default τ = 16 is GLA's: λ starts near 0.96 per token.
+    τ = 1 is eq. 6 as written: λ starts near 1/2, a memory of a few tokens, and on MQAR such
+    a model had learned next to nothing where τ = 16 had learned it (RESULTS.md).
     """
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, allow_neg_eigval=True,
-                 qk_norm="k", output_norm=False, gate_act=None, **kwargs):
+                 qk_norm="k", output_norm=False, gate_act=None, gate_logit_normalizer=16.0, **kwargs):
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, output_norm=output_norm,
                          gate_act=gate_act, **kwargs)
+        if not gate_logit_normalizer > 0:
+            raise ValueError(f"gate_logit_normalizer must be > 0, got {gate_logit_normalizer!r}")
         self.allow_neg_eigval = allow_neg_eigval
+        self.gate_logit_normalizer = float(gate_logit_normalizer)
         self.lambda_proj = nn.Linear(hidden_size, num_heads * self.head_k_dim, bias=True)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
     def gates(self, x, mask):
         B, T = x.shape[:2]
-        g = F.logsigmoid(self.lambda_proj(x).float()).view(B, T, self.num_heads, self.head_k_dim)  # log λ
+        g = F.logsigmoid(self.lambda_proj(x).float()) / self.gate_logit_normalizer  # log λ
+        g = g.view(B, T, self.num_heads, self.head_k_dim)
         beta = self.b_proj(x).float().sigmoid()
         return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}
 

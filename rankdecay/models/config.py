@@ -39,6 +39,8 @@ class RankDecayConfig(PretrainedConfig):
         allow_neg_eigval: β in [0, 2]; None keeps each mechanism's default (True for
             HDLA, as in its paper; False otherwise).
         num_householder: n_h of Gated DeltaProduct.
+        gate_logit_normalizer: τ of the per-channel decays sigmoid(W x)^(1/τ) of GLA and HDLA;
+            None keeps each one's default (16 for both, GLA's; 1 is HDLA's eq. 6 as written).
         hh_rank, hh_mask: Head-in-Head groups per head r and "static" / "data" masks.
         chunk_size, mixer_mode: chunked-path chunk size; "chunk" or "recurrent".
         shared_qk_conv: one short-conv filter per head for q and k (state-reduction App. D.6).
@@ -65,6 +67,7 @@ class RankDecayConfig(PretrainedConfig):
         conv_size: int = 4,
         allow_neg_eigval: bool | None = None,
         num_householder: int = 2,
+        gate_logit_normalizer: float | None = None,
         hh_rank: int = 4,
         hh_mask: str = "static",
         chunk_size: int = 64,
@@ -90,6 +93,7 @@ class RankDecayConfig(PretrainedConfig):
         self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
         self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
         self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
+        self.gate_logit_normalizer = gate_logit_normalizer
         self.chunk_size, self.mixer_mode, self.attn_scale = chunk_size, mixer_mode, attn_scale
         self.shared_qk_conv = shared_qk_conv
         self.swa_window, self.swa_num_heads, self.swa_head_dim, self.rope_theta = (
@@ -124,6 +128,15 @@ class RankDecayConfig(PretrainedConfig):
             raise ValueError(f"hh_rank {self.hh_rank} must divide head_k_dim {head_k}")
         if self.hh_mask not in ("static", "data"):
             raise ValueError(f"hh_mask must be 'static' or 'data', got {self.hh_mask!r}")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # Saved before gate_logit_normalizer existed (2026-11-24), HDLA's decay was eq. 6 as written
+        # (tau = 1); such a model keeps it instead of taking today's default of 16.
+        if "gate_logit_normalizer" not in config_dict:
+            config_dict = {**config_dict, "gate_logit_normalizer": 1.0 if "hdla" in (
+                config_dict.get("layer_mixers") or [config_dict.get("mixer")]) else None}
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, mixer: str = "gdn", **overrides) -> "RankDecayConfig":

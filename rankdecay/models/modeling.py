@@ -26,6 +26,8 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
                   scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv)
     if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
+    if getattr(config, "gate_logit_normalizer", None) is not None and name in ("gla", "hdla"):
+        common["gate_logit_normalizer"] = config.gate_logit_normalizer
     cls, extra = {
         "gdn": (GatedDeltaNet, {}),
         "deltanet": (DeltaNet, {}),

@@ -66,6 +66,9 @@ class TrainConfig:
     # --- optimisation
     steps: int = 400
     """Optimizer steps."""
+    time_limit: float = 0.0
+    """Stop after this many seconds of training (0: no limit), then evaluate and save the model
+    at the step reached, as at the end. The learning-rate schedule is still that of ``steps``."""
     batch_size: int = 16
     """Global batch: sequences per optimizer step over all processes and accumulation."""
     micro_batch_size: int | None = None
@@ -92,6 +95,10 @@ class TrainConfig:
     """Autocast dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16", "float32"."""
     compile: bool = False
     """torch.compile the model."""
+    matmul_precision: str = "highest"
+    """``torch.set_float32_matmul_precision`` during training: "highest", "high" (TF32) or
+    "medium" (bf16 products with fp32 accumulation, as fla's kernels; on CUDA it also lets the
+    HDLA-style ops take the fused Triton kernels, see ``rankdecay.ops.dplr``)."""
     gradient_checkpointing: bool = False
     fsdp: bool = False
     """Shard the model with FSDP2 (``fully_shard``) instead of replicating it with DDP."""
@@ -139,9 +146,11 @@ class TrainConfig:
             raise ValueError(f"pack must be 'concat' or 'varlen', got {self.pack!r}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
-        for name in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_checkpoints"):
+        for name in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "time_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.matmul_precision not in ("highest", "high", "medium"):
+            raise ValueError(f"matmul_precision must be highest, high or medium; got {self.matmul_precision!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
         if not isinstance(self.data, list) or not self.data:

@@ -30,27 +30,52 @@ from .trainer import Dist, eval_chunks, sample_ranges, token_losses, train
 
 
 class SyntheticData:
-    """A synthetic task as trainer data (see ``TextData`` for the interface)."""
+    """A synthetic task as trainer data (see ``TextData`` for the interface).
+
+    ``params``: the generator's parameters; ``test_params`` override them for the test set.
+    ``train_mix``: train on a mixture instead, a list of parameter overrides each with ``n``, its
+    number of sequences (e.g. Zoology's MQAR curriculum of short sequences); every training batch
+    is drawn from one part of the mixture (chosen per step with probability proportional to
+    ``n``), so short sequences are not padded to the longest. ``test_settings``: several test
+    sets (overrides of ``params``), each of ``test_size`` sequences, scored separately
+    (``val_acc_by_test``)."""
 
     def __init__(self, task: str, params: dict, train_size: int, test_size: int, vocab_size: int, seed: int = 0,
-                 test_params: dict | None = None):
+                 test_params: dict | None = None, train_mix: list[dict] | None = None,
+                 test_settings: list[dict] | None = None):
         if task not in S.TASKS:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(S.TASKS)}")
         gen = S.TASKS[task]
         takes_train = "train" in inspect.signature(gen).parameters
         train_kw = {**params, **({"train": True} if takes_train else {})}
         test_kw = {**params, **(test_params or {}), **({"train": False} if takes_train else {})}
-        self.train_x, self.train_y = gen(train_size, seed=S.split_seed(seed, "train"), **train_kw)
-        self.test_x, self.test_y = gen(test_size, seed=S.split_seed(seed, "test"), **test_kw)
-        top = int(max(self.train_x.max(), self.test_x.max()))
+        if train_mix is not None and (not train_mix or any(int(m.get("n", 0)) < 1 for m in train_mix)):
+            raise ValueError(f"train_mix must be a non-empty list of settings each with n >= 1, got {train_mix}")
+        self.parts = [gen(int(m["n"]), seed=S.split_seed(seed, "train", i),
+                          **{**train_kw, **{k: v for k, v in m.items() if k != "n"}})
+                      for i, m in enumerate(train_mix or [])]
+        if not self.parts:
+            self.parts = [gen(train_size, seed=S.split_seed(seed, "train"), **train_kw)]
+        self.test_settings = list(test_settings or [{}])
+        self.tests = [gen(test_size, seed=S.split_seed(seed, "test", i), **{**test_kw, **t})
+                      for i, t in enumerate(self.test_settings)]
+        self.train_x, self.train_y = max(self.parts, key=lambda p: p[0].shape[1])  # the longest part
+        self.test_x, self.test_y = self.tests[0]
+        top = int(max(max(int(x.max()) for x, _ in self.parts), max(int(x.max()) for x, _ in self.tests)))
         if top >= vocab_size:
             raise ValueError(f"{task}: tokens up to {top} need vocab_size > {top}, got {vocab_size}")
         self.tokenizer = None
-        self._example = EpochOrder(len(self.train_x), (seed, 7))  # sample -> training sequence
+        sizes = np.array([len(x) for x, _ in self.parts], dtype=np.float64)
+        self._weights = sizes / sizes.sum()
+        self._seed = seed
+        self._orders = [EpochOrder(len(x), (seed, 7, i) if i else (seed, 7)) for i, (x, _) in enumerate(self.parts)]
         self.model_overrides = {"vocab_size": 8 * -(-vocab_size // 8), "bos_token_id": None, "eos_token_id": None,
                                 "pad_token_id": None}
-        self.description = (f"{task} {params} (test {test_kw}): {train_size} training and {test_size} test "
-                            f"sequences of {self.train_x.shape[1]} / {self.test_x.shape[1]} tokens, vocab {vocab_size}")
+        train_desc = (f"{int(sizes.sum())} training sequences of "
+                      + " / ".join(str(x.shape[1]) for x, _ in self.parts) + " tokens"
+                      + (f" (a mixture: {train_mix})" if train_mix else ""))
+        self.description = (f"{task} {params} (test {[{**test_kw, **t} for t in self.test_settings]}): {train_desc}, "
+                            f"{test_size} test sequences per test set, vocab {vocab_size}")
         self.task = task
         self.seq_len = self.train_x.shape[1]
 
@@ -68,27 +93,45 @@ class SyntheticData:
         labels = np.concatenate([np.full((n, 1), S.IGNORE, dtype=np.int64), y], 1)
         return {"input_ids": torch.from_numpy(ids).to(device), "labels": torch.from_numpy(labels).to(device)}
 
+    def part_of_step(self, step: int) -> int:
+        """Which part of the training mixture step ``step`` draws from (the same on every process)."""
+        if len(self.parts) == 1:
+            return 0
+        return int(np.random.default_rng([self._seed, 11, step]).choice(len(self.parts), p=self._weights))
+
     def batches(self, step: int, rank: int, world: int, batch_size: int, micro: int, device) -> list[dict]:
+        p = self.part_of_step(step)
+        x, y = self.parts[p]
         out = []
         for samples in sample_ranges(step, rank, world, batch_size, micro):
-            idx = [self._example(s) for s in samples]
-            out.append(self.model_batch(self.train_x[idx], self.train_y[idx], device))
+            idx = [self._orders[p](s) for s in samples]
+            out.append(self.model_batch(x[idx], y[idx], device))
         return out
 
     @torch.no_grad()
     def evaluate(self, model, micro: int, dist_: Dist, amp) -> dict:
+        """Loss and accuracy on the scored positions of the test set(s): with several test sets,
+        ``val_loss`` / ``val_acc`` pool all their scored positions and ``val_acc_by_test`` lists each."""
         was = model.training
         model.eval()
-        loss = correct = count = 0.0
-        for chunk, weight in eval_chunks(len(self.test_x), micro, dist_):
-            batch = self.model_batch(self.test_x[chunk], self.test_y[chunk], dist_.device)
-            ce, ok, logits = token_losses(model, batch, amp, return_logits=True)
-            loss += weight * float(ce.sum())
-            correct += weight * float(((logits.argmax(-1) == batch["labels"][:, 1:]) & ok).sum())
-            count += weight * float(ok.sum())
-        loss, correct, count = dist_.all_sum([loss, correct, count])
+        per_test = []
+        for test_x, test_y in self.tests:
+            loss = correct = count = 0.0
+            # longer test sequences in proportionally smaller batches: the training batches' tokens at most
+            per_batch = max(1, micro * self.seq_len // test_x.shape[1])
+            for chunk, weight in eval_chunks(len(test_x), per_batch, dist_):
+                batch = self.model_batch(test_x[chunk], test_y[chunk], dist_.device)
+                ce, ok, logits = token_losses(model, batch, amp, return_logits=True)
+                loss += weight * float(ce.sum())
+                correct += weight * float(((logits.argmax(-1) == batch["labels"][:, 1:]) & ok).sum())
+                count += weight * float(ok.sum())
+            per_test.append(dist_.all_sum([loss, correct, count]))
         model.train(was)
-        return {"val_loss": loss / max(count, 1), "val_acc": correct / max(count, 1)}
+        loss, correct, count = (sum(t[i] for t in per_test) for i in range(3))
+        res = {"val_loss": loss / max(count, 1), "val_acc": correct / max(count, 1)}
+        if len(per_test) > 1:
+            res["val_acc_by_test"] = [c / max(n, 1) for _, c, n in per_test]
+        return res
 
 
 def _sincos(n: int, d: int) -> torch.Tensor:
@@ -157,6 +200,9 @@ class Suite:
     min_lr: float = 1e-5
     test_params: dict = field(default_factory=dict)  # e.g. longer test sequences (length generalisation)
     label: str = "setting"
+    # Train once per (mechanism, lr, seed) on this mixture (overrides of the settings' parameters,
+    # each with ``n`` sequences) and test on every setting; None: one training per setting.
+    train_mix: list | None = None
 
     def batch_for(self, i: int) -> int:
         return self.batch_size[i] if isinstance(self.batch_size, (list, tuple)) else self.batch_size
@@ -194,6 +240,17 @@ SUITES: dict[str, dict[str, Suite]] = {
         "paper": Suite("mqar", 8192, [{"seq_len": L, "num_kv_pairs": P, "vocab_size": 8192}
                                       for L, P in ((512, 64), (1024, 128), (2048, 256))],
                        MQAR_MODEL, 100000, 3000, 64, [128, 64, 64], MQAR_LRS, label="seq_len"),
+        # The same model trained once on a curriculum mixture of short sequences (as Zoology's earlier MQAR
+        # configs: 64 tokens with 4 pairs up to 256 with 64) and tested at 256-2048 tokens with one pair per
+        # 8 tokens (the papers' density): length generalisation, at a fraction of the papers' training cost.
+        "zoology": Suite("mqar", 8192, [{"seq_len": L, "num_kv_pairs": L // 8, "vocab_size": 8192}
+                                        for L in (256, 512, 1024, 2048)],
+                         MQAR_MODEL, 120000, 1000, 16, 128, MQAR_LRS, label="seq_len",
+                         train_mix=[{"seq_len": 64, "num_kv_pairs": 4, "n": 40000},
+                                    {"seq_len": 128, "num_kv_pairs": 8, "n": 20000},
+                                    {"seq_len": 256, "num_kv_pairs": 16, "n": 20000},
+                                    {"seq_len": 256, "num_kv_pairs": 32, "n": 20000},
+                                    {"seq_len": 256, "num_kv_pairs": 64, "n": 20000}]),
     },
     "in_context_recall": {
         "cpu": _mad("in_context_recall", {"seq_len": 64, "vocab_size": 16}, 6400, cpu=True),
@@ -238,11 +295,12 @@ SUITES: dict[str, dict[str, Suite]] = {
 }
 
 
-def _one_run(spec: dict) -> dict:
-    """Train and evaluate one (mechanism, setting, lr, seed); returns its result row."""
+def _one_run(spec: dict) -> list[dict]:
+    """Train and evaluate one (mechanism, setting or test settings, lr, seed); returns its result rows."""
     suite = spec["suite"]
-    data = SyntheticData(suite.task, spec["setting"], suite.train_size, suite.test_size, suite.vocab_size,
-                         spec["seed"], suite.test_params)
+    tests = spec["tests"]
+    data = SyntheticData(suite.task, tests[0], suite.train_size, suite.test_size, suite.vocab_size, spec["seed"],
+                         suite.test_params, train_mix=suite.train_mix, test_settings=tests if suite.train_mix else None)
     n_steps = spec["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig.from_sources(preset="tiny", overrides=dict(
@@ -250,24 +308,32 @@ def _one_run(spec: dict) -> dict:
             batch_size=spec["batch_size"], lr=spec["lr"], min_lr=min(suite.min_lr, spec["lr"] / 10),
             warmup_steps=max(1, n_steps // 20), weight_decay=suite.weight_decay, beta2=0.98, eval_every=0,
             save_every=0, eval_batches=1, log_every=max(1, n_steps // 10), out_dir=tmp, seed=spec["seed"],
-            progress=spec["progress"], device=spec["device"], seq_len=max(2, data.seq_len)))
+            progress=spec["progress"], device=spec["device"], seq_len=max(2, data.seq_len),
+            time_limit=spec.get("time_limit", 0.0), **spec.get("train_overrides", {})))
         res = train(cfg, data=data)
-    return {"task": suite.task, "preset": spec["preset"], "mixer": spec["mixer"], "setting": spec["setting"],
-            "lr": spec["lr"], "seed": spec["seed"], "steps": n_steps, "batch_size": spec["batch_size"],
-            "acc": res["val_acc"], "loss": res["val_loss"], "tokens_per_s": res.get("tokens_per_s")}
+    accs = res.get("val_acc_by_test", [res["val_acc"]])
+    return [{"task": suite.task, "preset": spec["preset"], "mixer": spec["mixer"], "setting": setting,
+             "lr": spec["lr"], "seed": spec["seed"], "steps": res["steps"], "planned_steps": n_steps,
+             "batch_size": spec["batch_size"],
+             "acc": acc, "loss": res["val_loss"], "tokens_per_s": res.get("tokens_per_s")}
+            for setting, acc in zip(tests, accs)]
 
 
 def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int = 1, lrs: list | None = None,
               out: str | Path = "synth", steps: int | None = None, batch_size: int | None = None,
               overrides: dict | None = None, device: str = "auto", progress: bool = True, jobs: int = 1,
-              only: dict | None = None, task_params: dict | None = None) -> list[dict]:
+              only: dict | None = None, task_params: dict | None = None, time_limit: float = 0.0,
+              train_overrides: dict | None = None) -> list[dict]:
     """Train and evaluate every (mechanism, setting, lr, seed); write ``results.{md,csv,json,png}`` to ``out``.
 
     ``only={"seq_len": [512, 1024]}`` keeps the settings whose values are listed;
     ``task_params={"vocab_size": 512}`` changes the generator's parameters in every setting.
     ``jobs > 1`` runs that many trainings at once in separate processes (small models leave a GPU
     mostly idle; on a CPU, jobs share the cores); with several GPUs and ``device="auto"`` the runs
-    are spread over them in turn. Results are rewritten after every finished run."""
+    are spread over them in turn. ``time_limit`` (seconds, per run) stops a training early and
+    evaluates it where it got (``steps`` < ``planned_steps`` in its row); ``train_overrides``
+    (e.g. ``{"matmul_precision": "medium"}``) go to every run's ``TrainConfig``. Results are rewritten
+    after every finished run."""
     if task not in SUITES:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(SUITES)}")
     if preset not in SUITES[task]:
@@ -291,11 +357,13 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
         chosen = [(si, {**st, **task_params}) for si, st in chosen]
         if "vocab_size" in task_params:
             suite = dataclasses.replace(suite, vocab_size=int(task_params["vocab_size"]))
-    specs = [dict(suite=suite, preset=preset, setting=setting, mixer=mixer, lr=lr, seed=seed,
-                  steps=steps or suite.steps_for(si), batch_size=batch_size or suite.batch_for(si),
-                  overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1)
-             for si, setting in chosen for mixer in mechanisms for lr in lrs
-             for seed in range(seeds)]
+    # one training per setting, or with a training mixture one per (mechanism, lr, seed) tested on every setting
+    groups = [[(si, st)] for si, st in chosen] if suite.train_mix is None else [chosen]
+    specs = [dict(suite=suite, preset=preset, tests=[st for _, st in group], mixer=mixer, lr=lr, seed=seed,
+                  steps=steps or suite.steps_for(group[0][0]), batch_size=batch_size or suite.batch_for(group[0][0]),
+                  overrides=dict(overrides or {}), device=device, progress=progress and jobs == 1,
+                  time_limit=time_limit, train_overrides=dict(train_overrides or {}))
+             for group in groups for mixer in mechanisms for lr in lrs for seed in range(seeds)]
     if jobs > 1:
         import torch
 
@@ -304,17 +372,22 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
     runs: list[dict] = []
     table: list[dict] = []
 
-    def done(row: dict) -> None:
-        nonlocal table
-        runs.append(row)
+    finished = 0
+
+    def done(rows: list[dict]) -> None:
+        nonlocal table, finished
+        runs.extend(rows)
+        finished += 1
         table = summarise(runs, suite.label)
         write_results(table, runs, out, task, suite.label)  # after every run: partial results survive
-        print(f"[{len(runs)}/{len(specs)} done] {row['mixer']} {row['setting']} lr {row['lr']:.2g} seed {row['seed']}:"
-              f" test accuracy {row['acc']:.4f}", flush=True)
+        for row in rows:
+            print(f"[{finished}/{len(specs)} done] {row['mixer']} {row['setting']} lr {row['lr']:.2g} seed "
+                  f"{row['seed']}: test accuracy {row['acc']:.4f}", flush=True)
 
+    mix = f" (trained on the mixture {suite.train_mix})" if suite.train_mix else ""
     for i, spec in enumerate(specs):
-        print(f"[{i + 1}/{len(specs)}] {task} {spec['mixer']} {spec['setting']} lr {spec['lr']:.2g} seed "
-              f"{spec['seed']}: {spec['steps']} steps x {spec['batch_size']}", flush=True)
+        print(f"[{i + 1}/{len(specs)}] {task} {spec['mixer']} {' / '.join(map(str, spec['tests']))}{mix} lr "
+              f"{spec['lr']:.2g} seed {spec['seed']}: {spec['steps']} steps x {spec['batch_size']}", flush=True)
     if jobs == 1:
         for spec in specs:
             done(_one_run(spec))
@@ -373,7 +446,8 @@ def write_results(table: list[dict], runs: list[dict], out: Path, task: str, lab
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    settings = sorted({json.dumps(r["setting"], sort_keys=True) for r in table})
+    settings = [json.dumps(r["setting"], sort_keys=True) for r in _in_setting_order(table)]
+    settings = list(dict.fromkeys(settings))
     for mixer in dict.fromkeys(r["mixer"] for r in table):
         rows = {json.dumps(r["setting"], sort_keys=True): r for r in table if r["mixer"] == mixer}
         xs = [str(rows[s]["x"]) for s in settings if s in rows]
@@ -385,8 +459,13 @@ def write_results(table: list[dict], runs: list[dict], out: Path, task: str, lab
     finish(fig, [ax], out / "results.png")
 
 
+def _in_setting_order(table: list[dict]) -> list[dict]:
+    """Rows ordered by their setting's value: numbers numerically (seq_len 256 before 1024), then text."""
+    return sorted(table, key=lambda r: (0, r["x"], "") if isinstance(r["x"], (int, float)) else (1, 0, str(r["x"])))
+
+
 def markdown(table: list[dict], task: str, label: str) -> str:
-    settings = list(dict.fromkeys(str(r["x"]) for r in table))
+    settings = list(dict.fromkeys(str(r["x"]) for r in _in_setting_order(table)))
     lines = [f"{task}: test accuracy (best learning rate; mean over seeds)", "",
              f"| mechanism | " + " | ".join((f"{label}={s}" if label != "setting" else s) for s in settings) + " |",
              "|---|" + "---:|" * len(settings)]

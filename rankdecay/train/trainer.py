@@ -314,9 +314,12 @@ def train(cfg: TrainConfig, data=None) -> dict:
 
     hf_logging.disable_progress_bar()  # checkpoints are written without "Writing model shards" bars
     dist_ = Dist(cfg.device)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
     try:
         return _train(cfg, dist_, data)
     finally:
+        torch.set_float32_matmul_precision(precision)
         dist_.close()
 
 
@@ -508,6 +511,16 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                 break
             if cfg.save_every and done % cfg.save_every == 0 and done != cfg.steps:
                 save(done)
+            # every process stops at the same step (the slowest one's clock decides)
+            if cfg.time_limit > 0 and done != cfg.steps and \
+                    dist_.all_sum([float(time.perf_counter() - run_t0 > cfg.time_limit)])[0] > 0:
+                _log(dist_, f"time limit of {cfg.time_limit:g} s reached at step {done} of {cfg.steps}")
+                if window_steps:
+                    log({"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss,
+                         "lr": scheduler.get_last_lr()[0], "tokens": done * tokens_per_step,
+                         "tokens_per_s": window_steps * tokens_per_step / window_time,
+                         "elapsed_s": time.perf_counter() - run_t0})
+                break
         else:
             done = cfg.steps
     if bar is not None:
@@ -516,9 +529,9 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
         _log(dist_, f"stopped at step {done}; checkpoint saved in {out_dir} (continue with --resume)")
         raise KeyboardInterrupt
     if start_step < cfg.steps or not val:
-        val = eval_now(cfg.steps)
+        val = eval_now(done)
     if start_step < cfg.steps:
-        save(cfg.steps)
+        save(done)
     if dist_.main:
         final = checkpoints(out_dir)[-1]
         # The final model is also the run folder itself: `rankdecay generate/eval OUT_DIR` work.
@@ -530,7 +543,7 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
         _log(dist_, f"done: train loss {last.get('loss', float('nan')):.4f}, validation loss {val['val_loss']:.4f}"
                     f"{extra}; model in {out_dir}" + (f", curves in {plot_path}" if plot_path else ""))
     dist_.barrier()
-    return {"out_dir": str(out_dir), "steps": cfg.steps, **{k: v for k, v in last.items() if k != "split"}, **val}
+    return {"out_dir": str(out_dir), **{k: v for k, v in last.items() if k != "split"}, **val, "steps": done}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -122,3 +122,37 @@ def test_rms_norms_compute_the_formula_in_fp32(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert_matches(plain.double(), ref, tol, "RMSNorm")
     assert_matches(norm(x, gate).double(), ref * torch.nn.functional.silu(gate.double()), 2 * tol, "gated")
+
+
+def test_hdla_gate_logit_normalizer_divides_the_log_decay():
+    from rankdecay.layers import HDLA
+    from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+
+    plain, slow = HDLA(D, H, gate_logit_normalizer=1), HDLA(D, H)  # eq. 6 as written; the default, GLA's 16
+    slow.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 7, D)
+    with torch.no_grad():
+        g1, g16 = plain.gates(x, None)["g"], slow.gates(x, None)["g"]
+    assert torch.allclose(g16 * 16, g1) and bool((g1 < 0).all())
+    assert float(g1.exp().mean()) < 0.6 < 0.9 < float(g16.exp().mean()), "tau = 16: lambda starts near 0.96"
+    with pytest.raises(ValueError, match="gate_logit_normalizer"):
+        HDLA(D, H, gate_logit_normalizer=0)
+    cfg = RankDecayConfig(vocab_size=16, hidden_size=D, num_hidden_layers=1, num_heads=H, mixer="hdla",
+                          gate_logit_normalizer=1)
+    assert RankDecayForCausalLM(cfg).model.layers[0].mixer.gate_logit_normalizer == 1
+    cfg.mixer, cfg.gate_logit_normalizer = "gla", 8.0  # GLA's default is 16
+    assert RankDecayForCausalLM(cfg).model.layers[0].mixer.gate_logit_normalizer == 8
+
+
+def test_hdla_saved_before_the_normalizer_keeps_its_decay(tmp_path):
+    import json
+
+    from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+
+    cfg = RankDecayConfig(vocab_size=16, hidden_size=D, num_hidden_layers=1, num_heads=H, mixer="hdla")
+    RankDecayForCausalLM(cfg).save_pretrained(tmp_path)
+    assert RankDecayForCausalLM.from_pretrained(tmp_path).model.layers[0].mixer.gate_logit_normalizer == 16
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["gate_logit_normalizer"]  # a config.json written before the option existed
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RankDecayForCausalLM.from_pretrained(tmp_path).model.layers[0].mixer.gate_logit_normalizer == 1

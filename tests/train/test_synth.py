@@ -35,6 +35,14 @@ def test_summary_takes_the_best_learning_rate_mean_over_seeds():
     assert row["best_lr"] == 1e-3 and row["acc"] == pytest.approx(0.6) and row["seeds"] == 2
 
 
+def test_tables_list_settings_in_numeric_order():
+    from rankdecay.train.synth import markdown
+
+    runs = [{"mixer": "gdn", "setting": {"seq_len": L}, "lr": 1e-3, "seed": 0, "acc": 0.5} for L in (1024, 256, 2048)]
+    header = markdown(summarise(runs, "seq_len"), "mqar", "seq_len").splitlines()[2]
+    assert header == "| mechanism | seq_len=256 | seq_len=1024 | seq_len=2048 |"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("task, mixer, extra, chance, margin", [
     ("parity", "deltanet", ["--set", "allow_neg_eigval=true"], 1 / 2, 0.25),   # state tracking, tested 4x longer
@@ -78,11 +86,54 @@ def test_compression_model_reads_only_the_compress_token():
 
 def test_every_task_has_both_presets():
     for task, presets in SUITES.items():
-        assert set(presets) == {"cpu", "paper"}, task
+        assert {"cpu", "paper"} <= set(presets), task
         for suite in presets.values():
             for i, setting in enumerate(suite.settings):  # every preset generates, in the declared vocabulary
                 d = SyntheticData(task, setting, 2, 2, suite.vocab_size, test_params=suite.test_params)
                 assert d.train_x.max() < suite.vocab_size and suite.steps_for(i) >= 1
+            for part in suite.train_mix or []:  # and so does every part of a training mixture
+                d = SyntheticData(task, {**suite.settings[0], **{k: v for k, v in part.items() if k != "n"}}, 2, 2,
+                                  suite.vocab_size)
+                assert d.train_x.max() < suite.vocab_size
+
+
+MIX = [{"seq_len": 16, "num_kv_pairs": 2, "n": 30}, {"seq_len": 32, "num_kv_pairs": 4, "n": 10}]
+
+
+def test_training_mixture_draws_each_batch_from_one_part():
+    setting = {"seq_len": 32, "num_kv_pairs": 4, "vocab_size": 64}
+    tests = [setting, {**setting, "seq_len": 64, "num_kv_pairs": 8}]
+    d = SyntheticData("mqar", setting, 0, 8, 64, seed=1, train_mix=MIX, test_settings=tests)
+    assert [x.shape for x, _ in d.parts] == [(30, 16), (10, 32)]
+    assert [x.shape for x, _ in d.tests] == [(8, 32), (8, 64)]
+    parts = [d.part_of_step(s) for s in range(400)]
+    assert 0.75 - 0.1 < parts.count(0) / 400 < 0.75 + 0.1, "parts are drawn in proportion to their sizes"
+    for step in range(6):
+        (batch,) = d.batches(step, 0, 1, 4, 4, "cpu")
+        assert batch["input_ids"].shape == (4, MIX[parts[step]]["seq_len"] + 1), "one part per batch, unpadded"
+        halves = [d.batches(step, r, 2, 4, 2, "cpu")[0]["input_ids"] for r in (0, 1)]
+        assert torch.equal(batch["input_ids"], torch.cat(halves)), "every process draws from the same part"
+    again = SyntheticData("mqar", setting, 0, 8, 64, seed=1, train_mix=MIX, test_settings=tests)
+    assert all(torch.equal(d.batches(s, 0, 1, 4, 4, "cpu")[0]["input_ids"],
+                           again.batches(s, 0, 1, 4, 4, "cpu")[0]["input_ids"]) for s in range(6)), "deterministic"
+    x, y = d.parts[0]  # the MQAR semantics hold in the parts: each query's target is its key's value
+    for row, tgt in zip(x, y):
+        pairs = dict(zip(row[0:4:2], row[1:4:2]))
+        assert all(tgt[t] == pairs[row[t]] for t in np.flatnonzero(tgt != -100))
+    with pytest.raises(ValueError, match="train_mix"):
+        SyntheticData("mqar", setting, 0, 8, 64, train_mix=[{"seq_len": 16, "num_kv_pairs": 2}])
+
+
+def test_a_training_mixture_trains_once_and_tests_every_setting(tmp_path, monkeypatch):
+    from rankdecay.train.synth import run_synth
+
+    suite = dataclasses.replace(SUITES["mqar"]["cpu"], train_mix=MIX, test_size=8, label="seq_len",
+                                settings=[{"seq_len": L, "num_kv_pairs": L // 8, "vocab_size": 32} for L in (32, 64)])
+    monkeypatch.setitem(SUITES["mqar"], "cpu", suite)
+    table = run_synth("mqar", ["gdn"], out=tmp_path, steps=3, batch_size=4, progress=False)
+    assert sorted(r["x"] for r in table) == [32, 64]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(runs) == 2 and {r["lr"] for r in runs} == set(suite.lrs) and all(0 <= r["acc"] <= 1 for r in runs)
 
 
 def test_parallel_jobs_give_the_sequential_results(tmp_path, monkeypatch):

@@ -89,6 +89,18 @@ def test_resume_continues_bit_for_bit(tmp_path, docs):
     assert all(torch.equal(opt_a[k]["exp_avg_sq"], opt_b[k]["exp_avg_sq"]) for k in opt_a)
 
 
+def test_time_limit_stops_evaluates_and_saves_where_it_got(tmp_path, docs, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(docs), *SMALL, "--steps", "50", "--time-limit", "1e-9", "--log-every", "10",
+                 "--eval-every", "0", "--out-dir", str(out)]) == 0
+    assert "time limit of 1e-09 s reached at step 1 of 50" in capsys.readouterr().out
+    assert [p.name for p in checkpoints(out)] == ["checkpoint-0000001"] and (out / "model.safetensors").exists()
+    records = read_metrics(out / "metrics.jsonl")
+    assert [(r["split"], r["step"]) for r in records] == [("train", 1), ("val", 1)]
+    assert main(["train", "--data", str(docs), *SMALL, "--time-limit", "-1", "--out-dir", str(tmp_path / "x")]) == 2
+    assert "time_limit must be >= 0" in capsys.readouterr().err
+
+
 def torchrun(args, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "rankdecay", *args]
