@@ -449,8 +449,11 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-    tokens_per_step = G * cfg.seq_len
+    # Tokens are counted as the batches hold them: G x seq_len for text windows; a synthetic
+    # mixture's steps differ in length (resumed runs count the steps before at G x seq_len).
+    tokens_seen = start_step * G * cfg.seq_len
     window_time, window_steps, window_loss = 0.0, 0, 0.0  # time in training steps only (not evaluation or saving)
+    window_tokens = 0
     run_t0 = time.perf_counter()
     last: dict = {}
     val: dict = {}
@@ -479,12 +482,15 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
             train_loss = dist_.all_sum([loss_sum])[0] / n_targets  # (.item() syncs the device)
             window_time += time.perf_counter() - step_t0
             window_steps += 1
+            step_tokens = W * sum(b["input_ids"].numel() for b in batches)
+            window_tokens += step_tokens
+            tokens_seen += step_tokens
             window_loss += train_loss
             done = step + 1
             if done % max(cfg.log_every, 1) == 0 or done == cfg.steps:
-                tps = window_steps * tokens_per_step / window_time
+                tps = window_tokens / window_time
                 last = {"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm), "tokens": done * tokens_per_step, "tokens_per_s": tps,
+                        "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tps,
                         "elapsed_s": time.perf_counter() - run_t0}
                 if peak:
                     last["mfu"] = flops_per_token * tps / (peak * 1e12 * W)
@@ -492,7 +498,7 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                 if bar is None:
                     _log(dist_, f"step {done}/{cfg.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
                                 f"{tps:,.0f} tok/s" + (f"  MFU {last['mfu']:.1%}" if "mfu" in last else ""))
-                window_time, window_steps, window_loss = 0.0, 0, 0.0
+                window_time, window_steps, window_loss, window_tokens = 0.0, 0, 0.0, 0
             if bar is not None:
                 post = {"loss": f"{train_loss:.3f}"}
                 if last:
@@ -517,8 +523,8 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                 _log(dist_, f"time limit of {cfg.time_limit:g} s reached at step {done} of {cfg.steps}")
                 if window_steps:
                     log({"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss,
-                         "lr": scheduler.get_last_lr()[0], "tokens": done * tokens_per_step,
-                         "tokens_per_s": window_steps * tokens_per_step / window_time,
+                         "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
+                         "tokens_per_s": window_tokens / window_time,
                          "elapsed_s": time.perf_counter() - run_t0})
                 break
         else:

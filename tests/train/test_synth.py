@@ -156,3 +156,20 @@ def test_parallel_runs_spread_over_the_gpus():
     assert spread_devices("auto", 5, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]
     assert spread_devices("auto", 3, 1) == ["auto"] * 3, "one GPU (or none): every run where 'auto' puts it"
     assert spread_devices("cuda:1", 2, 8) == ["cuda:1", "cuda:1"], "an explicit device is kept"
+
+
+def test_the_trainer_counts_a_mixtures_tokens_as_drawn(tmp_path):
+    from rankdecay.train import read_metrics
+    from rankdecay.train.config import TrainConfig
+    from rankdecay.train.trainer import train
+
+    setting = {"seq_len": 32, "num_kv_pairs": 4, "vocab_size": 32}
+    data = SyntheticData("mqar", setting, 0, 4, 32, seed=3, train_mix=MIX)
+    cfg = TrainConfig.from_sources(preset="tiny", overrides=dict(
+        model={"hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2, "intermediate_size": 64}, steps=6,
+        batch_size=2, log_every=1, eval_every=0, save_every=0, progress=False, device="cpu", out_dir=str(tmp_path),
+        seq_len=32))
+    train(cfg, data=data)
+    logged = [r["tokens"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]
+    drawn = np.cumsum([2 * (MIX[data.part_of_step(s)]["seq_len"] + 1) for s in range(6)])  # + the appended dummy
+    assert logged == drawn.tolist()
