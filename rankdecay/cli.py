@@ -272,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        from .train.synth import SynthRunsFailed
+
+        if not isinstance(e, SynthRunsFailed):
+            raise
+        print(f"rankdecay {args.command}: error: {e}", file=sys.stderr)  # each failure was printed as it happened
+        return 1
     except (ValueError, FileNotFoundError, ImportError) as e:
         # Bad input (a path, a preset, a size): one clear line, no traceback.
         # RANKDECAY_DEBUG=1 shows the traceback.

@@ -384,21 +384,47 @@ def run_synth(task: str, mechanisms: list[str], preset: str = "cpu", seeds: int 
             print(f"[{finished}/{len(specs)} done] {row['mixer']} {row['setting']} lr {row['lr']:.2g} seed "
                   f"{row['seed']}: test accuracy {row['acc']:.4f}", flush=True)
 
+    failures: list[str] = []
+
+    def failed(spec: dict, err: BaseException) -> None:
+        what = f"{spec['mixer']} {' / '.join(map(str, spec['tests']))} lr {spec['lr']:.2g} seed {spec['seed']}"
+        failures.append(f"{what}: {type(err).__name__}: {err}")
+        print(f"[failed] {failures[-1]}", flush=True)
+
     mix = f" (trained on the mixture {suite.train_mix})" if suite.train_mix else ""
     for i, spec in enumerate(specs):
         print(f"[{i + 1}/{len(specs)}] {task} {spec['mixer']} {' / '.join(map(str, spec['tests']))}{mix} lr "
               f"{spec['lr']:.2g} seed {spec['seed']}: {spec['steps']} steps x {spec['batch_size']}", flush=True)
+    # A run that fails (e.g. out of memory) is reported and the others go on; the sweep then fails.
     if jobs == 1:
         for spec in specs:
-            done(_one_run(spec))
+            try:
+                rows = _one_run(spec)
+            except Exception as err:  # noqa: BLE001 - reported, and raised below
+                failed(spec, err)
+                continue
+            done(rows)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            for fut in as_completed([pool.submit(_one_run, spec) for spec in specs]):
-                done(fut.result())
+            futures = {pool.submit(_one_run, spec): spec for spec in specs}
+            for fut in as_completed(futures):
+                try:
+                    rows = fut.result()
+                except Exception as err:  # noqa: BLE001 - reported, and raised below
+                    failed(futures[fut], err)
+                    continue
+                done(rows)
+    if failures:
+        raise SynthRunsFailed(f"{len(failures)} of {len(specs)} runs failed (the others' results are in {out}): "
+                              + "; ".join(failures))
     return table
+
+
+class SynthRunsFailed(RuntimeError):
+    """Some runs of a ``run_synth`` sweep raised; the finished ones' results were written."""
 
 
 def spread_devices(device: str, runs: int, gpus: int) -> list[str]:

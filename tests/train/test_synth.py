@@ -173,3 +173,25 @@ def test_the_trainer_counts_a_mixtures_tokens_as_drawn(tmp_path):
     logged = [r["tokens"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     drawn = np.cumsum([2 * (MIX[data.part_of_step(s)]["seq_len"] + 1) for s in range(6)])  # + the appended dummy
     assert logged == drawn.tolist()
+
+
+def test_a_failing_run_is_reported_and_the_others_finish(tmp_path, monkeypatch, capsys):
+    import rankdecay.train.synth as synth
+
+    suite = SUITES["parity"]["cpu"]
+    monkeypatch.setitem(SUITES["parity"], "cpu", dataclasses.replace(suite, train_size=64, test_size=16))
+    real = synth._one_run
+
+    def one_run(spec):
+        if spec["mixer"] == "deltanet":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(spec)
+
+    monkeypatch.setattr(synth, "_one_run", one_run)
+    args = ["synth", "parity", "--mechanisms", "deltanet,gdn", "--steps", "2", "--batch-size", "4", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "[failed] deltanet" in captured.out and "1 of 2 runs failed" in captured.err
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [r["mixer"] for r in summary] == ["gdn"], "the run after the failed one finished and was written"
