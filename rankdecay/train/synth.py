@@ -56,11 +56,10 @@ class SyntheticData:
                       for i, m in enumerate(train_mix or [])]
         if not self.parts:
             self.parts = [gen(train_size, seed=S.split_seed(seed, "train"), **train_kw)]
-        self.test_settings = list(test_settings or [{}])
+        test_settings = list(test_settings or [{}])
         self.tests = [gen(test_size, seed=S.split_seed(seed, "test", i), **{**test_kw, **t})
-                      for i, t in enumerate(self.test_settings)]
+                      for i, t in enumerate(test_settings)]
         self.train_x, self.train_y = max(self.parts, key=lambda p: p[0].shape[1])  # the longest part
-        self.test_x, self.test_y = self.tests[0]
         top = int(max(max(int(x.max()) for x, _ in self.parts), max(int(x.max()) for x, _ in self.tests)))
         if top >= vocab_size:
             raise ValueError(f"{task}: tokens up to {top} need vocab_size > {top}, got {vocab_size}")
@@ -74,8 +73,9 @@ class SyntheticData:
         train_desc = (f"{int(sizes.sum())} training sequences of "
                       + " / ".join(str(x.shape[1]) for x, _ in self.parts) + " tokens"
                       + (f" (a mixture: {train_mix})" if train_mix else ""))
-        self.description = (f"{task} {params} (test {[{**test_kw, **t} for t in self.test_settings]}): {train_desc}, "
-                            f"{test_size} test sequences per test set, vocab {vocab_size}")
+        tests_desc = [{**test_kw, **t} for t in test_settings]
+        self.description = (f"{task} {params} (test {tests_desc}): {train_desc}, {test_size} test sequences per test "
+                            f"set, vocab {vocab_size}")
         self.task = task
         self.seq_len = self.train_x.shape[1]
 
@@ -472,8 +472,7 @@ def write_results(table: list[dict], runs: list[dict], out: Path, task: str, lab
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    settings = [json.dumps(r["setting"], sort_keys=True) for r in _in_setting_order(table)]
-    settings = list(dict.fromkeys(settings))
+    settings = list(dict.fromkeys(json.dumps(r["setting"], sort_keys=True) for r in _in_setting_order(table)))
     for mixer in dict.fromkeys(r["mixer"] for r in table):
         rows = {json.dumps(r["setting"], sort_keys=True): r for r in table if r["mixer"] == mixer}
         xs = [str(rows[s]["x"]) for s in settings if s in rows]

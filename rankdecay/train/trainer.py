@@ -487,7 +487,10 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
             tokens_seen += step_tokens
             window_loss += train_loss
             done = step + 1
-            if done % max(cfg.log_every, 1) == 0 or done == cfg.steps:
+            # past the time limit, every process stops at this step (the slowest one's clock decides)
+            timed_out = cfg.time_limit > 0 and done != cfg.steps and \
+                dist_.all_sum([float(time.perf_counter() - run_t0 > cfg.time_limit)])[0] > 0
+            if done % max(cfg.log_every, 1) == 0 or done == cfg.steps or timed_out:
                 tps = window_tokens / window_time
                 last = {"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss, "lr": scheduler.get_last_lr()[0],
                         "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tps,
@@ -509,23 +512,16 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                     post["val"] = f"{val['val_loss']:.3f}"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and not timed_out:
                 val = eval_now(done)
             if interrupt.requested:
                 save(done)
                 stopped_early = True
                 break
-            if cfg.save_every and done % cfg.save_every == 0 and done != cfg.steps:
+            if cfg.save_every and done % cfg.save_every == 0 and done != cfg.steps and not timed_out:
                 save(done)
-            # every process stops at the same step (the slowest one's clock decides)
-            if cfg.time_limit > 0 and done != cfg.steps and \
-                    dist_.all_sum([float(time.perf_counter() - run_t0 > cfg.time_limit)])[0] > 0:
+            if timed_out:  # evaluated and saved below, as at the end
                 _log(dist_, f"time limit of {cfg.time_limit:g} s reached at step {done} of {cfg.steps}")
-                if window_steps:
-                    log({"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss,
-                         "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
-                         "tokens_per_s": window_tokens / window_time,
-                         "elapsed_s": time.perf_counter() - run_t0})
                 break
         else:
             done = cfg.steps

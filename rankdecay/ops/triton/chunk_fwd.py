@@ -50,14 +50,11 @@ def _row_factor(s, flat, valid):
 
 
 @triton.jit
-def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, o_k, m_k, KG: tl.constexpr, CHANNEL: tl.constexpr):
-    """Log-gate at time t for each row where ok (else 0): [rows] or, per channel, [rows, BK]."""
+def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, KG: tl.constexpr):
+    """Scalar log-gate at time t for each row where ok (else 0), [rows]. (A per-channel gate is read
+    as chunk-local log-cumsums instead: ``_gc_at``.)"""
     ok = ok & (t >= 0) & (t < T)
-    off = (i_b * T + t) * H + i_h
-    if CHANNEL:
-        return tl.load(g + off[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    else:
-        return tl.load(g + off * KG, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(g + ((i_b * T + t) * H + i_h) * KG, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -277,8 +274,7 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
     """Scalar gate (GATE 1), per row: (inclusive, exclusive) fp64 log-cumsums from the chunk's start.
     Any other gate: fp64 zeros [1] (unused, but they keep one code path in the kernels)."""
     if GATE == 1:
-        zero = tl.zeros([1], dtype=tl.int32)
-        g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, zero, zero == 0, KG, False).to(tl.float64)
+        g_tok = _g_at(g, i_b, i_h, t, rk >= 0, T, H, KG).to(tl.float64)
         incl = tl.cumsum(tl.where(rk == 0, g_tok, 0.0), axis=0)  # each token's gate counted once, on its first row
         return incl, incl - g_tok
     else:
