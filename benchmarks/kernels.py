@@ -236,16 +236,23 @@ def markdown_row(r: dict) -> str:
 
 
 KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat16 (the tensors between kernels), "
-             "output_bv=128, output_warps=8, intra_warps=8")
+             "output_bv=128, output_warps=8, intra_warps=8; channel._CHANNEL's with a ch_ prefix: ch_rows=32, "
+             "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products)")
 
 
 def apply_knobs(pairs: list[str]) -> None:
-    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS``: an integer, else a torch dtype's name."""
-    from rankdecay.ops.triton import chunk_fwd
+    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with
+    the prefix ``ch_`` into ``channel._CHANNEL`` (integers)."""
+    from rankdecay.ops.triton import channel, chunk_fwd
 
     for kv in pairs:
         name, value = kv.split("=")
-        chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
+        if name.startswith("ch_"):
+            if name[3:] not in channel._CHANNEL:
+                raise SystemExit(f"--knob {name}: channel._CHANNEL has {sorted(channel._CHANNEL)}")
+            channel._CHANNEL[name[3:]] = int(value)
+        else:
+            chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
 
 
 def main() -> None:

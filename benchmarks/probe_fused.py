@@ -27,13 +27,17 @@ def main() -> None:
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--knob", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                        help="a launch knob of the fused kernels (chunk_fwd._KNOBS or chunk_bwd._CONFIG), "
-                        "e.g. --knob intra_bk 64")
+                        help="a launch knob of the fused kernels (chunk_fwd._KNOBS, chunk_bwd._CONFIG, or with a ch_ "
+                        "prefix channel._CHANNEL), e.g. --knob intra_bk 64, --knob ch_rows 32")
     args = parser.parse_args()
     fwd = importlib.import_module("rankdecay.ops.triton.chunk_fwd")
     bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
+    channel = importlib.import_module("rankdecay.ops.triton.channel")
     for name, value in args.knob:
-        knobs = bwd._CONFIG if name in bwd._CONFIG else fwd._KNOBS
+        if name.startswith("ch_"):  # channel._CHANNEL (the per-channel products)
+            knobs, name = channel._CHANNEL, name[3:]
+        else:
+            knobs = bwd._CONFIG if name in bwd._CONFIG else fwd._KNOBS
         knobs[name] = int(value) if value.lstrip("-").isdigit() else value
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]

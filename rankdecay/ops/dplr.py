@@ -118,15 +118,10 @@ def _fused_applies(q, k, a, g) -> bool:
     """The fused Triton kernels run for ranks up to 4 (``chunk_fwd.fused_chunk_size``); larger
     ranks take the unfused path (``chunk_dplr_core`` with Triton pieces).
 
-    On CUDA, per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are fused where the H100
-    runs with Triton 3.6 were right: bf16 products (matmul precision "medium") and K <= 128
-    (BENCHMARKS.md session 17). At fp32 accuracy the intra kernel's compile did not finish in
-    150 s at K = 128, and K = 256 is untried: those keep the unfused path.
+    Per-channel gates with a low-rank decay (HDLA, RWKV-7 style) are fused at every precision
+    since their products moved into ``triton.channel`` (BENCHMARKS.md session 19); before, the
+    intra kernel that held them did not compile in 150 s at fp32 accuracy on the H100.
     """
     from .triton.chunk_fwd import fused_chunk_size
-    from .triton.chunk_state import _precision
 
-    if q.is_cuda and a is not None and g is not None and g.shape[-1] > 1:
-        if _precision(q) != "bf16" or q.shape[-1] > 128:
-            return False
     return fused_chunk_size(0 if a is None else a.shape[-2], k.shape[-2]) is not None

@@ -559,3 +559,69 @@ def test_chunk_log_cumsum(T):
     padded[:, :T] = g.double()
     ref = padded.view(B, NC, C, H, K).cumsum(2).permute(0, 3, 1, 2, 4)
     torch.testing.assert_close(gc, ref, rtol=1e-12, atol=1e-12)
+
+
+def _channel_product_reference(x, y, g, TC, strict):
+    """P[p, q] = Σ_k x_pk y_qk exp(G^x_pk - G^y_qk) per chunk, in fp64, in the kernels' chunk layout
+    ([B, H, NC, TC*Rxp, TC*Ryp], ranks padded to powers of two, rows past T zero)."""
+    B, T, H, RX, K = x.shape
+    RY = y.shape[-2]
+    NC = -(-T // TC)
+    pad = lambda z, R: F.pad(z.double(), (0, 0, 0, R - z.shape[-2], 0, 0, 0, NC * TC - T))  # noqa: E731
+    RXP, RYP = (1 << (r - 1).bit_length() for r in (RX, RY))
+    X = pad(x, RXP).view(B, NC, TC, H, RXP, K).permute(0, 3, 1, 2, 4, 5)  # [B, H, NC, TC, R, K]
+    Y = pad(y, RYP).view(B, NC, TC, H, RYP, K).permute(0, 3, 1, 2, 4, 5)
+    gp = F.pad(g.double(), (0, 0, 0, 0, 0, NC * TC - T)).view(B, NC, TC, H, K).permute(0, 3, 1, 2, 4)
+    G = gp.cumsum(3)  # [B, H, NC, TC, K]
+    Gx = G - gp if strict else G
+    tok = torch.arange(TC, device=x.device)
+    causal = tok[:, None] > tok[None, :] if strict else tok[:, None] >= tok[None, :]
+    diff = Gx[:, :, :, :, None, :] - G[:, :, :, None, :, :]  # [B, H, NC, TC, TC, K]
+    decay = torch.where(causal[:, :, None], diff, -torch.inf).exp()
+    P = torch.einsum("bhnprk,bhnqsk,bhnpqk->bhnprqs", X, Y, decay)
+    return P.reshape(B, H, NC, TC * RXP, TC * RYP)
+
+
+@pytest.mark.parametrize("RX,RY,strict,scaled", [(1, 1, False, False), (1, 2, False, True), (2, 2, True, True),
+                                                 (3, 1, True, False), (4, 4, True, False)])
+@pytest.mark.parametrize("T,strong", [(45, False), (37, True)])
+def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong):
+    """``channel.channel_product`` (sub-blocks through a reference token, levels on the diagonal) and its
+    backward against the fp64 reference and its autograd; awkward T, padded ranks, log-gates of -30 per
+    step; the chunk sizes the fused path uses for these ranks (64 / max padded rank tokens)."""
+    from rankdecay.ops.triton.channel import channel_product, channel_product_bwd
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
+
+    B, H, K = 1, 2, 20
+    TC = fused_chunk_size(RX, RY)
+    gen = torch.Generator().manual_seed(RX + 10 * RY + T)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    x, y = rnd(B, T, H, RX, K), rnd(B, T, H, RY, K)
+    g = -30 * torch.rand(B, T, H, K, generator=gen).to(DEVICE) if strong else F.logsigmoid(rnd(B, T, H, K) + 2)
+    sy = rnd(B, T, H, RY) if scaled else None
+    gc = chunk_log_cumsum(g, TC)
+    NC = gc.shape[2]
+    RXP, RYP = (1 << (r - 1).bit_length() for r in (RX, RY))
+    out = torch.full((B, H, NC, TC * RXP, TC * RYP), float("nan"), device=DEVICE)
+    channel_product(x, y, gc, out, T=T, TC=TC, strict=strict, precision="ieee", lowp=False, scale=0.5, y_scale=sy)
+    xr = x.double().requires_grad_()
+    yr = (y.double() if sy is None else y.double() * sy.double()[..., None]).requires_grad_()  # sy ⊙ y
+    ref = _channel_product_reference(xr, yr, g, TC, strict)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), 0.5 * ref.detach(), rtol=1e-5, atol=1e-5)
+
+    dp = rnd(*out.shape)
+    ref_dx, ref_dy = torch.autograd.grad((ref * dp.double()).sum(), (xr, yr))  # dy: with respect to sy ⊙ y
+    dx = torch.full((B, H, NC, TC * RXP, K), 1.0, device=DEVICE)  # added to (ACC_X)
+    dy = torch.full((B, H, NC, TC * RYP, K), float("nan"), device=DEVICE)  # overwritten
+    channel_product_bwd(x, y, gc, dp, dx, dy, T=T, TC=TC, strict=strict, precision="ieee", acc_x=True, acc_y=False,
+                        y_scale=sy)
+
+    def chunked(z, R, RP):  # [B, T, H, R, K] -> the chunk layout, rows past T and padded ranks zero
+        z = F.pad(z, (0, 0, 0, RP - R, 0, 0, 0, NC * TC - T))
+        return z.view(B, NC, TC, H, RP, K).permute(0, 3, 1, 2, 4, 5).reshape(B, H, NC, TC * RP, K)
+
+    # compared on real rows only: the rows past T and the padded ranks' are never read back
+    vx, vy = (chunked(torch.ones_like(z), R, RP).bool() for z, R, RP in ((ref_dx, RX, RXP), (ref_dy, RY, RYP)))
+    torch.testing.assert_close(dx.double()[vx], 1.0 + chunked(ref_dx, RX, RXP)[vx], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dy.double()[vy], chunked(ref_dy, RY, RYP)[vy], rtol=1e-5, atol=1e-5)

@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_channel_decays, _decays, _input_dot, _level_x, _level_y, _load_rows, _lowp, _row_factor,
-                        _rows, _same_block, _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, ties_keys)
+from .channel import _input_dot, channel_product_bwd
+from .chunk_fwd import (_channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
+                        chunk_dplr_fwd, chunk_log_cumsum, log_cumsum_dtype, ties_keys)
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
@@ -52,10 +53,11 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 
 @triton.jit
 def _grad_kernel(
-    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa, T, NC,
+    q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
+    pq, pk, pa, pb, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
+    GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
@@ -64,8 +66,9 @@ def _grad_kernel(
     No gate (GATE 0) or a scalar one (1): each product's gradient times its decays, then plain
     products with the inputs, one product at a time; a scalar gate's dg sums over every key
     channel, so each block writes its share per token (pdg: dG_t, dG_{t-1}, dG_C) and
-    ``_scalar_dg_kernel`` adds them up. Per channel (2): the forward's levels in reverse, each
-    block's lower-left quarter through its midpoint (``chunk_fwd._level_product``), and dg here.
+    ``_scalar_dg_kernel`` adds them up. Per channel (2): the products' share of dq, dk, da and db
+    is read from pq, pk, pa and pb [B, H, NC, rows, K] (``channel.channel_product_bwd``), and dg
+    is formed here.
     With ASC, a's rows carry the factors sa: everything runs on sa ⊙ a, and this block's share of
     d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
     16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
@@ -125,45 +128,12 @@ def _grad_kernel(
                  * _decays(Gb, Gk, toka, tokk, True, GATE))
             dK += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
             dB += _dot_ex(P, Kr, PRECISION, E_K)
-    else:
-        Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
-        # a token against itself (M_QK, M_QA): no decay
-        P = tl.where(tokq[:, None] == tokk[None, :], Pqk, 0.0)
-        dQ = _dot(P, Kr, PRECISION)
-        dK = _dot(tl.trans(P), Q, PRECISION)
+    else:  # the products' share, through their decays (``channel.channel_product_bwd``)
+        dQ = tl.load(pq + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        dK = tl.load(pk + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         if RAB > 0:
-            Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
-            Pba = tl.load(dlba + (c * NA + r_a[:, None]) * NA + r_a[None, :]).to(tl.float32)
-            Pbk = tl.load(dlbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]).to(tl.float32)
-            P = tl.where(tokq[:, None] == toka[None, :], Pqa, 0.0)
-            dQ += _dot(P, A, PRECISION)
-            dA = _dot(tl.trans(P), Q, PRECISION)
-            dB = tl.zeros([NA, BK], dtype=tl.float32)
-        for lvl in tl.static_range(LEVELS):
-            # x rows (Q, B) decay from the midpoint, y rows (K, A) to it; 0 off their half
-            fq_ = _level_x(gc, tokq, o_k, m_k, KG, TC >> lvl, False)
-            fk_ = _level_y(gc, tokk, o_k, m_k, KG, TC >> lvl)
-            Qs, Ks = Q * fq_, Kr * fk_
-            P = tl.where(_same_block(tokq, tokk, TC >> lvl), Pqk, 0.0)
-            dQs = _dot(P, Ks, PRECISION)
-            dKs = _dot(tl.trans(P), Qs, PRECISION)
-            if RAB > 0:
-                fb_ = _level_x(gc, toka, o_k, m_k, KG, TC >> lvl, True)
-                fa_ = _level_y(gc, toka, o_k, m_k, KG, TC >> lvl)
-                As, Bs = A * fa_, Bm * fb_
-                P = tl.where(_same_block(tokq, toka, TC >> lvl), Pqa, 0.0)
-                dQs += _dot(P, As, PRECISION)
-                dAs = _dot(tl.trans(P), Qs, PRECISION)
-                P = tl.where(_same_block(toka, toka, TC >> lvl), Pba, 0.0)
-                dBs = _dot(P, As, PRECISION)
-                dAs += _dot(tl.trans(P), Bs, PRECISION)
-                P = tl.where(_same_block(toka, tokk, TC >> lvl), Pbk, 0.0)
-                dBs += _dot(P, Ks, PRECISION)
-                dKs += _dot(tl.trans(P), Bs, PRECISION)
-                dA += dAs * fa_
-                dB += dBs * fb_
-            dQ += dQs * fq_
-            dK += dKs * fk_
+            dA = tl.load(pa + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            dB = tl.load(pb + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
     # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
     # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
     Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -685,12 +655,25 @@ class _ChunkDPLR(torch.autograd.Function):
                 num_warps=_CONFIG["grad"], num_stages=1,
             )
         else:
-            gc = chunk_log_cumsum(g, C) if gate == 2 else g  # per channel: the decays' log-cumsums
+            # per channel: the decays' log-cumsums
+            gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
+            pq = pk = pa = pb = None
+            if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
+                pq, pk = f32c(C, K), f32c(NK, K)
+                pa, pb = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
+                prod = dict(T=T, TC=C, precision=prec)
+                channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
+                if Rab:
+                    channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
+                                        **prod)
+                    channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
+                                        **prod)
+                    channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
             _grad_kernel[(NKB, NC, B * H)](
                 q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
-                opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), T, NC,
-                H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab,
-                RABP=_pow2(Rab), BK=BKg, GATE=gate, LEVELS=C.bit_length() - 1, PRECISION=prec, ASC=asc,
+                opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
+                opt(pa), opt(pb), T, NC, H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
+                RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
                 E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=_is16(b),
                 num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
             )

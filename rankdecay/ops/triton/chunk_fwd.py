@@ -17,12 +17,10 @@ nothing), so one kernel family serves every (Rab, Rkv). A chunk holds
 
 Decays are never formed as a quotient: with a scalar gate the log-cumsums are fp64
 vectors and their differences are taken in fp64; with a per-channel gate the chunk-local
-log-cumsums are formed once in fp64 (``chunk_log_cumsum``, [B, H, NC, C, K]) and every
-exponent is a difference of two of them, taken in fp64 (exact wherever it matters, as
-in the PyTorch path), and the [C, C] products are built level by level
-as in ``rankdecay.ops.chunk._blocked_products``: at each level the rows of a block's
-second half meet the columns of its first half through the block's midpoint, both
-factors <= 1, as one tensor-core product.
+log-cumsums are formed once (``chunk_log_cumsum``, [B, H, NC, C, K], summed in fp64 and
+stored in fp64 or, where the products are rounded anyway, fp32: ``log_cumsum_dtype``) and
+every exponent is a difference of two of them. A per-channel gate's four [C, C] products
+are ``channel.channel_product``'s, in sub-blocks of the chunk, before the intra kernel runs.
 """
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ import triton.language as tl
 
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
                           _raw_rows, _state_fwd_kernel)
+from .channel import _CHANNEL, _gc_at, _input_dot, channel_product
 from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -58,54 +57,6 @@ def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, KG: tl.constexpr):
 
 
 @triton.jit
-def _gc_at(gc, tok, ok, o_k, m_k, KG: tl.constexpr):
-    """[rows, BK] chunk-local log-cumsums G (fp64) at the chunk's tokens tok where ok, else 0.
-    gc: this chunk's [C, KG] slice of ``chunk_log_cumsum``'s output."""
-    return tl.load(gc + tok[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0)
-
-
-@triton.jit
-def _level_x(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr):
-    """Decays of the row side at one level of the per-channel products (blocks of S tokens):
-    exp of the gates from the block's midpoint (token S/2 - 1) to each row of the block's second
-    half, up to the row's token (STRICT: strictly before it), and 0 on the first half's rows."""
-    HS: tl.constexpr = S // 2
-    sel = (tok % S) >= HS
-    mid = tok - tok % S + HS - 1
-    if STRICT:  # the gates over (mid, tok)
-        ex = _gc_at(gc, tok - 1, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
-    else:       # over (mid, tok]
-        ex = _gc_at(gc, tok, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
-    return tl.where(sel[:, None], tl.exp(ex.to(tl.float32)), 0.0)
-
-
-@triton.jit
-def _level_y(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
-    """Decays of the column side at one level: exp of the gates after each row's token up to the
-    midpoint, on the block's first half (0 on its second half)."""
-    HS: tl.constexpr = S // 2
-    sel = (tok % S) < HS
-    mid = tok - tok % S + HS - 1
-    ey = _gc_at(gc, mid, sel, o_k, m_k, KG) - _gc_at(gc, tok, sel, o_k, m_k, KG)  # the gates over (tok, mid]
-    return tl.where(sel[:, None], tl.exp(ey.to(tl.float32)), 0.0)
-
-
-@triton.jit
-def _same_block(tokx, toky, S: tl.constexpr):
-    return (tokx // S)[:, None] == (toky // S)[None, :]
-
-
-@triton.jit
-def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """One level of the per-channel products: in blocks of S tokens, the rows of each block's
-    second half against the columns of its first half, through the token at S/2 - 1."""
-    Xs = X * _level_x(gc, tokx, o_k, m_k, KG, S, STRICT)
-    Ys = Y * _level_y(gc, toky, o_k, m_k, KG, S)
-    return tl.where(_same_block(tokx, toky, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
-
-
-@triton.jit
 def _channel_decays(gc, tok, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr, TO_END: tl.constexpr,
                     EXCLUSIVE: tl.constexpr):
     """Per-channel decays of a row set [rows, BK] inside the chunk: TO_END, exp(G_C - G_tok) (the
@@ -119,16 +70,6 @@ def _channel_decays(gc, tok, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr, TO_EN
     else:
         x = _gc_at(gc, tok, every, o_k, m_k, KG)
     return tl.exp(x.to(tl.float32))
-
-
-@triton.jit
-def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
-    """X Yᵀ of rows loaded (as fp32) from the inputs x and y: with LP (both 16-bit) in their own
-    dtype, which is exact (16-bit products fit the fp32 accumulator), else at PRECISION."""
-    if LP:
-        return tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
-    else:
-        return _dot(X, tl.trans(Y), PRECISION)
 
 
 @triton.jit
@@ -154,42 +95,29 @@ def _decays(Gx, Gy, tokx, toky, STRICT: tl.constexpr, GATE: tl.constexpr):
 
 
 @triton.jit
-def _products(x, y, g, Gx, Gy, i_b, i_h, i_c, T,
-              H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
+def _products(x, y, Gx, Gy, i_b, i_h, i_c, T,
+              H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
               RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
-              STRICT: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, BK: tl.constexpr,
+              STRICT: tl.constexpr, GATE: tl.constexpr, BK: tl.constexpr,
               PRECISION: tl.constexpr, LP: tl.constexpr):
-    """P[p, q] = sum_k x_pk y_qk exp(G^x_{tok p, k} - G^y_{tok q, k}) for tok q < tok p (STRICT) or <=.
+    """P[p, q] = sum_k x_pk y_qk exp(G^x_{tok p} - G^y_{tok q}) for tok q < tok p (STRICT) or <=, with a
+    decay per row (no gate, GATE 0, or a scalar one, 1; a per-channel gate's products are
+    ``channel.channel_product``'s).
 
     G^y is the inclusive log-cumsum; G^x the exclusive one (STRICT: b rows, whose decay
     starts before their own token) or the inclusive one (queries). Gx, Gy: fp64 row
-    vectors for a scalar gate (GATE 1), unused otherwise; g: with a per-channel gate (GATE 2),
-    this chunk's [C, K] log-cumsums (``chunk_log_cumsum``), unused otherwise.
+    vectors for a scalar gate, unused otherwise.
     """
     tokx, rkx, tx, vx, fx = _rows(i_b, i_h, i_c, T, H, TC, RX, RXP)
     toky, rky, ty, vy, fy = _rows(i_b, i_h, i_c, T, H, TC, RY, RYP)
     acc = tl.zeros([TC * RXP, TC * RYP], dtype=tl.float32)
-    if GATE == 2:
-        if not STRICT:  # a token against itself: no decay
-            same_tok = tokx[:, None] == toky[None, :]
-        for k0 in tl.static_range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            X = _load_rows(x, fx, vx, o_k, m_k, K)
-            Y = _load_rows(y, fy, vy, o_k, m_k, K)
-            if not STRICT:
-                acc += tl.where(same_tok, _input_dot(X, Y, x, y, LP, PRECISION), 0.0)
-            for lvl in tl.static_range(LEVELS):
-                acc += _level_product(X, Y, g, tokx, toky, o_k, m_k, KG, TC >> lvl, STRICT, PRECISION)
-    else:
-        for k0 in tl.static_range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            X = _load_rows(x, fx, vx, o_k, m_k, K)
-            Y = _load_rows(y, fy, vy, o_k, m_k, K)
-            acc += _input_dot(X, Y, x, y, LP, PRECISION)
-        acc = acc * _decays(Gx, Gy, tokx, toky, STRICT, GATE)
-    return acc
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        X = _load_rows(x, fx, vx, o_k, m_k, K)
+        Y = _load_rows(y, fy, vy, o_k, m_k, K)
+        acc += _input_dot(X, Y, x, y, LP, PRECISION)
+    return acc * _decays(Gx, Gy, tokx, toky, STRICT, GATE)
 
 
 @triton.jit
@@ -296,19 +224,31 @@ def _chunk_log_cumsum_kernel(g, gc, T, H: tl.constexpr, K: tl.constexpr, TC: tl.
              mask=m_k[None, :])
 
 
-def chunk_log_cumsum(g: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Chunk-local inclusive log-cumsums of a per-channel log-gate, in fp64.
+def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Chunk-local inclusive log-cumsums of a per-channel log-gate, summed in fp64.
 
-    g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] fp64 with
-    NC = ceil(T / chunk_size): entry t of chunk n is the sum of g over tokens n*C .. n*C + t;
-    past T the gates count as 0. Every per-channel decay inside a chunk is the exp of a
-    difference of two of these (``_channel_decays``, ``_level_x``, ``_level_y``)."""
+    g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] in ``dtype`` (fp64, or
+    fp32: ``log_cumsum_dtype``) with NC = ceil(T / chunk_size): entry t of chunk n is the sum of g
+    over tokens n*C .. n*C + t; past T the gates count as 0. Every per-channel decay inside a
+    chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``)."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
-    gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=torch.float64)
+    gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](g.contiguous(), gc, T, H=H, K=K, TC=chunk_size, BK=BK)
     return gc
+
+
+def log_cumsum_dtype(precision: str) -> torch.dtype:
+    """The per-channel log-cumsums' dtype at a products' precision: fp64 at fp32 accuracy ("tf32x3",
+    "ieee"), where a difference of two fp32 log-cumsums of large magnitude (strong decays) could be
+    off by more than the products' own error; fp32 where the products are rounded anyway (TF32, bf16:
+    an fp32 log-cumsum is off by at most 2^-24 of its magnitude, far below 2^-8), which halves the
+    registers and loads of every decay. ``channel._CHANNEL["log_cumsum"]`` overrides it."""
+    forced = _CHANNEL["log_cumsum"]
+    if forced is not None:
+        return forced
+    return torch.float64 if precision in ("tf32x3", "ieee") else torch.float32
 
 
 @triton.jit
@@ -316,7 +256,7 @@ def _intra_kernel(
     q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, kdec, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
 ):
@@ -344,43 +284,48 @@ def _intra_kernel(
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
 
-    # O's intra-chunk products (the scale folded in); tied, with L_BA's before its factors
+    # O's intra-chunk products (the scale folded in); tied, with L_BA's before its factors. A per-channel
+    # gate's products (GATE 2) are in mqk, mqa, lba and lbk already (``channel.channel_product``).
     if TIED:
         M, P = _tied_products(q, k, Gq, Gk, Gq_ex, i_b, i_h, i_c, T, H, K, TC, GATE, BK, PRECISION, LP_QK, LP_BA)
-    else:
-        M = _products(q, k, gc, Gq, Gk, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RKV, RKVP, False, GATE, LEVELS, BK,
-                      PRECISION, LP_QK)
-    tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
+    elif GATE < 2:
+        M = _products(q, k, Gq, Gk, i_b, i_h, i_c, T, H, K, TC, 1, 1, RKV, RKVP, False, GATE, BK, PRECISION, LP_QK)
+    if GATE < 2:
+        tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
         if ASC:
             fac_a = _row_factor(sa, fa, va)
-        if SAVE or not TIED:  # tied, the output kernel forms M_QA U from M_QK itself
+        if GATE < 2 and (SAVE or not TIED):  # tied, the output kernel forms M_QA U from M_QK itself
             if not TIED:  # tied, M_QA is M_QK times a's factors
-                M = _products(q, a, gc, Gq, Ga, i_b, i_h, i_c, T, H, K, KG, TC, 1, 1, RAB, RABP, False, GATE, LEVELS,
-                              BK, PRECISION, LP_QA)
+                M = _products(q, a, Gq, Ga, i_b, i_h, i_c, T, H, K, TC, 1, 1, RAB, RABP, False, GATE, BK, PRECISION,
+                              LP_QA)
             if ASC:
                 M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
-        if not TIED:
-            P = _products(b, a, gc, Gb, Ga, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RAB, RABP, True, GATE, LEVELS,
-                          BK, PRECISION, LP_BA)
-        L = P
-        if ASC:
-            L = L * fac_a[None, :]
-        tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
+        if GATE < 2:
+            if not TIED:
+                P = _products(b, a, Gb, Ga, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RAB, RABP, True, GATE, BK,
+                              PRECISION, LP_BA)
+            L = P
+            if ASC:
+                L = L * fac_a[None, :]
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
         if TIED:  # L_BK is L_BA before a's factors
             L = P
+        elif GATE < 2:
+            L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
+                          LP_BK)
         else:
-            L = _products(b, k, gc, Gb, Gk, i_b, i_h, i_c, T, H, K, KG, TC, RAB, RABP, RKV, RKVP, True, GATE, LEVELS,
-                          BK, PRECISION, LP_BK)
+            L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
-            tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
+            if GATE < 2:
+                tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     if VSC:
         fac_v = _row_factor(sv, fk, vk)
@@ -612,7 +557,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     uv = torch.empty(B, H, NC, NA, V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
-    lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and save else None
+    lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     # the intra kernel's key block: 32 for a per-channel gate without a low-rank decay (GLA); with one
     # (HDLA) 64 even where K is 32 (masked): at 32, Triton 3.6 on the H100 miscompiled that kernel with
@@ -626,14 +571,21 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
     if gate == 2:  # the kernels read per-channel decays as differences of these
-        g = chunk_log_cumsum(g, TC)
+        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec))
+        # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
+        prod = dict(T=T, TC=TC, precision=prec)
+        channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
+        if Rab:
+            channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
+            channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
+            channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
     _intra_kernel[(NC, B * H)](
         q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
         dummy if sv is None else sv, opt(qd), mqk,
         mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
         opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
         H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
-        LEVELS=TC.bit_length() - 1, PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
+        PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
         LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
         E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
         num_warps=cfg["intra_warps"], num_stages=1,

@@ -1,0 +1,293 @@
+"""Per-channel decayed products inside a chunk, forward and backward, in sub-blocks.
+
+With a per-channel gate, every intra-chunk product of the chunked algorithm has the form
+
+    P[p, q] = Σ_k x_pk y_qk exp(G^x_pk - G^y_qk)      for tok q < tok p (STRICT) or tok q <= tok p
+
+(M_QK, M_QA: x = q, G^x = G_t; L_BA, L_BK: x = b, STRICT, G^x = G_{t-1}; G^y = G_t), with G the
+chunk-local log-cumsums (``chunk_fwd.chunk_log_cumsum``). The decay is not a rank-one factor, so
+it cannot be moved out of the product whole; it is split the way fla's GLA kernels split it.
+The chunk's tokens fall into NB sub-blocks of TB tokens (TB*R >= 16 rows for either side):
+
+* off the diagonal (y's block before x's), through the token r just before x's block: the
+  exponent is (G^x_p - G_r) + (G_r - G^y_q), both parts <= 0, so P's row block is one
+  tensor-core product of x ⊙ e^{G^x - G_r} with y ⊙ e^{G_r - G^y} (y's later rows masked to 0);
+* on the diagonal, the pairs within TB tokens are taken level by level (``_level_product``):
+  at each level the second half of every block of S tokens against its first half, through
+  the token at S/2 - 1, both factors <= 1 again, plus (not STRICT) a token against itself.
+
+No factor exceeds 1, so a log-gate of -30 per step underflows to an exact 0 and never overflows.
+One program per (x row block, chunk, sequence x head) in the forward; one per (key block, row
+block, chunk, ...) in the backward, which forms dx for x's rows of its block (through the token
+before it, as above) and dy for y's rows of its block (through the block's last token f:
+(G^x_p - G_f) + (G_f - G^y_q), again both <= 0).
+
+The exponents are differences of log-cumsums, fp64 at fp32 accuracy and fp32 where the products are
+rounded to TF32 or bf16 anyway (``chunk_fwd.log_cumsum_dtype``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_state import _chunk_rows, _dot, _load_rows
+from .fused_recurrent import _pow2
+
+# Knobs: rows of a sub-block (at least 16, tl.dot's smallest tile); key block and warps of the forward and
+# backward kernels; log_cumsum: the log-cumsums' dtype (None: ``chunk_fwd.log_cumsum_dtype``'s choice).
+_CHANNEL = dict(rows=16, bk=64, warps=4, bwd_bk=32, bwd_warps=4, log_cumsum=None)
+
+
+@triton.jit
+def _gc_at(gc, tok, ok, o_k, m_k, KG: tl.constexpr):
+    """[rows, BK] chunk-local log-cumsums G (in gc's dtype) at the chunk's tokens tok where ok, else 0.
+    gc: this chunk's [C, KG] slice of ``chunk_log_cumsum``'s output."""
+    return tl.load(gc + tok[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _level_x(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr):
+    """Decays of the row side at one level of the per-channel products (blocks of S tokens):
+    exp of the gates from the block's midpoint (token S/2 - 1) to each row of the block's second
+    half, up to the row's token (STRICT: strictly before it), and 0 on the first half's rows."""
+    HS: tl.constexpr = S // 2
+    sel = (tok % S) >= HS
+    mid = tok - tok % S + HS - 1
+    if STRICT:  # the gates over (mid, tok)
+        ex = _gc_at(gc, tok - 1, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
+    else:       # over (mid, tok]
+        ex = _gc_at(gc, tok, sel, o_k, m_k, KG) - _gc_at(gc, mid, sel, o_k, m_k, KG)
+    return tl.where(sel[:, None], tl.exp(ex.to(tl.float32)), 0.0)
+
+
+@triton.jit
+def _level_y(gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
+    """Decays of the column side at one level: exp of the gates after each row's token up to the
+    midpoint, on the block's first half (0 on its second half)."""
+    HS: tl.constexpr = S // 2
+    sel = (tok % S) < HS
+    mid = tok - tok % S + HS - 1
+    ey = _gc_at(gc, mid, sel, o_k, m_k, KG) - _gc_at(gc, tok, sel, o_k, m_k, KG)  # the gates over (tok, mid]
+    return tl.where(sel[:, None], tl.exp(ey.to(tl.float32)), 0.0)
+
+
+@triton.jit
+def _same_block(tokx, toky, S: tl.constexpr):
+    return (tokx // S)[:, None] == (toky // S)[None, :]
+
+
+@triton.jit
+def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, STRICT: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """One level of the per-channel products: in blocks of S tokens, the rows of each block's
+    second half against the columns of its first half, through the token at S/2 - 1."""
+    Xs = X * _level_x(gc, tokx, o_k, m_k, KG, S, STRICT)
+    Ys = Y * _level_y(gc, toky, o_k, m_k, KG, S)
+    return tl.where(_same_block(tokx, toky, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
+
+
+@triton.jit
+def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
+    """X Yᵀ of rows loaded (as fp32) from the inputs x and y: with LP (both 16-bit) in their own
+    dtype, which is exact (16-bit products fit the fp32 accumulator), else at PRECISION."""
+    if LP:
+        return tl.dot(X.to(x.dtype.element_ty), tl.trans(Y.to(y.dtype.element_ty)))
+    else:
+        return _dot(X, tl.trans(Y), PRECISION)
+
+
+@triton.jit
+def _tok_rows(o_r, i_b, i_h, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """Rows o_r of chunk n of a [B, T, H, R, D] tensor: token in chunk, valid, flat row (``_chunk_rows``)."""
+    tok, _, _, valid, flat = _chunk_rows(o_r, i_b, i_h, n, T, H, TC, R, RP)
+    return tok, valid, flat
+
+
+@triton.jit
+def _x_exponent(gc, tok, o_k, m_k, KG: tl.constexpr, STRICT: tl.constexpr):
+    """G^x [rows, BK]: G_{tok-1} (STRICT; 0 at the chunk's first token) or G_tok."""
+    if STRICT:
+        return _gc_at(gc, tok - 1, tok > 0, o_k, m_k, KG)
+    else:
+        return _gc_at(gc, tok, tok >= 0, o_k, m_k, KG)
+
+
+@triton.jit
+def _channel_product_kernel(
+    x, y, gc, sy, p, scale, T, NC,
+    H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
+    RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
+    BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr,
+):
+    # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
+    # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale.
+    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NX: tl.constexpr = TC * RXP
+    NY: tl.constexpr = TC * RYP
+    XR: tl.constexpr = TB * RXP
+    YR: tl.constexpr = TB * RYP
+    NB: tl.constexpr = TC // TB
+    LEVELS: tl.constexpr = TB.bit_length() - 1
+    g = gc + c * TC * KG
+    o_x = i_r * XR + tl.arange(0, XR)  # x's rows in this block
+    tokx, vx, fx = _tok_rows(o_x, i_b, i_h, i_c, T, H, TC, RX, RXP)
+    o_y = tl.arange(0, NY)  # every y row (the off-diagonal part's columns)
+    toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
+    o_d = i_r * YR + tl.arange(0, YR)  # y's rows in this block (the diagonal block's columns)
+    tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
+    ref = i_r * TB - 1  # the token just before the block
+    before = toky <= ref
+    if not STRICT:
+        same_tok = tokx[:, None] == tokd[None, :]
+    off = tl.zeros([XR, NY], dtype=tl.float32)
+    dia = tl.zeros([XR, YR], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        X = _load_rows(x, fx, vx, o_k, m_k, K)
+        Yd = _load_rows(y, fd, vd, o_k, m_k, K)
+        if i_r > 0:
+            Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)  # [BK]
+            Xs = X * tl.exp((_x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]).to(tl.float32))
+            ey = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
+            Ys = _load_rows(y, fy, vy & before, o_k, m_k, K) * tl.exp(ey.to(tl.float32))
+            off += _dot(Xs, tl.trans(Ys), PRECISION)
+        if not STRICT:  # a token against itself: no decay
+            dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
+        for lvl in tl.static_range(LEVELS):
+            dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, STRICT, PRECISION)
+    # the diagonal block into its own columns of the row block
+    blk = (tl.arange(0, NB) == i_r).to(tl.float32)
+    out = off + tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
+    if YSC:
+        out = out * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
+    tl.store(p + (c * NX + o_x[:, None]) * NY + o_y[None, :], out * scale)
+
+
+def _sub_block(TC: int, rx: int, ry: int) -> int:
+    """Tokens per sub-block: ``_CHANNEL["rows"]`` rows on the side of the smaller padded rank."""
+    return min(TC, max(1, _CHANNEL["rows"] // min(_pow2(rx), _pow2(ry))))
+
+
+def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str, lowp: bool,
+                    scale: float = 1.0, y_scale=None) -> torch.Tensor:
+    """Writes P ⊙ y_scale (columns) times ``scale`` into ``out`` [B, H, NC, TC*Rxp, TC*Ryp] (any float dtype).
+
+    x [B, T, H, Rx, K], y [B, T, H, Ry, K] (contiguous, as given; [B, T, H, K]: rank 1); gc [B, H, NC, TC, K]
+    (``chunk_log_cumsum``); y_scale [B, T, H, Ry] fp32 or None; lowp: x and y are 16-bit of one
+    dtype (a token against itself is then taken in that dtype, exactly)."""
+    x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
+    B, _, H, RX, K = x.shape
+    RY = y.shape[-2]
+    NC = gc.shape[2]
+    TB = _sub_block(TC, RX, RY)
+    BK = min(_CHANNEL["bk"], max(16, triton.next_power_of_2(K)))
+    _channel_product_kernel[(TC // TB, NC, B * H)](
+        x, y, gc, out if y_scale is None else y_scale, out, scale, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
+        RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision, LP=lowp,
+        YSC=y_scale is not None, num_warps=_CHANNEL["warps"], num_stages=1,
+    )
+    return out
+
+
+@triton.jit
+def _channel_product_bwd_kernel(
+    x, y, gc, sy, dp, dx, dy, T, NC,
+    H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
+    RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
+    BK: tl.constexpr, PRECISION: tl.constexpr, YSC: tl.constexpr, ACC_X: tl.constexpr, ACC_Y: tl.constexpr,
+):
+    # dp [B, H, NC, NX, NY]: dL/dP for P = P(x, sy ⊙ y) (``_channel_product_kernel``'s without its scale);
+    # entries outside the causal pattern are ignored. dx [B, H, NC, NX, K] and dy [B, H, NC, NY, K]
+    # fp32: dL/dx and dL/d(sy ⊙ y) through P, added to what they hold with ACC_X / ACC_Y.
+    i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB: tl.constexpr = TC // TB
+    i_k, i_r = i_kr // NB, i_kr % NB
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NX: tl.constexpr = TC * RXP
+    NY: tl.constexpr = TC * RYP
+    XR: tl.constexpr = TB * RXP
+    YR: tl.constexpr = TB * RYP
+    LEVELS: tl.constexpr = TB.bit_length() - 1
+    g = gc + c * TC * KG
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    o_x = i_r * XR + tl.arange(0, XR)  # x's rows in this block
+    tokx, vx, fx = _tok_rows(o_x, i_b, i_h, i_c, T, H, TC, RX, RXP)
+    o_d = i_r * YR + tl.arange(0, YR)  # y's rows in this block
+    tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
+    X = _load_rows(x, fx, vx, o_k, m_k, K)
+    Yd = _load_rows(y, fd, vd, o_k, m_k, K)
+    if YSC:
+        Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
+    dP = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)  # the diagonal block
+    # the diagonal block, level by level (and a token against itself)
+    if STRICT:
+        dX = tl.zeros([XR, BK], dtype=tl.float32)
+        dY = tl.zeros([YR, BK], dtype=tl.float32)
+    else:
+        P = tl.where(tokx[:, None] == tokd[None, :], dP, 0.0)
+        dX = _dot(P, Yd, PRECISION)
+        dY = _dot(tl.trans(P), X, PRECISION)
+    for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
+        lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
+        ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
+        P = tl.where(_same_block(tokx, tokd, TB >> lvl), dP, 0.0)
+        dX += _dot(P, Yd * ly, PRECISION) * lx
+        dY += _dot(tl.trans(P), X * lx, PRECISION) * ly
+    # x's rows of this block against y's rows before it, through the token just before the block
+    if i_r > 0:
+        ref = i_r * TB - 1
+        o_y = tl.arange(0, NY)
+        toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
+        before = toky <= ref
+        Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)
+        Y = _load_rows(y, fy, vy & before, o_k, m_k, K)
+        if YSC:
+            Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
+        eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
+        Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+        xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
+        dX += _dot(Pb, Y * tl.exp(eb.to(tl.float32)), PRECISION) * tl.exp(xb.to(tl.float32))
+    # y's rows of this block against x's rows after it, through the block's last token
+    if i_r < NB - 1:
+        last = (i_r + 1) * TB - 1
+        o_a = tl.arange(0, NX)
+        toka, va, fa = _tok_rows(o_a, i_b, i_h, i_c, T, H, TC, RX, RXP)
+        after = toka > last
+        Gf = tl.load(g + last * KG + o_k, mask=m_k, other=0.0)
+        Xa = _load_rows(x, fa, va & after, o_k, m_k, K)
+        xa = tl.where(after[:, None], _x_exponent(g, toka, o_k, m_k, KG, STRICT) - Gf[None, :], -1.0e30)
+        Pa = tl.load(dp + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+        ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
+        dY += _dot(tl.trans(Pa), Xa * tl.exp(xa.to(tl.float32)), PRECISION) * tl.exp(ya.to(tl.float32))
+    px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
+    py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]
+    if ACC_X:
+        dX += tl.load(px, mask=m_k[None, :], other=0.0)
+    if ACC_Y:
+        dY += tl.load(py, mask=m_k[None, :], other=0.0)
+    tl.store(px, dX, mask=m_k[None, :])
+    tl.store(py, dY, mask=m_k[None, :])
+
+
+def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, precision: str, acc_x: bool,
+                        acc_y: bool, y_scale=None):
+    """dL/dx into dx [B, H, NC, TC*Rxp, K] and dL/d(y_scale ⊙ y) into dy [B, H, NC, TC*Ryp, K] (fp32,
+    chunk layout), given dp = dL/dP [B, H, NC, TC*Rxp, TC*Ryp] for P = ``channel_product``'s without its
+    scale, that is P(x, y_scale ⊙ y); with acc_x / acc_y added to what dx / dy hold."""
+    x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
+    B, _, H, RX, K = x.shape
+    RY = y.shape[-2]
+    NC = gc.shape[2]
+    TB = _sub_block(TC, RX, RY)
+    BK = min(_CHANNEL["bwd_bk"], max(16, triton.next_power_of_2(K)))
+    _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
+        x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
+        RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
+        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, num_warps=_CHANNEL["bwd_warps"], num_stages=1,
+    )
