@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
-from .backends import check_triton_mode, recurrent_mode
+from .backends import check_triton_mode, recurrent_mode, triton_runs_on
 from .dplr import dplr
 
 
@@ -57,6 +57,14 @@ def _check_gate(g: torch.Tensor | None, q: torch.Tensor, name: str = "g", per_ch
     else:
         expected = "[B, T, H] or [B, T, H, K]" if per_channel else "[B, T, H]"
         raise ValueError(f"{name} must have shape {expected}, got {list(g.shape)}")
+
+
+def _triton_factors(mode: str, q: torch.Tensor, tensors, max_k: int = 1024) -> bool:
+    """Whether a mechanism builds its DPLR factors with a Triton kernel (``triton.factors``): where
+    ``dplr`` itself runs Triton (mode "triton", or "auto" on CUDA) in fp32, for K up to ``max_k``."""
+    if compute_dtype(tensors) != torch.float32 or q.shape[-1] > max_k or not triton_runs_on(q):
+        return False
+    return mode == "triton" or (mode == "auto" and q.is_cuda)
 
 
 def _gate_factor(g: torch.Tensor | None) -> torch.Tensor | None:
@@ -238,14 +246,19 @@ def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
-    k_, beta_ = _up(k), _up(beta)[..., None]
-    lam = _up(g).exp()
-    lam = lam[..., None] if lam.dim() == 3 else lam
-    lk = lam * k_  # λ ⊙ k
-    a1 = beta_ * k_
-    a2 = beta_ * (lk - beta_ * (k_ * lk).sum(-1, keepdim=True) * k_)
-    a = torch.stack([a1, a2], dim=3)  # [B, T, H, 2, K]
-    b = torch.stack([lk, k_], dim=3)
+    if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
+        from .triton.factors import hdla_factors  # one kernel each way instead of ~30 elementwise passes
+
+        a, b = hdla_factors(k, g if g.dim() == 4 else g[..., None].expand(k.shape), beta)
+    else:
+        k_, beta_ = _up(k), _up(beta)[..., None]
+        lam = _up(g).exp()
+        lam = lam[..., None] if lam.dim() == 3 else lam
+        lk = lam * k_  # λ ⊙ k
+        a1 = beta_ * k_
+        a2 = beta_ * (lk - beta_ * (k_ * lk).sum(-1, keepdim=True) * k_)
+        a = torch.stack([a1, a2], dim=3)  # [B, T, H, 2, K]
+        b = torch.stack([lk, k_], dim=3)
     return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
 
@@ -280,10 +293,16 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"mask must have shape [H, r, r] or [B, T, H, r, r], got {list(mask.shape)}")
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
-    group = torch.arange(K, device=q.device) // (K // r)
-    onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
-    a, a_scale = _beta_alpha(k[..., None, :] * onehot, beta, g)  # k ⊙ 1[group j]: exact in k's dtype
-    b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
+    if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
+        from .triton.factors import hh_factors  # one kernel each way: no gather of the mask, no scatter-add
+
+        a, b = hh_factors(k, mask)
+    else:
+        group = torch.arange(K, device=q.device) // (K // r)
+        onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
+        a = k[..., None, :] * onehot  # k ⊙ 1[group j]: exact in k's dtype
+        b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
+    a, a_scale = _beta_alpha(a, beta, g)
     return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
                 a_scale=a_scale, v_scale=beta)

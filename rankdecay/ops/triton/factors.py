@@ -1,0 +1,209 @@
+"""Mechanisms' DPLR factors built in one Triton kernel each way, instead of a dozen PyTorch ops.
+
+HDLA (``mechanisms.hdla``) turns ``k``, ``g`` and ``β`` into the rank-2 decay's rows
+
+    a = [β k, β (λ⊙k - β (kᵀ(λ⊙k)) k)],   b = [λ⊙k, k],   λ = exp(g)
+
+In PyTorch that is about ten elementwise ops forward and twenty in autograd's backward, each a
+pass over ``[B, T, H, 2, K]`` fp32 tensors: 4.5 ms of HDLA's 16.7 ms forward+backward at
+B8 T2048 H16 K128 on the H100 (BENCHMARKS.md session 20). Here one program takes a block of
+rows (tokens x heads) whole along K, forward and backward, in fp32.
+
+Head-in-Head (``mechanisms.hh_delta_rule``) builds ``a_j = k ⊙ 1[group j]`` and
+``b_j = k ⊙ M[j, group(·)]`` for r groups of key channels: PyTorch's gather of the mask and its
+backward (a scatter-add) cost about 3 ms of HH-GDN's forward+backward at the same size.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows per program: the [ROWS, BK] tiles of k, g and the four factor rows stay in registers.
+_ELEMS = 4096
+
+
+@triton.jit
+def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    p = o_n[:, None] * K + o_k[None, :]
+    k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    lk = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32)) * k_
+    be = tl.load(beta + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
+    c = tl.sum(k_ * lk, axis=1)[:, None]
+    p2 = o_n[:, None] * 2 * K + o_k[None, :]  # row r of token n: (2 n + r) K
+    tl.store(a + p2, be * k_, mask=m)
+    tl.store(a + p2 + K, be * (lk - be * c * k_), mask=m)
+    tl.store(b + p2, lk, mask=m)
+    tl.store(b + p2 + K, k_, mask=m)
+
+
+@triton.jit
+def _hdla_factors_bwd_kernel(k, g, beta, da, db, dk, dg, dbeta, N, K: tl.constexpr, BK: tl.constexpr,
+                             ROWS: tl.constexpr):
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    p = o_n[:, None] * K + o_k[None, :]
+    p2 = o_n[:, None] * 2 * K + o_k[None, :]
+    k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    lam = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32))
+    lk = lam * k_
+    be = tl.load(beta + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
+    c = tl.sum(k_ * lk, axis=1)[:, None]
+    da1 = tl.load(da + p2, mask=m, other=0.0).to(tl.float32)
+    da2 = tl.load(da + p2 + K, mask=m, other=0.0).to(tl.float32)
+    db1 = tl.load(db + p2, mask=m, other=0.0).to(tl.float32)
+    db2 = tl.load(db + p2 + K, mask=m, other=0.0).to(tl.float32)
+    # a1 = β k;  a2 = β lk - β² c k;  b1 = lk;  b2 = k;  c = Σ k lk;  lk = λ k
+    d_beta = tl.sum(da1 * k_ + da2 * (lk - 2.0 * be * c * k_), axis=1)
+    dc = -be * be * tl.sum(da2 * k_, axis=1)[:, None]
+    dlk = be * da2 + db1 + dc * k_
+    dk_ = be * da1 - be * be * c * da2 + db2 + dc * lk + dlk * lam
+    tl.store(dk + p, dk_, mask=m)
+    tl.store(dg + p, dlk * lk, mask=m)  # d/dg of λ k = λ k
+    tl.store(dbeta + o_n, d_beta, mask=o_n < N)
+
+
+def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
+    BK = triton.next_power_of_2(K)
+    rows = max(1, min(64, _ELEMS // BK))
+    return BK, rows, (triton.cdiv(N, rows),)
+
+
+class _HDLAFactors(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, g, beta):
+        K = k.shape[-1]
+        N = k.numel() // K
+        a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
+        b = torch.empty_like(a)
+        BK, rows, grid = _grid(N, K)
+        _hdla_factors_fwd_kernel[grid](k, g, beta, a, b, N, K=K, BK=BK, ROWS=rows)
+        ctx.save_for_backward(k, g, beta)
+        return a, b
+
+    @staticmethod
+    def backward(ctx, da, db):
+        k, g, beta = ctx.saved_tensors
+        K = k.shape[-1]
+        N = k.numel() // K
+        da = torch.zeros(*k.shape[:-1], 2, K, device=k.device) if da is None else da.contiguous()
+        db = torch.zeros_like(da) if db is None else db.contiguous()
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dg = torch.empty_like(dk)
+        dbeta = torch.empty(beta.shape, dtype=torch.float32, device=k.device)
+        BK, rows, grid = _grid(N, K)
+        _hdla_factors_bwd_kernel[grid](k, g, beta, da, db, dk, dg, dbeta, N, K=K, BK=BK, ROWS=rows)
+        return dk.to(k.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
+
+
+def hdla_factors(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""HDLA's rank-2 decay rows (HDLA App. C.2), differentiable in all three inputs.
+
+    Args:
+        k: ``[B, T, H, K]`` keys (any float dtype; read in fp32).
+        g: ``[B, T, H, K]`` log-decays, ``λ = exp(g)``.
+        beta: ``[B, T, H]``.
+
+    Returns:
+        ``(a, b)``, each ``[B, T, H, 2, K]`` fp32: ``a = [βk, β(λ⊙k - β(kᵀ(λ⊙k))k)]``,
+        ``b = [λ⊙k, k]``, the factors of ``dplr`` for
+        :math:`(I - βkkᵀ)\,\mathrm{Diag}(λ)\,(I - βkkᵀ) = \mathrm{Diag}(λ) - a_1b_1ᵀ - a_2b_2ᵀ`.
+    """
+    if k.dim() != 4 or g.shape != k.shape or beta.shape != k.shape[:-1]:
+        raise ValueError(f"hdla_factors expects k and g [B, T, H, K] and beta [B, T, H]; got k {list(k.shape)}, "
+                         f"g {list(g.shape)}, beta {list(beta.shape)}")
+    return _HDLAFactors.apply(k.contiguous(), g.contiguous(), beta.contiguous())
+
+
+@triton.jit
+def _hh_factors_fwd_kernel(k, mask, a, b, N, H, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                           R: tl.constexpr, STATIC: tl.constexpr):
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    m = m_n[:, None] & (o_k < K)[None, :]
+    k_ = tl.load(k + o_n[:, None] * K + o_k[None, :], mask=m, other=0.0)
+    group = (o_k // (K // R))[None, :]
+    p_m = ((o_n % H) if STATIC else o_n)[:, None] * R * R + group  # mask[.., j, group(l)] = p_m + j R
+    for j in tl.static_range(R):
+        p = (o_n[:, None] * R + j) * K + o_k[None, :]
+        tl.store(a + p, tl.where(group == j, k_, 0.0).to(a.dtype.element_ty), mask=m)
+        m_j = tl.load(mask + p_m + j * R, mask=m, other=0.0).to(tl.float32)
+        tl.store(b + p, k_.to(tl.float32) * m_j, mask=m)
+
+
+@triton.jit
+def _hh_factors_bwd_kernel(k, mask, da, db, dk, dmask, N, H, K: tl.constexpr, BK: tl.constexpr,
+                           ROWS: tl.constexpr, R: tl.constexpr, STATIC: tl.constexpr):
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    m = m_n[:, None] & (o_k < K)[None, :]
+    k_ = tl.load(k + o_n[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    group = (o_k // (K // R))[None, :]
+    p_m = ((o_n % H) if STATIC else o_n)[:, None] * R * R + group
+    dk_ = tl.zeros([ROWS, BK], dtype=tl.float32)
+    for j in tl.static_range(R):
+        p = (o_n[:, None] * R + j) * K + o_k[None, :]
+        da_j = tl.load(da + p, mask=m, other=0.0).to(tl.float32)
+        db_j = tl.load(db + p, mask=m, other=0.0).to(tl.float32)
+        dk_ += tl.where(group == j, da_j, 0.0) + db_j * tl.load(mask + p_m + j * R, mask=m, other=0.0).to(tl.float32)
+        dbk = db_j * k_
+        for i in tl.static_range(R):  # this row's share of dM[j, i]: its channels in group i
+            tl.store(dmask + (o_n * R + j) * R + i, tl.sum(tl.where(group == i, dbk, 0.0), axis=1), mask=m_n)
+    tl.store(dk + o_n[:, None] * K + o_k[None, :], dk_, mask=m)
+
+
+class _HHFactors(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, mask):
+        B, T, H, K = k.shape
+        R = mask.shape[-1]
+        N = k.numel() // K
+        a = k.new_empty(B, T, H, R, K)
+        b = torch.empty(B, T, H, R, K, dtype=torch.float32, device=k.device)
+        BK, rows, grid = _grid(N, K)
+        _hh_factors_fwd_kernel[grid](k, mask, a, b, N, H, K=K, BK=BK, ROWS=rows, R=R, STATIC=mask.dim() == 3)
+        ctx.save_for_backward(k, mask)
+        return a, b
+
+    @staticmethod
+    def backward(ctx, da, db):
+        k, mask = ctx.saved_tensors
+        B, T, H, K = k.shape
+        R = mask.shape[-1]
+        N = k.numel() // K
+        da = torch.zeros(B, T, H, R, K, dtype=k.dtype, device=k.device) if da is None else da.contiguous()
+        db = torch.zeros(B, T, H, R, K, device=k.device) if db is None else db.contiguous()
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dmask = torch.empty(B, T, H, R, R, dtype=torch.float32, device=k.device)  # per-row shares
+        BK, rows, grid = _grid(N, K)
+        _hh_factors_bwd_kernel[grid](k, mask, da, db, dk, dmask, N, H, K=K, BK=BK, ROWS=rows, R=R,
+                                     STATIC=mask.dim() == 3)
+        if mask.dim() == 3:
+            dmask = dmask.sum((0, 1))
+        return dk.to(k.dtype), dmask.to(mask.dtype)
+
+
+def hh_factors(k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Head-in-Head's decay rows (Head-in-Head App. B), differentiable in ``k`` and ``mask``.
+
+    Args:
+        k: ``[B, T, H, K]`` keys.
+        mask: ``[H, r, r]`` (static) or ``[B, T, H, r, r]`` (per token), r dividing K.
+
+    Returns:
+        ``(a, b)``, each ``[B, T, H, r, K]``: ``a_j = k ⊙ 1[group j]`` in ``k``'s dtype (exact),
+        ``b_j = k ⊙ M[j, group(·)]`` in fp32, with channel l in group ``l // (K / r)``; then
+        :math:`\sum_j a_j b_jᵀ = k kᵀ ⊙ \mathrm{expand}(M)`.
+    """
+    B, T, H, K = k.shape
+    R = mask.shape[-1]
+    if mask.shape not in ((H, R, R), (B, T, H, R, R)) or K % R:
+        raise ValueError(f"hh_factors expects mask [H, r, r] or [B, T, H, r, r] with r dividing K = {K}; "
+                         f"got {list(mask.shape)}")
+    return _HHFactors.apply(k.contiguous(), mask.contiguous())
