@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+from rankdecay.models import RankDecayConfig, RankDecayForCausalLM, output_cache
 
 
 @torch.no_grad()
 def step_latency(model, context: int, steps: int, warmup: int = 5) -> float:
     ids = torch.randint(0, 256, (1, context))
     out = model(ids, use_cache=True)
-    token, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+    token, cache = out.logits[:, -1:].argmax(-1), output_cache(out)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Language models: one class for every mixer, registered with transformers' Auto classes."""
 from .config import MIXERS, PRESETS, RankDecayConfig
 from .generation import GraphDecoder
-from .modeling import RankDecayForCausalLM, RankDecayModel, build_mixer
+from .modeling import RankDecayForCausalLM, RankDecayModel, build_mixer, output_cache
 
 __all__ = ["MIXERS", "PRESETS", "RankDecayConfig", "RankDecayModel", "RankDecayForCausalLM", "build_mixer",
-           "GraphDecoder"]
+           "GraphDecoder", "output_cache"]

@@ -32,6 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..layers.cache import Cache
+from .modeling import output_cache
 
 
 def _leaves(x) -> list[torch.Tensor]:
@@ -94,7 +95,7 @@ class GraphDecoder:
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
         key = (input_ids.shape[0], tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)))
         if key != self._key:

@@ -1,6 +1,8 @@
 """One language model for every mixer: [RMSNorm -> mixer -> + -> RMSNorm -> SwiGLU -> +] x N."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,6 +15,21 @@ from ..layers import (
     SimpleGLA, SlidingWindowAttention,
 )
 from .config import RankDecayConfig
+
+# transformers 5.24 renamed the outputs' and generate's ``past_key_values`` to ``cache`` (the old name
+# still works there, with a deprecation warning). The model takes both and answers in the installed name.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def output_cache(out) -> Cache | None:
+    """The cache of a model output (``out.cache`` with transformers >= 5.24, ``out.past_key_values`` before)."""
+    return getattr(out, CACHE_FIELD)
+
+
+def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("give the cache once: past_key_values or cache (its name from transformers 5.24), not both")
+    return past_key_values if cache is None else cache
 
 
 def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module:
@@ -110,9 +127,12 @@ class RankDecayModel(RankDecayPreTrainedModel):
         self.embeddings = value
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
-                use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+                use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None, cache: Cache | None = None,
+                **kwargs):
         """input_ids [B, T] (or inputs_embeds [B, T, D]); attention_mask [B, T] or [B, past + T] with 0 at
-        (left) padding; cu_seqlens [N + 1] for sequences packed along T (B = 1).
+        (left) padding; cu_seqlens [N + 1] for sequences packed along T (B = 1). The cache of earlier
+        tokens comes as ``past_key_values`` or ``cache`` (transformers >= 5.24 names it so) and goes
+        back in the output under the installed transformers' name (``output_cache`` reads either).
 
         Other keyword arguments that transformers' generation passes (position_ids, ...) are
         not used: positions live in the cache.
@@ -121,6 +141,7 @@ class RankDecayModel(RankDecayPreTrainedModel):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
+        past_key_values = _one_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = Cache(self.config.num_hidden_layers)
@@ -139,7 +160,8 @@ class RankDecayModel(RankDecayPreTrainedModel):
                 x = layer(x, attention_mask, past_key_values, use_cache, cu_seqlens)
         if use_cache:
             past_key_values.seen_tokens += T
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
+                                       **{CACHE_FIELD: past_key_values if use_cache else None})
 
 
 class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
@@ -167,16 +189,17 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
                 labels=None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
-                logits_to_keep: int = 0, **kwargs):
+                logits_to_keep: int = 0, cache: Cache | None = None, **kwargs):
         """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy
         (labels are shifted inside; -100 is ignored). See ``RankDecayModel.forward``."""
-        out = self.model(input_ids, attention_mask, past_key_values, inputs_embeds, use_cache, cu_seqlens)
+        out = self.model(input_ids, attention_mask, _one_cache(past_key_values, cache), inputs_embeds, use_cache,
+                         cu_seqlens)
         h = out.last_hidden_state
         logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: output_cache(out)})
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters (tied weights counted once); optionally without the embeddings."""

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ..models.modeling import output_cache
 from .core import linear_mixers
 
 
@@ -34,7 +35,7 @@ def state_diagnostics(model, ids: torch.Tensor, skip: int = 16, capacity_k: int 
     cache, last = None, {}
     for t in range(T):
         out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         for i in mixers:
             S = cache.layers[i]["recurrent"].double()  # [B, H, K, V]
             flat = S.flatten(2)

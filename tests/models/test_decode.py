@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rankdecay.layers import Cache
-from rankdecay.models import MIXERS
+from rankdecay.models import MIXERS, output_cache
 
 from ..conftest import assert_matches
 from .common import random_ids, tiny_model
@@ -19,7 +19,7 @@ def _decode(model, ids, pieces):
     cache, logits, start = None, [], 0
     for n in pieces:
         out = model(ids[:, start:start + n], past_key_values=cache, use_cache=True)
-        cache, start = out.past_key_values, start + n
+        cache, start = output_cache(out), start + n
         logits.append(out.logits)
     assert isinstance(cache, Cache) and cache.get_seq_length() == ids.shape[1]
     return torch.cat(logits, 1)
@@ -79,9 +79,9 @@ def test_cache_reorder_selects_rows(mixer):
     model = tiny_model(mixer)
     ids = random_ids(3, 40)
     with torch.no_grad():
-        cache = model(ids[:, :30], use_cache=True).past_key_values
+        cache = output_cache(model(ids[:, :30], use_cache=True))
         for t in range(30, 40):
-            cache = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
+            cache = output_cache(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True))
         cache.reorder_cache(torch.tensor([2, 0]))
         nxt = random_ids(2, 1, seed=5)
         got = model(nxt, past_key_values=cache, use_cache=True).logits
@@ -107,5 +107,5 @@ def test_cache_size_does_not_grow_with_the_context(mixer):
     """What makes decode cost per token independent of the context length."""
     model = tiny_model(mixer)
     with torch.no_grad():
-        sizes = [_cache_bytes(model(random_ids(1, n), use_cache=True).past_key_values) for n in (40, 300)]
+        sizes = [_cache_bytes(output_cache(model(random_ids(1, n), use_cache=True))) for n in (40, 300)]
     assert sizes[0] == sizes[1] > 0

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM
+from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM, output_cache
 
 from ..conftest import assert_matches
 from .common import random_ids, tiny_model
@@ -58,7 +58,7 @@ def _manual_greedy(model, ids, steps, eos=257, pad=258):
         done |= nxt == eos
         if done.all():
             break
-        out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+        out = model(nxt, past_key_values=output_cache(out), use_cache=True)
     return torch.cat([ids, *tokens], 1)
 
 
@@ -118,7 +118,7 @@ def test_hybrid_stack_gdn_h1():
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :30], use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         steps = [out.logits]
         for t in range(30, 50):
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)

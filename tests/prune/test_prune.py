@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rankdecay.layers.modules import ShortConvolution
-from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+from rankdecay.models import RankDecayConfig, RankDecayForCausalLM, output_cache
 from rankdecay.prune import (
     METHODS, add_lora, apply_pruning, merge_lora, prune, qrcp, rrqr_quantities, strong_rrqr, transform_model,
     zero_channels,
@@ -101,7 +101,7 @@ def test_pruned_model_saves_reloads_and_decodes(tmp_path):
         cache, steps = None, []
         for t in range(20):
             out = again(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            cache = output_cache(out)
             steps.append(out.logits)
         assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
         assert torch.equal(small(x).logits, full)
@@ -253,6 +253,6 @@ def test_cuda_pruned_model_runs_on_the_kernels_and_decodes(mixer):
         cache, steps = None, []
         for t in range(100):                                   # fused recurrent decode kernel
             o = gpu(x[:, t:t + 1].cuda(), past_key_values=cache, use_cache=True)
-            cache = o.past_key_values
+            cache = output_cache(o)
             steps.append(o.logits.cpu())
         assert (torch.cat(steps, 1) - ref).abs().max().item() < 1e-3
