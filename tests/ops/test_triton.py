@@ -365,7 +365,8 @@ def test_mechanisms_route_through_triton():
             assert_matches(call("fused_recurrent")[0], call("naive")[0], 1e-5, name)
 
 
-@pytest.mark.parametrize("K,dtype,strong,scalar_gate", [(16, torch.float32, False, False), (37, torch.bfloat16, True, False),
+@pytest.mark.parametrize("K,dtype,strong,scalar_gate", [(16, torch.float32, False, False),
+                                                       (37, torch.bfloat16, True, False),
                                                        (20, torch.float32, False, True)])
 def test_hdla_factor_kernel_matches_pytorch_construction(K, dtype, strong, scalar_gate):
     """hdla's a and b from the Triton kernel (forward and backward) against the PyTorch construction in fp64;
@@ -397,7 +398,8 @@ def test_hdla_factor_kernel_matches_pytorch_construction(K, dtype, strong, scala
     ours = grads(dev(k), dev(g), dev(beta), hdla_factors)
     ref = grads(k, g, beta, reference)
     for name, x, y in zip(["a", "b", "dk", "dg", "dbeta"], ours, ref):
-        assert x.dtype == (torch.float32 if name in ("a", "b") else {"dk": dtype, "dg": g.dtype, "dbeta": beta.dtype}[name])
+        want = {"a": torch.float32, "b": torch.float32, "dk": dtype, "dg": g.dtype, "dbeta": beta.dtype}[name]
+        assert x.dtype == want, name
         assert_matches(x.double().cpu(), y, 1e-5 if dtype == torch.float32 else 1e-2, name)
 
     if not scalar_gate:  # hdla with a per-channel gate through the kernel: test_mechanisms_route_through_triton
