@@ -42,6 +42,14 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return _has_triton() and (x.is_cuda or interpreting())
 
 
+def resolve_mode(mode: str, q: torch.Tensor, compute_dtype: torch.dtype) -> str:
+    """``mode`` with "auto" made concrete: "triton" for fp32-computed CUDA tensors when triton is
+    installed, else "chunk"; any other mode is returned as given."""
+    if mode != "auto":
+        return mode
+    return "triton" if compute_dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
+
+
 def recurrent_mode(x: torch.Tensor) -> str:
     """The per-token path for inputs like ``x``: ``"fused_recurrent"`` (the Triton kernel) for
     inference on a GPU, else ``"naive"`` (the PyTorch loop, with autograd and fp64)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import check_triton_mode, needs_grad, triton_runs_on
+from .backends import check_triton_mode, needs_grad, resolve_mode
 from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
@@ -75,8 +75,7 @@ def dplr(
     """
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     dtype = x.compute_dtype
-    if mode == "auto":
-        mode = "triton" if dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"
+    mode = resolve_mode(mode, q, dtype)
     if mode in ("triton", "fused_recurrent"):
         check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state, a_scale, v_scale), dtype)
     q, k, v, a, b, g, sa, sv = x.q, x.k, x.v, x.a, x.b, x.g, x.a_scale, x.v_scale

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
-from .backends import check_triton_mode, recurrent_mode, triton_runs_on
+from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import dplr
 
 
@@ -61,10 +61,10 @@ def _check_gate(g: torch.Tensor | None, q: torch.Tensor, name: str = "g", per_ch
 
 def _triton_factors(mode: str, q: torch.Tensor, tensors, max_k: int = 1024) -> bool:
     """Whether a mechanism builds its DPLR factors with a Triton kernel (``triton.factors``): where
-    ``dplr`` itself runs Triton (mode "triton", or "auto" on CUDA) in fp32, for K up to ``max_k``."""
-    if compute_dtype(tensors) != torch.float32 or q.shape[-1] > max_k or not triton_runs_on(q):
-        return False
-    return mode == "triton" or (mode == "auto" and q.is_cuda)
+    ``dplr`` itself runs Triton (``resolve_mode``), in fp32, for K up to ``max_k``."""
+    dtype = compute_dtype(tensors)
+    return (resolve_mode(mode, q, dtype) == "triton" and dtype == torch.float32 and q.shape[-1] <= max_k
+            and triton_runs_on(q))
 
 
 def _gate_factor(g: torch.Tensor | None) -> torch.Tensor | None:

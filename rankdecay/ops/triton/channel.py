@@ -10,8 +10,9 @@ it cannot be moved out of the product whole; it is split the way fla's GLA kerne
 The chunk's tokens fall into NB sub-blocks of TB tokens (TB*R >= 16 rows for either side):
 
 * off the diagonal (y's block before x's), through the token r just before x's block: the
-  exponent is (G^x_p - G_r) + (G_r - G^y_q), both parts <= 0, so P's row block is one
-  tensor-core product of x ⊙ e^{G^x - G_r} with y ⊙ e^{G_r - G^y} (y's later rows masked to 0);
+  exponent is (G^x_p - G_r) + (G_r - G^y_q), both parts <= 0, so P's off-diagonal part is a
+  tensor-core product of x ⊙ e^{G^x - G_r} with y ⊙ e^{G_r - G^y}: in the forward, one per earlier
+  block of y; in the backward, one against all of y's rows, the later ones masked to 0;
 * on the diagonal, the pairs within TB tokens are taken level by level (``_level_product``):
   at each level the second half of every block of S tokens against its first half, through
   the token at S/2 - 1, both factors <= 1 again, plus (not STRICT) a token against itself.
@@ -36,10 +37,8 @@ from .fused_recurrent import _pow2
 
 # Knobs: rows of a sub-block (at least 16, tl.dot's smallest tile); key block and warps of the forward and
 # backward kernels; log_cumsum: the log-cumsums' dtype (None: ``chunk_fwd.log_cumsum_dtype``'s choice).
-# pairs: the forward's off-diagonal part one earlier sub-block of y at a time (1; H100: GLA 0.75 -> 0.44 ms), or
-# against all of y's rows in one product, the later ones masked (0). The backward keeps the one product: taken
-# block by block it was slower (GLA 0.58 -> 0.61, HDLA 4.0 -> 4.5 ms; BENCHMARKS.md session 20).
-_CHANNEL = dict(rows=16, bk=64, warps=4, bwd_bk=32, bwd_warps=4, log_cumsum=None, pairs=1)
+# bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
+_CHANNEL = dict(rows=16, bk=64, warps=4, bwd_bk=32, bwd_warps=4, log_cumsum=None)
 
 
 @triton.jit
@@ -121,13 +120,13 @@ def _channel_product_kernel(
     x, y, gc, sy, p, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
-    BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, PAIRS: tl.constexpr,
-    KP: tl.constexpr,
+    BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, KP: tl.constexpr,
 ):
     # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
     # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale.
-    # PAIRS: the off-diagonal part block by block of y's earlier sub-blocks, x's side (KP = pow2 >= K wide)
-    # scaled once; else one product against every y row, the later ones masked.
+    # Off the diagonal, x's side is scaled once over all of K (KP = pow2 >= K), then meets y's earlier
+    # sub-blocks one at a time: half the exps and loads of one product against every y row with the
+    # later ones masked (H100: GLA 0.75 -> 0.44 ms; BENCHMARKS.md session 20).
     i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -140,58 +139,45 @@ def _channel_product_kernel(
     g = gc + c * TC * KG
     o_x = i_r * XR + tl.arange(0, XR)  # x's rows in this block
     tokx, vx, fx = _tok_rows(o_x, i_b, i_h, i_c, T, H, TC, RX, RXP)
-    o_y = tl.arange(0, NY)  # every y row (the off-diagonal part's columns)
+    o_y = tl.arange(0, NY)  # every y row: the row block's columns
     toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
     o_d = i_r * YR + tl.arange(0, YR)  # y's rows in this block (the diagonal block's columns)
     tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
-    ref = i_r * TB - 1  # the token just before the block
-    before = toky <= ref
     if not STRICT:
         same_tok = tokx[:, None] == tokd[None, :]
-    off = tl.zeros([XR, NY], dtype=tl.float32)
     dia = tl.zeros([XR, YR], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         X = _load_rows(x, fx, vx, o_k, m_k, K)
         Yd = _load_rows(y, fd, vd, o_k, m_k, K)
-        if i_r > 0 and not PAIRS:
-            Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)  # [BK]
-            Xs = X * tl.exp((_x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]).to(tl.float32))
-            ey = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
-            Ys = _load_rows(y, fy, vy & before, o_k, m_k, K) * tl.exp(ey.to(tl.float32))
-            off += _dot(Xs, tl.trans(Ys), PRECISION)
         if not STRICT:  # a token against itself: no decay
             dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
         for lvl in tl.static_range(LEVELS):
             dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, STRICT, PRECISION)
-    blk = (tl.arange(0, NB) == i_r).to(tl.float32)  # the diagonal block into its own columns of the row block
-    if PAIRS:  # the diagonal block and zeros after it; then each earlier block of y
-        out = tl.where((toky > ref + TB)[None, :], 0.0, tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY]))
-        if YSC:
-            out = out * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
-        p_x = p + (c * NX + o_x[:, None]) * NY
-        tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
-        if i_r > 0:
-            o_kf = tl.arange(0, KP)
-            m_kf = o_kf < K
-            Gf = tl.load(g + ref * KG + o_kf, mask=m_kf, other=0.0)
-            Xs = _load_rows(x, fx, vx, o_kf, m_kf, K) * tl.exp(
-                (_x_exponent(g, tokx, o_kf, m_kf, KG, STRICT) - Gf[None, :]).to(tl.float32))
-            for j in range(0, i_r):
-                o_j = j * YR + tl.arange(0, YR)
-                tokj, vj, fj = _tok_rows(o_j, i_b, i_h, i_c, T, H, TC, RY, RYP)
-                Ys = _load_rows(y, fj, vj, o_kf, m_kf, K) * tl.exp(
-                    (Gf[None, :] - _gc_at(g, tokj, tokj >= 0, o_kf, m_kf, KG)).to(tl.float32))
-                blk_j = _dot(Xs, tl.trans(Ys), PRECISION)
-                if YSC:
-                    blk_j = blk_j * tl.load(sy + fj, mask=vj, other=0.0).to(tl.float32)[None, :]
-                tl.store(p_x + o_j[None, :], blk_j * scale)
-    else:
-        out = off + tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
-        if YSC:
-            out = out * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
-        tl.store(p + (c * NX + o_x[:, None]) * NY + o_y[None, :], out * scale)
+    # the diagonal block in its own columns and zeros after it (the earlier columns come below)
+    blk = (tl.arange(0, NB) == i_r).to(tl.float32)
+    out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
+    if YSC:
+        out = out * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
+    p_x = p + (c * NX + o_x[:, None]) * NY
+    tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
+    if i_r > 0:  # each earlier block of y, through the token just before this row block
+        ref = i_r * TB - 1
+        o_kf = tl.arange(0, KP)
+        m_kf = o_kf < K
+        Gr = tl.load(g + ref * KG + o_kf, mask=m_kf, other=0.0)
+        Xs = _load_rows(x, fx, vx, o_kf, m_kf, K) * tl.exp(
+            (_x_exponent(g, tokx, o_kf, m_kf, KG, STRICT) - Gr[None, :]).to(tl.float32))
+        for j in range(0, i_r):
+            o_j = j * YR + tl.arange(0, YR)
+            tokj, vj, fj = _tok_rows(o_j, i_b, i_h, i_c, T, H, TC, RY, RYP)
+            Ys = _load_rows(y, fj, vj, o_kf, m_kf, K) * tl.exp(
+                (Gr[None, :] - _gc_at(g, tokj, tokj >= 0, o_kf, m_kf, KG)).to(tl.float32))
+            blk_j = _dot(Xs, tl.trans(Ys), PRECISION)
+            if YSC:
+                blk_j = blk_j * tl.load(sy + fj, mask=vj, other=0.0).to(tl.float32)[None, :]
+            tl.store(p_x + o_j[None, :], blk_j * scale)
 
 
 def _sub_block(TC: int, rx: int, ry: int) -> int:
@@ -215,8 +201,7 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     _channel_product_kernel[(TC // TB, NC, B * H)](
         x, y, gc, out if y_scale is None else y_scale, out, scale, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision, LP=lowp,
-        YSC=y_scale is not None, PAIRS=bool(_CHANNEL["pairs"]), KP=triton.next_power_of_2(K),
-        num_warps=_CHANNEL["warps"], num_stages=1,
+        YSC=y_scale is not None, KP=triton.next_power_of_2(K), num_warps=_CHANNEL["warps"], num_stages=1,
     )
     return out
 
