@@ -90,6 +90,22 @@ def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.const
 
 
 @triton.jit
+def _level_product_shared(X, Y, Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """``_level_product`` where x's and y's rows are the same tokens tok, with their log-cumsums Gx
+    (G_tok, or G_{tok-1} when strict) and Gy (G_tok) at hand: a row is on x's side (second half of
+    its block) or on y's (first half), never both, so one exp serves the two and only the
+    midpoint's log-cumsums are gathered."""
+    HS: tl.constexpr = S // 2
+    sel = ((tok % S) >= HS)[:, None]
+    Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, KG)
+    E = tl.exp(tl.where(sel, Gx - Gm, Gm - Gy).to(tl.float32))  # both <= 0
+    Xs = X * tl.where(sel, E, 0.0)
+    Ys = Y * tl.where(sel, 0.0, E)
+    return tl.where(_same_block(tok, tok, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
+
+
+@triton.jit
 def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
     """X Yᵀ of rows loaded (as fp32) from the inputs x and y: with LP (both 16-bit) in their own
     dtype, which is exact (16-bit products fit the fp32 accumulator), else at PRECISION."""
@@ -153,8 +169,14 @@ def _channel_product_kernel(
         Yd = _load_rows(y, fd, vd, o_k, m_k, K)
         if not STRICT:  # a token against itself: no decay
             dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
-        for lvl in tl.static_range(LEVELS):
-            dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, STRICT, PRECISION)
+        if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
+            Gy = _gc_at(g, tokx, tokx >= 0, o_k, m_k, KG)
+            Gx = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) if STRICT else Gy
+            for lvl in tl.static_range(LEVELS):
+                dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
+        else:
+            for lvl in tl.static_range(LEVELS):
+                dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, STRICT, PRECISION)
     # the diagonal block in its own columns and zeros after it (the earlier columns come below)
     blk = (tl.arange(0, NB) == i_r).to(tl.float32)
     out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])

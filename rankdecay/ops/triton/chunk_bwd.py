@@ -363,7 +363,7 @@ def _grad_products_kernel(
     do, vf, u, dx, mqk, mqa, lba, lbk, dmqk, dmqa, dlba, dlbk, dgp, sv, sa, scale, T, NC,
     H: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr, RABP: tl.constexpr,
     BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr, RAW: tl.constexpr,
-    VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
+    VSC: tl.constexpr, LP_DV: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False,
 ):
     """The gradients of one chunk's products, causally masked: dM_QK = scale dO Vᵀ and
     dM_QA = -scale dO Uᵀ (the forward folds the scale in), dL_BA = -dX Uᵀ, dL_BK = dX Vᵀ.
@@ -377,7 +377,7 @@ def _grad_products_kernel(
 
     RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given (V = sv ⊙ v with VSC): dO vᵀ in
     the inputs' dtype when both are 16-bit (LP_DV, exact), dX vᵀ in two TF32 passes (E_V), and
-    sv on the columns.
+    sv on the columns. RAW_V (not RAW: a per-channel gate without sv): vf is v as given.
 
     TIED (a = sa ⊙ k, b = k: ``_grad_tied_kernel``): the pairs of tiles that meet the same rows
     are stored added, dM_QK + dM_QA sa into dmqk and dL_BK + dL_BA sa into dlbk (M_QA = M_QK sa,
@@ -393,7 +393,7 @@ def _grad_products_kernel(
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
     tokk = r_k // RKVP
-    if RAW:
+    if RAW or RAW_V:
         _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Pqk = tl.zeros([TC, NK], dtype=tl.float32)
     if NA > 0:
@@ -424,8 +424,11 @@ def _grad_products_kernel(
                 Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
                 Pqk += _input_dot(dO, Vf, do, vf, LP_DV, PRECISION)
             else:
-                Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :],
-                             other=0.0).to(tl.float32)
+                if RAW_V:
+                    Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
+                else:
+                    Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                                 other=0.0).to(tl.float32)
                 Pqk += _dot_xe(dO, tl.trans(Vf), PRECISION, E_DO)
             if NA > 0:
                 U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
@@ -479,13 +482,13 @@ def _grad_inputs_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
-    E_V: tl.constexpr = False, TIED: tl.constexpr = False,
+    E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
     dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel).
     RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given, V = sv ⊙ v with VSC (two TF32
-    passes when v is 16-bit: E_V).
+    passes when v is 16-bit: E_V). RAW_V (not RAW: a per-channel gate without sv): vf is v as given.
 
     TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
     stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
@@ -498,7 +501,7 @@ def _grad_inputs_kernel(
     r_k = tl.arange(0, NK)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    if RAW:
+    if RAW or RAW_V:
         _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
@@ -528,7 +531,11 @@ def _grad_inputs_kernel(
         elif RAW:
             Dk += _dot_xe(_load_rows(vf, fk, vk, o_v, m_v, V), tl.trans(dS), PRECISION, E_V)
         else:
-            Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            if RAW_V:
+                Vf = _load_rows(vf, fk, vk, o_v, m_v, V)
+            else:
+                Vf = tl.load(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                             other=0.0).to(tl.float32)
             Dk += _dot(Vf, tl.trans(dS), PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
@@ -580,6 +587,7 @@ class _ChunkDPLR(torch.autograd.Function):
         opt = lambda x: dummy if x is None else x  # noqa: E731
         prec = _precision(q)
         raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
+        raw_v = not raw and vf is None  # v as given (the forward's RAW_V)
         # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
         blocks = _blocks(K, V, NK, NA, backward=True, precision=prec)
         dhn = torch.empty_like(s0)
@@ -623,10 +631,10 @@ class _ChunkDPLR(torch.autograd.Function):
         ddch = f32c(K) if g is not None else None
         BKi = _key_block("inputs_bk", K, prec, gate == 2)
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
-            do, s0, dhn, v if raw else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
+            do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
             opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
             PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
-            num_warps=_CONFIG["inputs"], num_stages=1,
+            RAW_V=raw_v, num_warps=_CONFIG["inputs"], num_stages=1,
         )
         # the gradients of the products
         dmqk = stc(C, NK)
@@ -635,10 +643,10 @@ class _ChunkDPLR(torch.autograd.Function):
         dlbk = stc(NA, NK) if Rab else None
         dgp = f32c(C) if gate == 1 else None
         _grad_products_kernel[(NC, B * H)](
-            do, v if raw else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
+            do, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
             opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
             TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
-            RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied,
+            RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
             num_warps=_CONFIG["products"],
             num_stages=1,
         )

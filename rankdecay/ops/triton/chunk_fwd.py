@@ -210,32 +210,58 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
         return none, none
 
 
+# the log-cumsum kernel's (key block, warps), alone and with PREP (benchmarks/prep_variants.py)
+_LOG_CUMSUM = dict(plain=(16, 2), prep=(16, 8))
+
+
 @triton.jit
-def _chunk_log_cumsum_kernel(g, gc, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, BK: tl.constexpr):
+def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
+                             BK: tl.constexpr, PREP: tl.constexpr = False):
+    # PREP (a per-channel gate, no low-rank decay, rank-1 keys): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G}
+    # and e^{G_C} from the log-cumsums in registers, the intra kernel's whole work there (GLA)
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    t = i_c * TC + tl.arange(0, TC)
+    r = tl.arange(0, TC)
+    t = i_c * TC + r
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    x = tl.load(g + ((i_b * T + t[:, None]) * H + i_h) * K + o_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
-                other=0.0)
+    m_t = (t < T)[:, None] & m_k[None, :]
+    rows = ((i_b * T + t[:, None]) * H + i_h) * K + o_k[None, :]
+    x = tl.load(g + rows, mask=m_t, other=0.0)
     c = i_bh * tl.num_programs(1) + i_c
-    tl.store(gc + (c * TC + tl.arange(0, TC)[:, None]) * K + o_k[None, :], tl.cumsum(x.to(tl.float64), axis=0),
-             mask=m_k[None, :])
+    G = tl.cumsum(x.to(tl.float64), axis=0).to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
+    block = (c * TC + r[:, None]) * K + o_k[None, :]
+    tl.store(gc + block, G, mask=m_k[None, :])
+    if PREP:  # the same arithmetic as the intra kernel's _channel_decays on these log-cumsums
+        eq = tl.exp(G.to(tl.float32))
+        G_end = tl.sum(tl.where(r[:, None] == TC - 1, G, 0.0), axis=0)
+        Q = tl.load(q + rows, mask=m_t, other=0.0).to(tl.float32)
+        tl.store(qd + block, Q * eq * scale, mask=m_k[None, :])
+        Kr = tl.load(k + rows, mask=m_t, other=0.0).to(tl.float32)
+        tl.store(kd + block, Kr * tl.exp((G_end[None, :] - G).to(tl.float32)), mask=m_k[None, :])
+        tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
 
 
-def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64, prep=None) -> torch.Tensor:
     """Chunk-local inclusive log-cumsums of a per-channel log-gate, summed in fp64.
 
     g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] in ``dtype`` (fp64, or
     fp32: ``log_cumsum_dtype``) with NC = ceil(T / chunk_size): entry t of chunk n is the sum of g
     over tokens n*C .. n*C + t; past T the gates count as 0. Every per-channel decay inside a
-    chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``)."""
+    chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``).
+
+    prep: None, or (q, k, qd, kd, dch, scale) with q, k [B, T, H, K] and the chunk tensors qd, kd
+    [B, H, NC, C, K], dch [B, H, NC, K] to fill with scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C}
+    (``chunk_dplr_fwd``'s forms for a per-channel gate), in the same pass."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
-    BK = min(64, max(16, triton.next_power_of_2(K)))
-    _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](g.contiguous(), gc, T, H=H, K=K, TC=chunk_size, BK=BK)
+    knob = _LOG_CUMSUM["prep" if prep is not None else "plain"]
+    BK = min(knob[0], max(16, triton.next_power_of_2(K)))
+    q, k, qd, kd, dch, scale = prep if prep is not None else (gc, gc, gc, gc, gc, 1.0)
+    _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
+        g.contiguous(), gc, T, q, k, qd, kd, dch, scale, H=H, K=K, TC=chunk_size, BK=BK, PREP=prep is not None,
+        num_warps=knob[1])
     return gc
 
 
@@ -339,7 +365,7 @@ def _intra_kernel(
             Vr = V16 * fac_v[:, None]
         else:
             Vr = V16
-        if GATE == 2:
+        if GATE == 2 and VSC:  # without factors the later kernels read v as given (RAW_V)
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
         if RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
@@ -543,6 +569,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # read q, k, v and a as given, with the rows' decays as factors (their RAW forms); no decayed
     # copies Q̃, K̃, Ã or V are stored
     raw = gate != 2
+    # a per-channel gate without v's factors: the state kernel and the backward read v as given (RAW_V),
+    # no copy in the chunk layout
+    raw_v = gate == 2 and sv is None
+    # and with no low-rank decay and rank-1 keys, the log-cumsum kernel forms Q̃, K̃ and e^{G_C} itself: no
+    # intra kernel (GLA)
+    prep = gate == 2 and Rab == 0 and Rkv == 1 and raw_v
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
@@ -550,7 +582,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **st)
     kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
-    vf = torch.empty(B, H, NC, NK, V, **st) if not raw else None
+    vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v) else None
     mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab else None
     w = torch.empty(B, H, NC, NA, K, **st) if Rab else None
     ad = torch.empty_like(w) if Rab and not raw else None
@@ -571,7 +603,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
     if gate == 2:  # the kernels read per-channel decays as differences of these
-        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec))
+        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale) if prep else None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
         channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
@@ -579,17 +611,18 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
-    _intra_kernel[(NC, B * H)](
-        q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
-        dummy if sv is None else sv, opt(qd), mqk,
-        mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
-        opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
-        H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
-        PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
-        LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
-        E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
-        num_warps=cfg["intra_warps"], num_stages=1,
-    )
+    if not prep:
+        _intra_kernel[(NC, B * H)](
+            q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
+            dummy if sv is None else sv, opt(qd), mqk,
+            mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
+            opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
+            H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
+            PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
+            LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
+            E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
+            num_warps=cfg["intra_warps"], num_stages=1,
+        )
     blocks = _blocks(K, V, NK, NA)
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst)
@@ -600,10 +633,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u, ht, NC,
+        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u, ht, NC,
         opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
-        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, **blocks,
+        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, **blocks,
     )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     BKo = min(64, max(16, triton.next_power_of_2(K)))

@@ -101,7 +101,7 @@ def _state_fwd_kernel(
     GATE: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
     RAW: tl.constexpr = False, H: tl.constexpr = 1, TC: tl.constexpr = 16, RKV: tl.constexpr = 1,
     RKVP: tl.constexpr = 1, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_K: tl.constexpr = False,
-    E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False,
+    E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False, RAW_V: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -110,6 +110,7 @@ def _state_fwd_kernel(
     # kf [B, H, NC, CR] and af [B, H, NC, CA] (K̃ᵀ V = kᵀ (kf ⊙ v), Ã = af ⊙ a), put on the value
     # side of each product: two TF32 passes when k is 16-bit (E_K, ``_dot_xe``), and 16-bit reads.
     # SAME_AK: a is k (one row block each): K̃ᵀ V - Ãᵀ U = kᵀ (kf ⊙ v - af ⊙ U), one product.
+    # RAW_V (not RAW: a per-channel gate without v's factors): vf is v [B, T, H, Rkv, V] as given.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -134,8 +135,11 @@ def _state_fwd_kernel(
                 else:
                     Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :],
                                  mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                    Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
-                                 mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                    if RAW_V:
+                        Vf = _raw_rows(vf, o_r, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                    else:
+                        Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
+                                     mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                     acc += _dot(tl.trans(Kd), Vf, PRECISION)
         for a0 in tl.static_range(0, CA, BCA):
             o_a = a0 + tl.arange(0, BCA)
