@@ -90,19 +90,24 @@ def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.const
 
 
 @triton.jit
-def _level_product_shared(X, Y, Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    """``_level_product`` where x's and y's rows are the same tokens tok, with their log-cumsums Gx
-    (G_tok, or G_{tok-1} when strict) and Gy (G_tok) at hand: a row is on x's side (second half of
-    its block) or on y's (first half), never both, so one exp serves the two and only the
-    midpoint's log-cumsums are gathered."""
+def _level_decays(Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
+    """``_level_x`` and ``_level_y`` where x's and y's rows are the same tokens tok, with their
+    log-cumsums Gx (G_tok, or G_{tok-1} when strict) and Gy (G_tok) at hand: a row is on x's side
+    (second half of its block) or on y's (first half), never both, so one exp serves the two and
+    only the midpoint's log-cumsums are gathered (H100, GLA's products: 0.445 -> 0.364 ms)."""
     HS: tl.constexpr = S // 2
     sel = ((tok % S) >= HS)[:, None]
     Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, KG)
     E = tl.exp(tl.where(sel, Gx - Gm, Gm - Gy).to(tl.float32))  # both <= 0
-    Xs = X * tl.where(sel, E, 0.0)
-    Ys = Y * tl.where(sel, 0.0, E)
-    return tl.where(_same_block(tok, tok, S), _dot(Xs, tl.trans(Ys), PRECISION), 0.0)
+    return tl.where(sel, E, 0.0), tl.where(sel, 0.0, E)
+
+
+@triton.jit
+def _level_product_shared(X, Y, Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """``_level_product`` with x's and y's rows the same tokens (``_level_decays``)."""
+    lx, ly = _level_decays(Gx, Gy, gc, tok, o_k, m_k, KG, S)
+    return tl.where(_same_block(tok, tok, S), _dot(X * lx, tl.trans(Y * ly), PRECISION), 0.0)
 
 
 @triton.jit
@@ -268,9 +273,15 @@ def _channel_product_bwd_kernel(
         P = tl.where(tokx[:, None] == tokd[None, :], dP, 0.0)
         dX = _dot(P, Yd, PRECISION)
         dY = _dot(tl.trans(P), X, PRECISION)
+    if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
+        Gy = _gc_at(g, tokx, tokx >= 0, o_k, m_k, KG)
+        Gx = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) if STRICT else Gy
     for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
-        lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
-        ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
+        if RXP == RYP:
+            lx, ly = _level_decays(Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl)
+        else:
+            lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
+            ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
         P = tl.where(_same_block(tokx, tokd, TB >> lvl), dP, 0.0)
         dX += _dot(P, Yd * ly, PRECISION) * lx
         dY += _dot(tl.trans(P), X * lx, PRECISION) * ly
@@ -286,7 +297,10 @@ def _channel_product_bwd_kernel(
             Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
         eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
         Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
-        xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
+        if RXP == RYP:
+            xb = Gx - Gr[None, :]
+        else:
+            xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
         dX += _dot(Pb, Y * tl.exp(eb.to(tl.float32)), PRECISION) * tl.exp(xb.to(tl.float32))
     # y's rows of this block against x's rows after it, through the block's last token
     if i_r < NB - 1:
@@ -298,7 +312,10 @@ def _channel_product_bwd_kernel(
         Xa = _load_rows(x, fa, va & after, o_k, m_k, K)
         xa = tl.where(after[:, None], _x_exponent(g, toka, o_k, m_k, KG, STRICT) - Gf[None, :], -1.0e30)
         Pa = tl.load(dp + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
-        ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
+        if RXP == RYP:
+            ya = Gf[None, :] - Gy
+        else:
+            ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
         dY += _dot(tl.trans(Pa), Xa * tl.exp(xa.to(tl.float32)), PRECISION) * tl.exp(ya.to(tl.float32))
     px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
     py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]

@@ -631,7 +631,8 @@ class _ChunkDPLR(torch.autograd.Function):
         ddch = f32c(K) if g is not None else None
         BKi = _key_block("inputs_bk", K, prec, gate == 2)
         _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
-            do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd), opt(ddch),
+            do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
+            opt(ddch),
             opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
             PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
             RAW_V=raw_v, num_warps=_CONFIG["inputs"], num_stages=1,

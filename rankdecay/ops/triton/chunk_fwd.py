@@ -619,7 +619,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
             H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
             PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
-            LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None, VSC=sv is not None,
+            LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None,
+            VSC=sv is not None,
             E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
             num_warps=cfg["intra_warps"], num_stages=1,
         )
@@ -633,8 +634,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u, ht, NC,
-        opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
+        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u,
+        ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, **blocks,
     )
