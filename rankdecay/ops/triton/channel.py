@@ -36,9 +36,20 @@ from .chunk_state import _chunk_rows, _dot, _load_rows
 from .fused_recurrent import _pow2
 
 # Knobs: rows of a sub-block (at least 16, tl.dot's smallest tile); key block and warps of the forward and
-# backward kernels; log_cumsum: the log-cumsums' dtype (None: ``chunk_fwd.log_cumsum_dtype``'s choice).
+# backward kernels (None: by chunk size, ``_LAUNCH``); log_cumsum: the log-cumsums' dtype (None:
+# ``chunk_fwd.log_cumsum_dtype``'s choice).
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
-_CHANNEL = dict(rows=16, bk=64, warps=4, bwd_bk=32, bwd_warps=4, log_cumsum=None)
+_CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None)
+# the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
+# chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
+# (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
+_LAUNCH = {64: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=4)}
+_LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
+
+
+def _knob(name: str, TC: int) -> int:
+    """A launch knob: ``_CHANNEL``'s where set, else ``_LAUNCH``'s for this chunk size."""
+    return _CHANNEL[name] if _CHANNEL[name] is not None else _LAUNCH.get(TC, _LAUNCH_ELSE)[name]
 
 
 @triton.jit
@@ -224,11 +235,11 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
-    BK = min(_CHANNEL["bk"], max(16, triton.next_power_of_2(K)))
+    BK = min(_knob("bk", TC), max(16, triton.next_power_of_2(K)))
     _channel_product_kernel[(TC // TB, NC, B * H)](
         x, y, gc, out if y_scale is None else y_scale, out, scale, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision, LP=lowp,
-        YSC=y_scale is not None, KP=triton.next_power_of_2(K), num_warps=_CHANNEL["warps"], num_stages=1,
+        YSC=y_scale is not None, KP=triton.next_power_of_2(K), num_warps=_knob("warps", TC), num_stages=1,
     )
     return out
 
@@ -337,9 +348,9 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
-    BK = min(_CHANNEL["bwd_bk"], max(16, triton.next_power_of_2(K)))
+    BK = min(_knob("bwd_bk", TC), max(16, triton.next_power_of_2(K)))
     _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
         x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
-        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, num_warps=_CHANNEL["bwd_warps"], num_stages=1,
+        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, num_warps=_knob("bwd_warps", TC), num_stages=1,
     )
