@@ -25,7 +25,7 @@ def main() -> None:
     C = args.chunk
     dev = dict(device="cuda", dtype=torch.bfloat16)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, **dev)) / 16
-    q, k = torch.randn(B, T, H, K, **dev), torch.randn(B, T, H, K, **dev)
+    q, k = torch.randn(B, T, H, K, **dev), torch.randn(B, T, H, 1, K, **dev)  # k: rank 1
     NC = -(-T // C)
     qd, kd = (torch.empty(B, H, NC, C, K, **dev) for _ in range(2))
     dch = torch.empty(B, H, NC, K, device="cuda", dtype=torch.float32)

@@ -101,6 +101,17 @@ def _level_product(X, Y, gc, tokx, toky, o_k, m_k, KG: tl.constexpr, S: tl.const
 
 
 @triton.jit
+def _shared_cumsums(gc, tok, o_k, m_k, KG: tl.constexpr, STRICT: tl.constexpr):
+    """(Gx, Gy) for ``_level_decays``, rows that are x's and y's alike: G_{tok-1} (STRICT) or G_tok, and G_tok."""
+    Gy = _gc_at(gc, tok, tok >= 0, o_k, m_k, KG)
+    if STRICT:
+        Gx = _x_exponent(gc, tok, o_k, m_k, KG, STRICT)
+    else:
+        Gx = Gy
+    return Gx, Gy
+
+
+@triton.jit
 def _level_decays(Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
     """``_level_x`` and ``_level_y`` where x's and y's rows are the same tokens tok, with their
     log-cumsums Gx (G_tok, or G_{tok-1} when strict) and Gy (G_tok) at hand: a row is on x's side
@@ -186,8 +197,7 @@ def _channel_product_kernel(
         if not STRICT:  # a token against itself: no decay
             dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
         if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
-            Gy = _gc_at(g, tokx, tokx >= 0, o_k, m_k, KG)
-            Gx = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) if STRICT else Gy
+            Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
             for lvl in tl.static_range(LEVELS):
                 dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
         else:
@@ -285,8 +295,7 @@ def _channel_product_bwd_kernel(
         dX = _dot(P, Yd, PRECISION)
         dY = _dot(tl.trans(P), X, PRECISION)
     if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
-        Gy = _gc_at(g, tokx, tokx >= 0, o_k, m_k, KG)
-        Gx = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) if STRICT else Gy
+        Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
     for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
         if RXP == RYP:
             lx, ly = _level_decays(Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl)

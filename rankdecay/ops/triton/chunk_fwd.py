@@ -216,9 +216,10 @@ _LOG_CUMSUM = dict(plain=(16, 2), prep=(16, 8))
 
 @triton.jit
 def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
-                             BK: tl.constexpr, PREP: tl.constexpr = False):
-    # PREP (a per-channel gate, no low-rank decay, rank-1 keys): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G}
-    # and e^{G_C} from the log-cumsums in registers, the intra kernel's whole work there (GLA)
+                             BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
+                             RKVP: tl.constexpr = 1):
+    # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
+    # rows per token, padded to RKVP with zero rows) and e^{G_C}, from the log-cumsums in registers
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -232,13 +233,18 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     G = tl.cumsum(x.to(tl.float64), axis=0).to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
     block = (c * TC + r[:, None]) * K + o_k[None, :]
     tl.store(gc + block, G, mask=m_k[None, :])
-    if PREP:  # the same arithmetic as the intra kernel's _channel_decays on these log-cumsums
-        eq = tl.exp(G.to(tl.float32))
+    if PREP:
         G_end = tl.sum(tl.where(r[:, None] == TC - 1, G, 0.0), axis=0)
         Q = tl.load(q + rows, mask=m_t, other=0.0).to(tl.float32)
-        tl.store(qd + block, Q * eq * scale, mask=m_k[None, :])
-        Kr = tl.load(k + rows, mask=m_t, other=0.0).to(tl.float32)
-        tl.store(kd + block, Kr * tl.exp((G_end[None, :] - G).to(tl.float32)), mask=m_k[None, :])
+        tl.store(qd + block, Q * tl.exp(G.to(tl.float32)) * scale, mask=m_k[None, :])
+        dk = tl.exp((G_end[None, :] - G).to(tl.float32))
+        for rk in tl.static_range(RKVP):
+            if rk < RKV:
+                Kr = tl.load(k + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
+                             other=0.0).to(tl.float32)
+            else:  # a padding row
+                Kr = tl.zeros([TC, BK], dtype=tl.float32)
+            tl.store(kd + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Kr * dk, mask=m_k[None, :])
         tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
 
 
@@ -250,18 +256,19 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     over tokens n*C .. n*C + t; past T the gates count as 0. Every per-channel decay inside a
     chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``).
 
-    prep: None, or (q, k, qd, kd, dch, scale) with q, k [B, T, H, K] and the chunk tensors qd, kd
-    [B, H, NC, C, K], dch [B, H, NC, K] to fill with scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C}
-    (``chunk_dplr_fwd``'s forms for a per-channel gate), in the same pass."""
+    prep: None, or (q, k, qd, kd, dch, scale) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
+    tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K], dch [B, H, NC, K] to fill with
+    scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
+    in the same pass."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
     knob = _LOG_CUMSUM["prep" if prep is not None else "plain"]
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
-    q, k, qd, kd, dch, scale = prep if prep is not None else (gc, gc, gc, gc, gc, 1.0)
+    q, k, qd, kd, dch, scale = prep if prep is not None else (gc, gc[..., None, :], gc, gc, gc, 1.0)
     _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
         g.contiguous(), gc, T, q, k, qd, kd, dch, scale, H=H, K=K, TC=chunk_size, BK=BK, PREP=prep is not None,
-        num_warps=knob[1])
+        RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), num_warps=knob[1])
     return gc
 
 
@@ -372,8 +379,8 @@ def _intra_kernel(
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, LV, PRECISION),
                      mask=m_v[None, :])
 
-    # Per key channel: K ⊙ e^{G_C - G}, W = T (B ⊙ e^{G_{i-1}}), and with a per-channel gate
-    # Q ⊙ e^G, A ⊙ e^{G_C - G} and e^{G_C}; with a decay per row, those decays as row factors instead
+    # Per key channel: W = T (B ⊙ e^{G_{i-1}}), and with a per-channel gate A ⊙ e^{G_C - G} (Q̃, K̃ and
+    # e^{G_C} come from ``chunk_log_cumsum``); with a decay per row, K's, A's and Q's decays as row factors
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
     if GATE != 2:
@@ -399,16 +406,6 @@ def _intra_kernel(
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if GATE == 2:
-            Kr = _load_rows(k, fk, vk, o_k, m_k, K)
-            Kr = Kr * _channel_decays(gc, tokk, o_k, m_k, KG, TC, True, False)
-            tl.store(kd + (c * NK + r_k[:, None]) * K + o_k[None, :], Kr, mask=m_k[None, :])
-        if GATE == 2:
-            eq = _channel_decays(gc, tokq, o_k, m_k, KG, TC, False, False)
-            Q = _load_rows(q, fq, vq, o_k, m_k, K) * eq
-            tl.store(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], Q * scale, mask=m_k[None, :])
-            tl.store(dch + c * KG + o_k, tl.sum(tl.where(r_q[:, None] == TC - 1, eq, 0.0), axis=0),
-                     mask=m_k)  # e^{G_C}
         if RAB > 0:
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
@@ -570,11 +567,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # copies Q̃, K̃, Ã or V are stored
     raw = gate != 2
     # a per-channel gate without v's factors: the state kernel and the backward read v as given (RAW_V),
-    # no copy in the chunk layout
+    # no copy in the chunk layout; with no low-rank decay either (GLA) that leaves the intra kernel nothing
+    # to do (Q̃, K̃ and e^{G_C} come with the log-cumsums)
     raw_v = gate == 2 and sv is None
-    # and with no low-rank decay and rank-1 keys, the log-cumsum kernel forms Q̃, K̃ and e^{G_C} itself: no
-    # intra kernel (GLA)
-    prep = gate == 2 and Rab == 0 and Rkv == 1 and raw_v
+    intra = not (raw_v and Rab == 0)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
@@ -603,7 +599,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
     if gate == 2:  # the kernels read per-channel decays as differences of these
-        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale) if prep else None)
+        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
         channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
@@ -611,7 +607,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
-    if not prep:
+    if intra:
         _intra_kernel[(NC, B * H)](
             q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
             dummy if sv is None else sv, opt(qd), mqk,
