@@ -77,10 +77,20 @@ def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate, path):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
 
 
+@pytest.fixture(params=["output-kernel", "state-kernel"])
+def output_form(request, monkeypatch):
+    """Where the fused forward forms its outputs: a kernel of their own, one program per chunk, or the
+    state kernel as it walks the chunks (``chunk_fwd.fuse_output`` picks one by the GPU's size)."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "fuse_output", request.param == "state-kernel")
+    return request.param
+
+
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 @pytest.mark.parametrize("Rkv", [1, 2])
 @pytest.mark.parametrize("Rab", [0, 1, 2, 3, 4])
-def test_fused_forward_matches_pytorch_chunk(Rab, Rkv, gate):
+def test_fused_forward_matches_pytorch_chunk(Rab, Rkv, gate, output_form):
     """Without autograd mode="triton" is the fused forward (its own chunk size: 64 tokens for
     ranks <= 1, 16 for rank 4; T = 70 leaves a partial chunk either way)."""
     inputs = random_inputs(1, 70, 2, 16, 8, Rab, Rkv, gate)
@@ -90,7 +100,17 @@ def test_fused_forward_matches_pytorch_chunk(Rab, Rkv, gate):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
 
 
-def test_fused_forward_extremes():
+@pytest.mark.parametrize("Rab,gate", [(1, "scalar"), (3, "channel")])
+def test_fused_forward_rank4_writes(Rab, gate, output_form):
+    """Rkv = 4: 16-token chunks, and with Rab = 1 a 16-row UT transform (no blocks to merge)."""
+    inputs = random_inputs(1, 70, 2, 16, 8, Rab, 4, gate)
+    with torch.no_grad():
+        got, ref = run("triton", inputs, grads=False), run("chunk", inputs, grads=False, chunk_size=16)
+    for name, x, y in zip(["o", "final_state"], got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv=4 gate={gate}: {name}")
+
+
+def test_fused_forward_extremes(output_form):
     """T = 1; K = V = 20 and 36 (masked key/value tiles); log-gates of -30 per step, one of -1e4; β = 2."""
     for T, gate, K in ((1, "channel", 20), (45, "channel", 20), (45, "scalar", 20), (130, "channel", 36),
                        (130, "scalar", 36)):
@@ -106,7 +126,7 @@ def test_fused_forward_extremes():
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_forward_cu_seqlens_and_16bit(dtype, gate):
+def test_fused_forward_cu_seqlens_and_16bit(dtype, gate, output_form):
     """16-bit inputs: the undecayed products of 16-bit pairs are taken in their dtype (exact)."""
     inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, gate, dtype=dtype)
     inputs[-1] = torch.randn(3, 2, 16, 16, device=DEVICE)
@@ -156,6 +176,22 @@ def test_many_rows_per_chunk_are_tiled(Rab, Rkv, C, monkeypatch):
 def test_row_scales_match_factors_multiplied_in(Rab, Rkv, gate, path):
     """a_scale / v_scale (the kernels apply them to products and rows) against the chunk path on
     a_scale ⊙ a and v_scale ⊙ v built by hand: outputs, states, every gradient, the factors' too."""
+    _check_row_scales(Rab, Rkv, gate)
+
+
+@pytest.mark.parametrize("Rab,Rkv,gate", [(2, 2, "channel"), (1, 1, "channel"), (1, 2, "channel"), (4, 1, None),
+                                          (2, 1, "scalar")])
+def test_row_scales_with_outputs_from_the_state_kernel(Rab, Rkv, gate, monkeypatch):
+    """The same with autograd, the fused forward's outputs formed by its state kernel (``fuse_output``),
+    which then stores S_n and U_n for the backward too: M_QK's and M_QA's factors on every branch
+    (per-channel gate: v's factors in the chunk layout; a decay per row: on M's columns)."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "fuse_output", True)
+    _check_row_scales(Rab, Rkv, gate)
+
+
+def _check_row_scales(Rab, Rkv, gate):
     q, k, v, a, b, g, h0 = random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate)
     gen = torch.Generator().manual_seed(1)
     sa = (2 * torch.rand(2, 37, 2, Rab, generator=gen)).to(DEVICE)  # up to β = 2
@@ -202,7 +238,7 @@ def test_16bit_inputs_with_autograd(dtype, tol, gate):
 @pytest.mark.parametrize("grads", [True, False], ids=["autograd", "forward"])
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])
 @pytest.mark.parametrize("Rkv", [1, 2])
-def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol):
+def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol, output_form):
     """a and b the same tensor as k (the delta rule's layout: Gated DeltaNet passes k three times,
     β α as a_scale): the state kernel reads k once for both of its products (SAME_AK) and, with
     rank 1 and a decay per row, the backward forms k's three gradients as one (``ties_keys``).
@@ -311,7 +347,7 @@ def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_prec
 
 
 @pytest.mark.parametrize("Rab", [0, 1])
-def test_output_kernel_value_blocks(Rab, monkeypatch):
+def test_output_kernel_value_blocks(Rab, monkeypatch, output_form):
     """The output kernel's value block (``output_bv``: 128 with bf16 products, else 64) over
     V = 130: a full block and a partial one, at fp32 accuracy so any misplaced column shows."""
     from rankdecay.ops.triton import chunk_fwd
@@ -477,7 +513,7 @@ def test_clear_errors():
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (4, 1, "scalar"), (0, 1, "channel"),
                                           (2, 2, "scalar")])
 @pytest.mark.parametrize("grads", [True, False], ids=["autograd", "fused-forward"])
-def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate, grads):
+def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate, grads, output_form):
     """bf16 inputs: the Triton path's error (against fp64) is no worse than the fp32 PyTorch path's."""
     inputs = random_inputs(2, 1000, 4, 128, 128, Rab, Rkv, gate, dtype=torch.bfloat16)
     with torch.set_grad_enabled(grads):
@@ -506,7 +542,7 @@ def test_gpu_bf16_reduced_matmul_precision(Rab, Rkv, gate, matmul_precision):
 
 @GPU
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
-def test_gpu_gated_delta_rule_realistic_size(matmul_precision):
+def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
     """Gated DeltaNet itself (k taken as a and b: the tied forward and backward, ``ties_keys``), bf16
     inputs at B2 T1000 H4 K=V=128, against fp64 on the same (bf16-rounded) inputs: at "highest" no
     worse than the PyTorch path on the bf16 inputs, at "medium" within 2^-5, for the output, final

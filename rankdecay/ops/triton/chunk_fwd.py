@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _is16, _load_rows, _out_dtype, _precision,
-                          _raw_rows, _state_fwd_kernel)
+from .chunk_state import (_blocks, _chunk_cols, _chunk_factor, _chunk_rows, _dot, _dot_ex, _is16, _load_rows,
+                          _out_dtype, _precision, _query_state, _raw_rows, _state_fwd_kernel)
 from .channel import _CHANNEL, _gc_at, _input_dot, channel_product
 from .fused_recurrent import _pow2, gate_kind
 
@@ -427,10 +427,10 @@ def _intra_kernel(
 
 @triton.jit
 def _output_kernel(
-    qd, s0, mqk, v, sv, mqa, u, o, qf, T, NC,
+    s0, v, u, o, T, NC, qd, qf, mqk, mqa, sv, sa,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-    RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr, sa=None, TIED: tl.constexpr = False,
+    RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     ASC: tl.constexpr = False,
 ):
     # O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n, with v as given (its factors on M_QK's columns, so a
@@ -450,33 +450,24 @@ def _output_kernel(
         m_k = o_k < K
         S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                     other=0.0).to(tl.float32)
-        if RAW:
-            Q = _raw_rows(qd, r_q, i_bh, i_c, T, H, TC, 1, 1, o_k, m_k, K)
-            acc += _dot_xe(Q, S, PRECISION, E_Q)
-        else:
-            Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
-            acc += _dot(Q, S, PRECISION)
-    if RAW:
-        acc = acc * tl.load(qf + c * TC + r_q)[:, None]
-    Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
-    _, _, _, valid, flat = _chunk_rows(r_k, i_b, i_h, i_c, T, H, TC, RKV, RKVP)
+        acc += _query_state(qd, qf, S, c, i_bh, i_c, T, H, TC, K, o_k, m_k, RAW, E_Q, PRECISION)
+    Mk = _chunk_cols(mqk, c, r_q, r_k, r_k < NK, TC, NK)
     Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
     if TIED:
         if VSC:
-            Vr = Vr * _row_factor(sv, flat, valid)[:, None]
+            Vr = Vr * _chunk_factor(sv, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[:, None]
         U = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         if ASC:
-            U = U * _row_factor(sa, flat, valid)[:, None]
+            U = U * _chunk_factor(sa, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[:, None]
         acc += _dot(Mk, Vr - U, PRECISION)
     else:
         if VSC:
-            Mk = Mk * _row_factor(sv, flat, valid)[None, :]
+            Mk = Mk * _chunk_factor(sv, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[None, :]
         acc += _dot_ex(Mk, Vr, PRECISION, E_V)
     if NA > 0 and not TIED:
         r_a = tl.arange(0, NA)
-        Ma = tl.load(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :]).to(tl.float32)
         U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-        acc -= _dot(Ma, U, PRECISION)
+        acc -= _dot(_chunk_cols(mqa, c, r_q, r_a, r_a < NA, TC, NA), U, PRECISION)
     t = i_c * TC + r_q
     tl.store(o + ((i_b * T + t[:, None]) * H + i_h) * V + o_v[None, :], acc, mask=(t < T)[:, None] & m_v[None, :])
 
@@ -490,7 +481,8 @@ def _output_kernel(
 # block: on the H100 with Triton 3.6 that block, with bf16 W and S_n, was miscompiled (wrong
 # results, out-of-range shared reads under compute-sanitizer), BENCHMARKS.md sessions 13 and 14.
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
-# kernel's value block), "output_warps".
+# kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
+# or the output kernel; None, the default: ``fuse_output``'s choice).
 _KNOBS: dict = {}
 
 
@@ -498,6 +490,17 @@ def stored_dtype(precision: str, K: int, device: torch.device) -> torch.dtype:
     """The default dtype of the tensors between the fused kernels (``_KNOBS``): bf16 on a GPU at
     the "bf16" products' precision with K <= 128, else fp32."""
     return torch.bfloat16 if precision == "bf16" and K <= 128 and device.type == "cuda" else torch.float32
+
+
+def fuse_output(programs: int, device: torch.device) -> bool:
+    """Whether the state kernel forms the outputs itself (``_state_fwd_kernel``'s FUSE_O) rather than a
+    separate output kernel, one program per chunk: where its ``programs`` (value blocks x sequences x
+    heads) alone fill every SM of the GPU. Fused, S_n and U_n need not be written out (without the
+    backward) nor read back; with fewer programs the output kernel's parallelism over chunks wins.
+    Off on the CPU (the interpreter: the tests force each form, ``_KNOBS["fuse_output"]``)."""
+    if device.type != "cuda":
+        return False
+    return programs >= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -621,28 +624,37 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             num_warps=cfg["intra_warps"], num_stages=1,
         )
     blocks = _blocks(K, V, NK, NA)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
+    # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
+    fuse = cfg.get("fuse_output")
+    if fuse is None:
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
+    store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
-    s0 = torch.empty(B, H, NC, K, V, **sst)
-    u = torch.empty(B, H, NC, NA, V, **sst)
+    s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
+    u = torch.empty(B, H, NC, NA, V, **sst) if store else None
     ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
+    # the output's arguments, for the output kernel or the state kernel (FUSE_O)
+    out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqk, mqa=opt(mqa), sv=opt(sv), sa=opt(sa), TIED=tied,
+               VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), s0, u,
-        ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
+        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), opt(s0),
+        opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
-        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, **blocks,
+        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
+        STORE=store, **out, **blocks,
     )
-    o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
-    BKo = min(64, max(16, triton.next_power_of_2(K)))
-    BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))
-    _output_kernel[(triton.cdiv(V, BVo), NC, B * H)](
-        q if raw else qd, s0, mqk, v, opt(sv), opt(mqa), u, o, opt(qf), T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA,
-        RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BVo, PRECISION=prec, RAW=raw, VSC=sv is not None, E_Q=_is16(q),
-        E_V=_is16(v), sa=opt(sa), TIED=tied, ASC=sa is not None, num_warps=cfg["output_warps"], num_stages=1,
-    )
+    if not fuse:
+        BKo = min(64, max(16, triton.next_power_of_2(K)))
+        BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))
+        _output_kernel[(triton.cdiv(V, BVo), NC, B * H)](
+            s0, v, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BVo,
+            PRECISION=prec, RAW=raw, num_warps=cfg["output_warps"], num_stages=1, **out,
+        )
     if not save:
         return o, ht
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,

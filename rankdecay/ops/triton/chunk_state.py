@@ -94,6 +94,34 @@ def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def _chunk_factor(s, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """[rows] per-row factors s [B, T, H, R] (``a_scale`` / ``v_scale`` of ``dplr``) of rows o_r of chunk n."""
+    _, _, _, valid, flat = _chunk_rows(o_r, i_bh // H, i_bh % H, n, T, H, TC, R, RP)
+    return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_cols(m, c, r_q, o_r, m_r, TC: tl.constexpr, N: tl.constexpr):
+    """Columns o_r of chunk c's [TC, N] tile of m [B, H, NC, TC, N] (M_QK, M_QA), as fp32."""
+    return tl.load(m + (c * TC + r_q[:, None]) * N + o_r[None, :], mask=m_r[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _query_state(qd, qf, S, c, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, K: tl.constexpr, o_k, m_k,
+                 RAW: tl.constexpr, E_Q: tl.constexpr, PRECISION: tl.constexpr):
+    """Q̃ S for chunk n's queries and a key block o_k of a state slice S [BK, BV]: [TC, BV]. RAW: qd is q
+    [B, T, H, K] as given and Q̃ = qf ⊙ q (two TF32 passes when q is 16-bit, E_Q); else qd is Q̃ in the
+    chunk layout [B, H, NC, TC, K]."""
+    r_q = tl.arange(0, TC)
+    if RAW:
+        Q = _raw_rows(qd, r_q, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
+        return _dot_xe(Q, S, PRECISION, E_Q) * tl.load(qf + c * TC + r_q)[:, None]
+    else:
+        Q = tl.load(qd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+        return _dot(Q, S, PRECISION)
+
+
+@triton.jit
 def _state_fwd_kernel(
     h0, d, kd, vf, w, uv, ad, s0, u, ht, NC, kf, af, T,
     K: tl.constexpr, V: tl.constexpr, CR: tl.constexpr, CA: tl.constexpr,
@@ -102,6 +130,9 @@ def _state_fwd_kernel(
     RAW: tl.constexpr = False, H: tl.constexpr = 1, TC: tl.constexpr = 16, RKV: tl.constexpr = 1,
     RKVP: tl.constexpr = 1, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_K: tl.constexpr = False,
     E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False, RAW_V: tl.constexpr = False,
+    qd=None, qf=None, mqk=None, mqa=None, sv=None, sa=None, o=None, FUSE_O: tl.constexpr = False,
+    STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
+    E_Q: tl.constexpr = False, E_V: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -111,6 +142,9 @@ def _state_fwd_kernel(
     # side of each product: two TF32 passes when k is 16-bit (E_K, ``_dot_xe``), and 16-bit reads.
     # SAME_AK: a is k (one row block each): K̃ᵀ V - Ãᵀ U = kᵀ (kf ⊙ v - af ⊙ U), one product.
     # RAW_V (not RAW: a per-channel gate without v's factors): vf is v [B, T, H, Rkv, V] as given.
+    # FUSE_O: the chunk's output O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n (``chunk_fwd._output_kernel``'s, same
+    # arguments: qd, qf, mqk, mqa, sv, sa, TIED, VSC, ASC, E_Q, E_V) is formed here, from S_n and U_n in
+    # registers, and stored in o; STORE: S_n and U_n are stored (the output kernel's or the backward's).
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -121,7 +155,11 @@ def _state_fwd_kernel(
         S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
     for n in range(NC):
         c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
-        tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+        if STORE:
+            tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+        if FUSE_O:
+            r_q = tl.arange(0, TC)
+            O = _query_state(qd, qf, S, c, i_bh, n, T, H, TC, K, o_k, m_k, RAW, E_Q, PRECISION)
         acc = tl.zeros([BK, BV], dtype=tl.float32)  # everything this chunk adds to d ⊙ S
         if not SAME_AK:
             for r0 in tl.static_range(0, CR, BCR):
@@ -132,6 +170,11 @@ def _state_fwd_kernel(
                     Vr = _raw_rows(vf, o_r, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                     fk = tl.load(kf + c * CR + o_r, mask=m_r, other=0.0)
                     acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None], PRECISION, E_K)
+                    if FUSE_O:  # M_QK's columns carry v's factors, v stays as given
+                        Mk = _chunk_cols(mqk, c, r_q, o_r, m_r, TC, CR)
+                        if VSC:
+                            Mk = Mk * _chunk_factor(sv, o_r, i_bh, n, T, H, TC, RKV, RKVP)[None, :]
+                        O += _dot_ex(Mk, Vr, PRECISION, E_V)
                 else:
                     Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :],
                                  mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
@@ -141,6 +184,8 @@ def _state_fwd_kernel(
                         Vf = tl.load(vf + c * CR * V + o_r[:, None] * V + o_v[None, :],
                                      mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                     acc += _dot(tl.trans(Kd), Vf, PRECISION)
+                    if FUSE_O:  # Vf is v as given (RAW_V) or with its factors in (vf)
+                        O += _dot_ex(_chunk_cols(mqk, c, r_q, o_r, m_r, TC, CR), Vf, PRECISION, E_V and RAW_V)
         for a0 in tl.static_range(0, CA, BCA):
             o_a = a0 + tl.arange(0, BCA)
             m_a = o_a < CA
@@ -149,13 +194,34 @@ def _state_fwd_kernel(
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
             Uc = _dot(W, S, PRECISION)
             Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
-            tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
+            if STORE:
+                tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
+            if FUSE_O and not TIED:
+                O -= _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
             if SAME_AK:
                 Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
                 Vr = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                 fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
                 fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
                 acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None] - Uc * fa[:, None], PRECISION, E_K)
+                if FUSE_O:
+                    Mk = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CR)
+                    if TIED:  # M_QA = M_QK ⊙ sa: O += M_QK (sv ⊙ v - sa ⊙ U_n), one product
+                        Vs = Vr
+                        if VSC:
+                            Vs = Vs * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
+                        if ASC:
+                            Uc = Uc * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[:, None]
+                        O += _dot(Mk, Vs - Uc, PRECISION)
+                    else:
+                        if VSC:
+                            Mk = Mk * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[None, :]
+                        O += _dot_ex(Mk, Vr, PRECISION, E_V)
+            elif FUSE_O and TIED:  # the rows of U are k's (CA = CR)
+                Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
+                if ASC:
+                    Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
+                O -= _dot(Ma, Uc, PRECISION)
             elif RAW:
                 Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
                 fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
@@ -168,6 +234,10 @@ def _state_fwd_kernel(
         elif GATE == 2:
             S = S * tl.load(d + c * K + o_k, mask=m_k, other=0.0)[:, None]
         S += acc
+        if FUSE_O:
+            t = n * TC + r_q
+            tl.store(o + (((i_bh // H) * T + t[:, None]) * H + i_bh % H) * V + o_v[None, :], O,
+                     mask=(t < T)[:, None] & m_v[None, :])
     tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
 
 
