@@ -143,6 +143,25 @@ def _tied_products(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl
 
 
 @triton.jit
+def _dot_ieee(X, Y):
+    """X @ Y in exact fp32 (on the FMA units: the UT inverse's 16 x 16 blocks)."""
+    return tl.dot(X, Y, input_precision="ieee")
+
+
+@triton.jit
+def _block(lptr, i, j, N: tl.constexpr, blk):
+    """The 16 x 16 block (i, j) of an [N, N] tile stored row-major at lptr."""
+    return tl.load(lptr + 16 * (i * N + j) + blk)
+
+
+@triton.jit
+def _merge_block(L10, D0, D1):
+    """The lower-left block -D1 L10 D0 of (I + L)^{-1} for L = [[L00, 0], [L10, L11]], given the inverses
+    D0 and D1 of its diagonal blocks."""
+    return -_dot_ieee(D1, _dot_ieee(L10, D0))
+
+
+@triton.jit
 def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
     """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16), as [N, N].
 
@@ -153,11 +172,12 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
        substitution on [N / 16, 16, 16] tiles, row r of every block at once: row r of
        D^{-1} is e_r - L_r D^{-1}, which reads only rows already final. The rows L_r are read
        back from ``lptr``, so no step waits on a reduction to extract them.
-    2. The blocks below the diagonal follow, block row by block row:
-       X_ij = -D_i^{-1} sum_{j <= m < i} L_im X_mj. These are 16 x 16 products in exact fp32
-       ("ieee", on the FMA units), (N/16)^3 / 6 of them; whole-tile tensor-core products
-       would need three TF32 passes each for fp32 accuracy. The finished blocks are kept in
-       ``sptr``.
+    2. The blocks below the diagonal follow as two levels of 2 x 2 block inverses,
+       [[T0, 0], [-T1 L10 T0, T1]]: first the 16 x 16 pairs on the diagonal, then (N = 64) the
+       lower-left 32 x 32 quadrant, block by block from registers. These are 16 products of
+       16 x 16 blocks in exact fp32 ("ieee", on the FMA units); whole-tile tensor-core products
+       would need three TF32 passes each for fp32 accuracy. The finished blocks are stored in
+       ``sptr`` and the whole inverse read back once.
     """
     BS: tl.constexpr = 16
     NB: tl.constexpr = N // BS
@@ -179,17 +199,29 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
         o = tl.arange(0, BS)
         blk = o[:, None] * N + o[None, :]  # offsets of the 16 x 16 block at (0, 0)
         tl.store(sptr + diag, inv)
-        tl.debug_barrier()
-        for i in tl.static_range(1, NB):
-            Xii = tl.load(sptr + BS * i * (N + 1) + blk)
-            for j in tl.static_range(0, i):
-                acc = tl.zeros([BS, BS], dtype=tl.float32)
-                for m in tl.static_range(j, i):
-                    Lim = tl.load(lptr + BS * (i * N + m) + blk)
-                    Xmj = tl.load(sptr + BS * (m * N + j) + blk)
-                    acc += tl.dot(Lim, Xmj, input_precision="ieee")
-                tl.store(sptr + BS * (i * N + j) + blk, -tl.dot(Xii, acc, input_precision="ieee"))
-            tl.debug_barrier()  # block row i is read by the rows below it
+        tl.debug_barrier()  # the diagonal blocks, one by one below
+        D0 = tl.load(sptr + blk)
+        D1 = tl.load(sptr + BS * (N + 1) + blk)
+        X10 = _merge_block(_block(lptr, 1, 0, N, blk), D0, D1)
+        tl.store(sptr + BS * N + blk, X10)
+        if NB == 4:
+            # the lower-left 32 x 32 quadrant -T1 L' T0, T0 = [[D0, 0], [X10, D1]] and T1 = [[D2, 0], [X32, D3]]
+            # the inverses of the diagonal quadrants: 16 x 16 products in registers, no block waits on a store
+            D2 = tl.load(sptr + 2 * BS * (N + 1) + blk)
+            D3 = tl.load(sptr + 3 * BS * (N + 1) + blk)
+            X32 = _merge_block(_block(lptr, 3, 2, N, blk), D2, D3)
+            L21 = _block(lptr, 2, 1, N, blk)
+            L31 = _block(lptr, 3, 1, N, blk)
+            Y20 = _dot_ieee(_block(lptr, 2, 0, N, blk), D0) + _dot_ieee(L21, X10)  # Y = L' T0
+            Y30 = _dot_ieee(_block(lptr, 3, 0, N, blk), D0) + _dot_ieee(L31, X10)
+            Y21 = _dot_ieee(L21, D1)
+            Y31 = _dot_ieee(L31, D1)
+            tl.store(sptr + BS * (3 * N + 2) + blk, X32)
+            tl.store(sptr + BS * 2 * N + blk, -_dot_ieee(D2, Y20))
+            tl.store(sptr + BS * (2 * N + 1) + blk, -_dot_ieee(D2, Y21))
+            tl.store(sptr + BS * 3 * N + blk, -(_dot_ieee(X32, Y20) + _dot_ieee(D3, Y30)))
+            tl.store(sptr + BS * (3 * N + 1) + blk, -(_dot_ieee(X32, Y21) + _dot_ieee(D3, Y31)))
+        tl.debug_barrier()  # every block is stored before the whole inverse is read back
         r = tl.arange(0, N)
         out = tl.load(sptr + r[:, None] * N + r[None, :], mask=(r[:, None] // BS) >= (r[None, :] // BS), other=0.0)
         tl.debug_barrier()  # every read of the scratch is done before the caller may reuse it
