@@ -7,7 +7,9 @@ Three kernels, in ``rankdecay.ops.chunk``'s notation (HDLA §3.2, eqs. 13-18):
    (blockwise, in registers: ``_unit_lower_inverse``), W = T (B ⊙ e^{G_{i-1}}), Ũ = T L_BK V, and
    everything decayed to the chunk's end (K̃, Ã, e^{G_C}) or from its start (Q ⊙ e^G).
 2. ``chunk_state._state_fwd_kernel``: the state from chunk to chunk (S_n, U_n).
-3. ``_output_kernel``: O = (Q ⊙ e^G) S_n + M_QK V - M_QA U_n.
+3. ``_output_kernel``: O = (Q ⊙ e^G) S_n + M_QK V - M_QA U_n; or, where the state kernel's grid
+   alone fills the GPU (``fuse_output``), the state kernel forms O itself from S_n and U_n in
+   registers, and S_n and U_n are stored only for the backward.
 
 Ranks are compile-time constants: the rows of a chunk are (token, rank) pairs, token
 major, with the rank padded to a power of two (padded rows are zero and change
