@@ -236,7 +236,11 @@ def test_16bit_inputs_with_autograd(dtype, tol, gate):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("grads", [True, False], ids=["autograd", "forward"])
-@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+# the outputs from the state kernel too where the keys are tied (a decay per row); with a per-channel gate
+# the forward is the general one, covered by test_fused_forward_matches_pytorch_chunk
+@pytest.mark.parametrize("gate,output_form", [(None, "output-kernel"), (None, "state-kernel"),
+                                              ("scalar", "output-kernel"), ("scalar", "state-kernel"),
+                                              ("channel", "output-kernel")], indirect=["output_form"])
 @pytest.mark.parametrize("Rkv", [1, 2])
 def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol, output_form):
     """a and b the same tensor as k (the delta rule's layout: Gated DeltaNet passes k three times,
