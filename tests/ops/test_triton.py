@@ -576,6 +576,29 @@ def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
 
 
 @GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_form):
+    """Gated DeltaNet's forward alone (no autograd: with the state kernel's outputs, S_n and U_n are not
+    stored), bf16 at B2 T1000 H4 K=V=128 against fp64: the same bounds as with autograd."""
+    gen = torch.Generator().manual_seed(6)
+    B, T, H, D = 2, 1000, 4, 128
+    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
+    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+    with torch.no_grad():
+        exact = ops.gated_delta_rule(*[x.double() for x in inputs[:5]], initial_state=inputs[5].double(),
+                                     output_final_state=True, mode="chunk")
+        got = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
+        ref = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
+    for name, x, y, e in zip(["o", "s"], got, ref, exact):
+        err, ref_err = rel_rms(x, e), rel_rms(y, e)
+        bound = 1.5 * ref_err + 1e-6 if matmul_precision == "highest" else 2 ** -5
+        assert err <= bound, f"{matmul_precision} {name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"
+
+
+@GPU
 def test_gpu_long_sequence_stays_finite():
     inputs = random_inputs(1, 65536, 2, 64, 64, 1, 1, "scalar", beta_max=2.0, strong=False)
     with torch.no_grad():
