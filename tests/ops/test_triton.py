@@ -551,13 +551,8 @@ def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
     inputs at B2 T1000 H4 K=V=128, against fp64 on the same (bf16-rounded) inputs: at "highest" no
     worse than the PyTorch path on the bf16 inputs, at "medium" within 2^-5, for the output, final
     state and every gradient."""
-    gen = torch.Generator().manual_seed(5)
-    B, T, H, D = 2, 1000, 4, 128
-    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
-    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
-    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+    inputs = _gdn_realistic_inputs(seed=5)
+    D = inputs[0].shape[-1]
 
     def call(mode, exact=False):
         xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
@@ -568,11 +563,7 @@ def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
 
     exact = call("chunk", exact=True)
     got, ref = call("triton"), call("chunk")
-    for name, x, y, e in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact):
-        assert torch.isfinite(x).all(), f"{name}: not finite"
-        err, ref_err = rel_rms(x, e), rel_rms(y, e)
-        bound = 1.5 * ref_err + 1e-6 if matmul_precision == "highest" else 2 ** -5
-        assert err <= bound, f"{matmul_precision} {name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"
+    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact, matmul_precision)
 
 
 @GPU
@@ -580,19 +571,31 @@ def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
 def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_form):
     """Gated DeltaNet's forward alone (no autograd: with the state kernel's outputs, S_n and U_n are not
     stored), bf16 at B2 T1000 H4 K=V=128 against fp64: the same bounds as with autograd."""
-    gen = torch.Generator().manual_seed(6)
-    B, T, H, D = 2, 1000, 4, 128
-    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
-    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
-    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+    inputs = _gdn_realistic_inputs(seed=6)
     with torch.no_grad():
         exact = ops.gated_delta_rule(*[x.double() for x in inputs[:5]], initial_state=inputs[5].double(),
                                      output_final_state=True, mode="chunk")
         got = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
         ref = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
-    for name, x, y, e in zip(["o", "s"], got, ref, exact):
+    _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
+
+
+def _gdn_realistic_inputs(seed):
+    """Gated DeltaNet's (q, k, v, g, beta) in bf16 and an fp32 initial state at B2 T1000 H4 K=V=128, β up to 2."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, D = 2, 1000, 4, 128
+    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
+    return [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+
+
+def _assert_near_fp64(names, got, ref, exact, matmul_precision):
+    """Each result finite, and against fp64: at "highest" no worse than the PyTorch path on the same bf16 inputs
+    (ref), at "medium" within 2^-5."""
+    for name, x, y, e in zip(names, got, ref, exact):
+        assert torch.isfinite(x).all(), f"{name}: not finite"
         err, ref_err = rel_rms(x, e), rel_rms(y, e)
         bound = 1.5 * ref_err + 1e-6 if matmul_precision == "highest" else 2 ** -5
         assert err <= bound, f"{matmul_precision} {name}: triton {err:.2e} vs PyTorch chunk {ref_err:.2e}"

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_blocks, _chunk_cols, _chunk_factor, _chunk_rows, _dot, _dot_ex, _is16, _load_rows,
-                          _out_dtype, _precision, _query_state, _raw_rows, _state_fwd_kernel)
+from .chunk_state import (_blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _is16, _load_rows, _out_dtype, _precision,
+                          _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
 from .channel import _CHANNEL, _gc_at, _input_dot, channel_product
 from .fused_recurrent import _pow2, gate_kind
 
@@ -42,12 +42,6 @@ MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 def _rows(i_b, i_h, i_c, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
     """The chunk's rows of a [B, T, H, R, D] tensor: token in chunk, rank, time, valid, flat row."""
     return _chunk_rows(tl.arange(0, TC * RP), i_b, i_h, i_c, T, H, TC, R, RP)
-
-
-@triton.jit
-def _row_factor(s, flat, valid):
-    """[rows] per-row factors (``a_scale`` / ``v_scale`` of ``dplr``) of a [B, T, H, R, D] tensor's rows."""
-    return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -165,7 +159,7 @@ def _merge_block(L10, D0, D1):
 
 @triton.jit
 def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
-    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N a power of two >= 16), as [N, N].
+    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N = 16, 32 or 64), as [N, N].
 
     ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
     it); ``sptr``: [N, N] scratch.
@@ -485,19 +479,13 @@ def _output_kernel(
         S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                     other=0.0).to(tl.float32)
         acc += _query_state(qd, qf, S, c, i_bh, i_c, T, H, TC, K, o_k, m_k, RAW, E_Q, PRECISION)
-    Mk = _chunk_cols(mqk, c, r_q, r_k, r_k < NK, TC, NK)
     Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
-    if TIED:
-        if VSC:
-            Vr = Vr * _chunk_factor(sv, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[:, None]
+    if TIED:  # U's rows are k's
         U = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-        if ASC:
-            U = U * _chunk_factor(sa, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[:, None]
-        acc += _dot(Mk, Vr - U, PRECISION)
-    else:
-        if VSC:
-            Mk = Mk * _chunk_factor(sv, r_k, i_bh, i_c, T, H, TC, RKV, RKVP)[None, :]
-        acc += _dot_ex(Mk, Vr, PRECISION, E_V)
+    else:  # (unused)
+        U = Vr
+    acc += _values_out(mqk, c, r_q, r_k, r_k < NK, Vr, U, sv, sa, i_bh, i_c, T, H, TC, NK, RKV, RKVP, TIED, VSC, ASC,
+                       E_V, PRECISION)
     if NA > 0 and not TIED:
         r_a = tl.arange(0, NA)
         U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)

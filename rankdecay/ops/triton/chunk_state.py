@@ -94,16 +94,42 @@ def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def _row_factor(s, flat, valid):
+    """[rows] per-row factors (``a_scale`` / ``v_scale`` of ``dplr``) of a [B, T, H, R, D] tensor's rows."""
+    return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _chunk_factor(s, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
     """[rows] per-row factors s [B, T, H, R] (``a_scale`` / ``v_scale`` of ``dplr``) of rows o_r of chunk n."""
     _, _, _, valid, flat = _chunk_rows(o_r, i_bh // H, i_bh % H, n, T, H, TC, R, RP)
-    return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
+    return _row_factor(s, flat, valid)
 
 
 @triton.jit
 def _chunk_cols(m, c, r_q, o_r, m_r, TC: tl.constexpr, N: tl.constexpr):
     """Columns o_r of chunk c's [TC, N] tile of m [B, H, NC, TC, N] (M_QK, M_QA), as fp32."""
     return tl.load(m + (c * TC + r_q[:, None]) * N + o_r[None, :], mask=m_r[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _values_out(mqk, c, r_q, o_r, m_r, Vr, U, sv, sa, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr,
+                N: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, TIED: tl.constexpr, VSC: tl.constexpr,
+                ASC: tl.constexpr, E_V: tl.constexpr, PRECISION: tl.constexpr):
+    """The outputs' share M_QK[:, o_r] (sv ⊙ v) of chunk n's value rows o_r (Vr: v as given, [rows, BV]; M_QK
+    chunk c's [TC, N] tile of mqk): v's factors on M_QK's columns, two TF32 passes on a 16-bit v (E_V). TIED (a is
+    k, ranks 1, so M_QA = M_QK ⊙ sa): minus M_QA U (U [rows, BV]) in the same product, M_QK (sv ⊙ v - sa ⊙ U)."""
+    Mk = _chunk_cols(mqk, c, r_q, o_r, m_r, TC, N)
+    if TIED:
+        if VSC:
+            Vr = Vr * _chunk_factor(sv, o_r, i_bh, n, T, H, TC, R, RP)[:, None]
+        if ASC:
+            U = U * _chunk_factor(sa, o_r, i_bh, n, T, H, TC, R, RP)[:, None]
+        return _dot(Mk, Vr - U, PRECISION)
+    else:
+        if VSC:
+            Mk = Mk * _chunk_factor(sv, o_r, i_bh, n, T, H, TC, R, RP)[None, :]
+        return _dot_ex(Mk, Vr, PRECISION, E_V)
 
 
 @triton.jit
@@ -170,11 +196,9 @@ def _state_fwd_kernel(
                     Vr = _raw_rows(vf, o_r, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                     fk = tl.load(kf + c * CR + o_r, mask=m_r, other=0.0)
                     acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None], PRECISION, E_K)
-                    if FUSE_O:  # M_QK's columns carry v's factors, v stays as given
-                        Mk = _chunk_cols(mqk, c, r_q, o_r, m_r, TC, CR)
-                        if VSC:
-                            Mk = Mk * _chunk_factor(sv, o_r, i_bh, n, T, H, TC, RKV, RKVP)[None, :]
-                        O += _dot_ex(Mk, Vr, PRECISION, E_V)
+                    if FUSE_O:  # M_QK (sv ⊙ v) alone: tied, M_QA U follows with U (below)
+                        O += _values_out(mqk, c, r_q, o_r, m_r, Vr, Vr, sv, sa, i_bh, n, T, H, TC, CR, RKV, RKVP,
+                                         False, VSC, ASC, E_V, PRECISION)
                 else:
                     Kd = tl.load(kd + c * CR * K + o_r[:, None] * K + o_k[None, :],
                                  mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
@@ -204,19 +228,9 @@ def _state_fwd_kernel(
                 fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
                 fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
                 acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None] - Uc * fa[:, None], PRECISION, E_K)
-                if FUSE_O:
-                    Mk = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CR)
-                    if TIED:  # M_QA = M_QK ⊙ sa: O += M_QK (sv ⊙ v - sa ⊙ U_n), one product
-                        Vs = Vr
-                        if VSC:
-                            Vs = Vs * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
-                        if ASC:
-                            Uc = Uc * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[:, None]
-                        O += _dot(Mk, Vs - Uc, PRECISION)
-                    else:
-                        if VSC:
-                            Mk = Mk * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[None, :]
-                        O += _dot_ex(Mk, Vr, PRECISION, E_V)
+                if FUSE_O:  # not tied, M_QA U_n is taken above
+                    O += _values_out(mqk, c, r_q, o_a, m_a, Vr, Uc, sv, sa, i_bh, n, T, H, TC, CR, RKV, RKVP,
+                                     TIED, VSC, ASC, E_V, PRECISION)
             elif FUSE_O and TIED:  # the rows of U are k's (CA = CR)
                 Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
                 if ASC:
