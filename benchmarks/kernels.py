@@ -169,9 +169,10 @@ def graphed(fn):
     return graph.replay
 
 
-def measure(call, inputs, backward: bool, graph: bool = False) -> dict:
-    """``bench``'s times and the peak memory above the inputs (MB) of forward (+ backward);
-    with ``graph``, of the forward recorded as a CUDA graph and replayed."""
+def make_step(call, inputs, backward: bool):
+    """One forward (+ backward) of ``call`` on leaf copies of ``inputs`` (floating tensors other than a mask
+    take gradients), as a function of no arguments; the gradients are cleared after each call, so that a
+    later call does not add to them."""
     leaves = {k: (v.detach().requires_grad_(backward) if v.is_floating_point() and k != "mask" else v)
               for k, v in inputs.items()}
 
@@ -185,6 +186,13 @@ def measure(call, inputs, backward: bool, graph: bool = False) -> dict:
         for v in leaves.values():
             v.grad = None
 
+    return step
+
+
+def measure(call, inputs, backward: bool, graph: bool = False) -> dict:
+    """``bench``'s times and the peak memory above the inputs (MB) of forward (+ backward);
+    with ``graph``, of the forward recorded as a CUDA graph and replayed."""
+    step = make_step(call, inputs, backward)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

@@ -13,7 +13,7 @@ import ast
 import torch
 
 from rankdecay.ops.triton import chunk_fwd
-from kernels import CASES  # noqa: E402  (run from benchmarks/ or with it on sys.path)
+from kernels import CASES, make_step  # noqa: E402  (run from benchmarks/ or with it on sys.path)
 
 
 def main() -> None:
@@ -31,18 +31,7 @@ def main() -> None:
         chunk_fwd._KNOBS[name] = ast.literal_eval(value)
     case = CASES[args.case]
     call = case.peers[args.peer] if args.peer else case.ours
-    inputs = case.make(*args.shape, "cuda", torch.bfloat16)
-    leaves = {n: (x.detach().requires_grad_(args.backward) if x.is_floating_point() and n != "mask" else x)
-              for n, x in inputs.items()}
-
-    def step():
-        with torch.set_grad_enabled(args.backward):
-            o = call(leaves)
-        if args.backward:
-            o.backward(torch.ones_like(o))
-            for x in leaves.values():  # else the second call's gradients are added to the first's
-                x.grad = None
-
+    step = make_step(call, case.make(*args.shape, "cuda", torch.bfloat16), args.backward)
     step()  # compile
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
