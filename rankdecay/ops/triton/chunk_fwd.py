@@ -504,7 +504,8 @@ def _output_kernel(
 # results, out-of-range shared reads under compute-sanitizer), BENCHMARKS.md sessions 13 and 14.
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
-# or the output kernel; None, the default: ``fuse_output``'s choice).
+# or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
+# num_stages; the default: 2 for the delta rule's fused bf16 forward without the backward, else 1).
 _KNOBS: dict = {}
 
 
@@ -652,6 +653,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if fuse is None:
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
+    # the chunk loop on two pipeline stages (the next chunk's tiles load during this chunk's products):
+    # only for the delta rule's fused, store-free bf16 forward, where it was measured faster (H100 GDN:
+    # 232 -> 203 us); it slowed HDLA and HH-GDN and overflowed shared memory with fp32 tiles
+    # (BENCHMARKS.md sessions 23 and 24)
+    pipelined = fuse and not store and tied and prec.startswith("bf16")
+    blocks = dict(blocks, num_stages=cfg.get("state_stages", 2 if pipelined else blocks["num_stages"]))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
