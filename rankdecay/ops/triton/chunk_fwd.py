@@ -374,7 +374,10 @@ def _intra_kernel(
             L = P
             if ASC:
                 L = L * fac_a[None, :]
-            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L)  # saved, and read back by the inverse
+            # saved, and read back by the inverse, which reads only the blocks on and below the diagonal:
+            # without SAVE the 16 x 16 blocks above it (zeros) are not written
+            m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
         if TIED:  # L_BK is L_BA before a's factors
             L = P
@@ -505,7 +508,7 @@ def _output_kernel(
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
-# num_stages; the default: 2 for the delta rule's fused bf16 forward without the backward, else 1).
+# num_stages; the default: 2 for the delta rule's fused bf16 forward, else 1).
 _KNOBS: dict = {}
 
 
@@ -654,10 +657,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
     # the chunk loop on two pipeline stages (the next chunk's tiles load during this chunk's products):
-    # only for the delta rule's fused, store-free bf16 forward, where it was measured faster (H100 GDN:
-    # 232 -> 203 us); it slowed HDLA and HH-GDN and overflowed shared memory with fp32 tiles
-    # (BENCHMARKS.md sessions 23 and 24)
-    pipelined = fuse and not store and tied and prec.startswith("bf16")
+    # only for the delta rule's fused bf16 forward, where it was measured faster (H100 GDN: 231 -> 197 us
+    # without the backward, 316 -> 291 us storing S_n and U_n for it); it slowed HDLA and HH-GDN and
+    # overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23 and 24)
+    pipelined = fuse and tied and prec.startswith("bf16")
     blocks = dict(blocks, num_stages=cfg.get("state_stages", 2 if pipelined else blocks["num_stages"]))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
