@@ -324,6 +324,24 @@ def test_tensors_between_kernels_16bit_only_where_products_are():
     assert stored_dtype("bf16_ieee", 64, cpu) == torch.float32
 
 
+def test_state_kernel_pipelined_only_where_measured():
+    """The forward state kernel's chunk loop on two pipeline stages only for the delta rule's fused forward
+    at the bf16 products' precision with 16-bit k and v and K <= 128 (``chunk_fwd.state_stages``): elsewhere
+    it was slower (HDLA, HH-GDN) or ran out of shared memory (fp32 tiles) on the H100."""
+    from rankdecay.ops.triton.chunk_fwd import state_stages
+
+    bf, f32 = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 128)
+    assert state_stages(True, True, "bf16", bf, bf) == 2
+    assert state_stages(True, True, "bf16", bf.half(), bf.half()) == 2
+    assert state_stages(False, True, "bf16", bf, bf) == 1  # the separate output kernel
+    assert state_stages(True, False, "bf16", bf, bf) == 1  # not the delta rule
+    assert state_stages(True, True, "tf32", bf, bf) == 1
+    assert state_stages(True, True, "bf16", f32, bf) == 1
+    assert state_stages(True, True, "bf16", bf, f32) == 1
+    wide = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert state_stages(True, True, "bf16", wide, bf) == 1
+
+
 @pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])
 @pytest.mark.parametrize("matmul_precision", ["medium"], indirect=True)
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")])

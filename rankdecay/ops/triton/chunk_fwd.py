@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _is16, _load_rows, _out_dtype, _precision,
-                          _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
+from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _is16, _load_rows, _out_dtype,
+                          _precision, _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
 from .channel import _CHANNEL, _gc_at, _input_dot, channel_product
 from .fused_recurrent import _pow2, gate_kind
 
@@ -508,7 +508,7 @@ def _output_kernel(
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
-# num_stages; the default: 2 for the delta rule's fused bf16 forward, else 1).
+# num_stages; None, the default: ``state_stages``'s choice).
 _KNOBS: dict = {}
 
 
@@ -527,6 +527,16 @@ def fuse_output(programs: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return programs >= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
+    products) only for the delta rule's (``tied``) fused forward (``fuse``) at the bf16 products'
+    precision with 16-bit k and v and K <= 128, the tiles on which it was measured faster (H100 GDN:
+    231 -> 197 µs without the backward, 316 -> 291 µs storing S_n and U_n for it); else 1. Elsewhere it
+    slowed HDLA and HH-GDN and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24)."""
+    ok = fuse and tied and precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
+    return 2 if ok else _LAUNCH["stages"]
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -656,12 +666,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if fuse is None:
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    # the chunk loop on two pipeline stages (the next chunk's tiles load during this chunk's products):
-    # only for the delta rule's fused bf16 forward, where it was measured faster (H100 GDN: 231 -> 197 us
-    # without the backward, 316 -> 291 us storing S_n and U_n for it); it slowed HDLA and HH-GDN and
-    # overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23 and 24)
-    pipelined = fuse and tied and prec.startswith("bf16")
-    blocks = dict(blocks, num_stages=cfg.get("state_stages", 2 if pipelined else blocks["num_stages"]))
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, prec, k, v))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
