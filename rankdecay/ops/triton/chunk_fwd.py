@@ -666,7 +666,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if fuse is None:
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, prec, k, v))
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, cfg["state_precision"], k, v))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
