@@ -286,6 +286,30 @@ def test_delta_rule_keys_with_cu_seqlens():
         assert_matches(x, y, 1e-5, name)
 
 
+def test_delta_rule_forward_extremes(output_form):
+    """Gated DeltaNet's forward alone (no autograd; with the outputs from the state kernel this is the scaled
+    form, ``chunk_fwd.scaled_update``): T = 1, T = 130 (a partial chunk), log-gates of -30 per step over ten
+    steps and one of -1e4, β up to 2 and one β = 0, K = V = 36 (masked tiles); outputs and final states finite and matching."""
+    gen = torch.Generator().manual_seed(7)
+    for T in (1, 130):
+        q, k, v = (torch.randn(2, T, 2, 36, generator=gen) for _ in range(3))
+        k = F.normalize(k, dim=-1)
+        g = F.logsigmoid(torch.randn(2, T, 2, generator=gen))
+        beta = 2 * torch.rand(2, T, 2, generator=gen)
+        if T > 1:
+            g[:, 30:40] = -30.0
+            g[:, 70] = -1e4
+            beta[:, 5] = 0.0
+        h0 = torch.randn(2, 2, 36, 36, generator=gen)
+        xs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
+        with torch.no_grad():
+            got = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode="triton")
+            ref = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode="chunk")
+        for name, x, y in zip(["o", "final_state"], got, ref):
+            assert torch.isfinite(x).all(), f"T={T}: {name} not finite"
+            assert_matches(x, y, 1e-5, f"T={T} {output_form}: {name}")
+
+
 @pytest.fixture
 def matmul_precision(request):
     """torch.set_float32_matmul_precision(param) for one test, restored after it."""

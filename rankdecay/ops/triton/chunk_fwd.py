@@ -320,6 +320,7 @@ def _intra_kernel(
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -331,6 +332,9 @@ def _intra_kernel(
     # per-channel gate (GATE 2): Q̃, K̃, Ã and V (with its factors) are stored instead.
     # TIED (a = b = k, ranks 1, a decay per row: the delta rule): M_QA = M_QK ⊙ sa and L_BA = L_BK ⊙ sa
     # share their products, so two of the four are taken; M_QA is stored only for the backward (SAVE).
+    # SCALED (TIED, no SAVE; ``scaled_update``): the rows' update comes scaled by a's factors D = diag(sa),
+    # with D T = T' D for T' = (I + D L_BK)^{-1} and T' D L_BK = I - T': uv holds Ū = T' (sv ⊙ v) and w
+    # W' = T' (D e^{G_{i-1}} ⊙ k), so that v ⊙ sv - D U = Ū - W' S_0, one product and no L_BK V (fla's form).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -372,14 +376,16 @@ def _intra_kernel(
                 P = _products(b, a, Gb, Ga, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RAB, RABP, True, GATE, BK,
                               PRECISION, LP_BA)
             L = P
-            if ASC:
+            if SCALED:  # D L_BK: a's factors on the rows
+                L = L * fac_a[:, None]
+            elif ASC:
                 L = L * fac_a[None, :]
             # saved, and read back by the inverse, which reads only the blocks on and below the diagonal:
             # without SAVE the 16 x 16 blocks above it (zeros) are not written
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
-        if TIED:  # L_BK is L_BA before a's factors
+        if TIED and not SCALED:  # L_BK is L_BA before a's factors
             L = P
         elif GATE < 2:
             L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
@@ -393,7 +399,7 @@ def _intra_kernel(
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     if VSC:
         fac_v = _row_factor(sv, fk, vk)
-        if RAB > 0:
+        if RAB > 0 and not SCALED:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
@@ -405,7 +411,9 @@ def _intra_kernel(
             Vr = V16
         if GATE == 2 and VSC:  # without factors the later kernels read v as given (RAW_V)
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
-        if RAB > 0:
+        if SCALED:  # Ū = T' (sv ⊙ v)
+            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, Vr, PRECISION), mask=m_v[None, :])
+        elif RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, LV, PRECISION),
                      mask=m_v[None, :])
@@ -414,6 +422,11 @@ def _intra_kernel(
     # e^{G_C} come from ``chunk_log_cumsum``); with a decay per row, K's, A's and Q's decays as row factors
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
+    if SCALED:  # W' = (T' D e^{G_{i-1}}) k
+        if GATE == 1:
+            Tinv_b = Tinv_b * fac_a[None, :]
+        else:
+            Tinv = Tinv * fac_a[None, :]
     if GATE != 2:
         if GATE == 1:
             dec_k = tl.exp((G_end - Gk).to(tl.float32))
@@ -423,11 +436,11 @@ def _intra_kernel(
             tl.store(qf + c * TC + r_q, tl.full([TC], 1.0, tl.float32) * scale)
         if SAVE:
             tl.store(kdec + c * NK + r_k, dec_k)
-        if VSC:
+        if VSC and not SCALED:
             tl.store(kf + c * NK + r_k, dec_k * fac_v)
         else:
             tl.store(kf + c * NK + r_k, dec_k)
-        if RAB > 0:
+        if RAB > 0 and not SCALED:
             fa_end = tl.full([NA], 1.0, tl.float32)
             if ASC:
                 fa_end = fa_end * fac_a
@@ -508,7 +521,7 @@ def _output_kernel(
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
-# num_stages; None, the default: ``state_stages``'s choice).
+# num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form).
 _KNOBS: dict = {}
 
 
@@ -537,6 +550,16 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     slowed HDLA and HH-GDN and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24)."""
     ok = fuse and tied and precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     return 2 if ok else _LAUNCH["stages"]
+
+
+def scaled_update(tied: bool, fuse: bool, save: bool, knob=None) -> bool:
+    """Whether the delta rule's forward takes its rows' update already scaled by a's factors (the kernels'
+    SCALED, fla's form): the intra kernel inverts I + D L_BK (D = diag(a_scale)) instead of I + L_BK D and
+    stores Ū = T' (sv ⊙ v) and W' = T' (D e^{G_{i-1}} ⊙ k), which spares it the product L_BK V, and the state
+    kernel forms the whole value update sv ⊙ v - D U = Ū - W' S_n and never reads v. Only for ``tied`` keys,
+    with the outputs formed in the state kernel (``fuse``) and nothing saved (``save``): the backward and the
+    output kernel read T and U_n themselves. ``knob`` (``_KNOBS["scaled"]``): False turns it off."""
+    return tied and fuse and not save and (knob is None or bool(knob))
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -646,6 +669,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
+    blocks = _blocks(K, V, NK, NA)
+    # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
+    fuse = cfg.get("fuse_output")
+    if fuse is None:
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
+    scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
     if intra:
         _intra_kernel[(NC, B * H)](
             q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
@@ -656,15 +685,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
             LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None,
             VSC=sv is not None,
-            E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied,
+            E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             num_warps=cfg["intra_warps"], num_stages=1,
         )
-    blocks = _blocks(K, V, NK, NA)
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
-    # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
-    fuse = cfg.get("fuse_output")
-    if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
     blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, cfg["state_precision"], k, v))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
@@ -683,7 +707,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
-        STORE=store, **out, **blocks,
+        STORE=store, SCALED=scaled, **out, **blocks,
     )
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))

@@ -158,7 +158,7 @@ def _state_fwd_kernel(
     E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False, RAW_V: tl.constexpr = False,
     qd=None, qf=None, mqk=None, mqa=None, sv=None, sa=None, o=None, FUSE_O: tl.constexpr = False,
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
-    E_Q: tl.constexpr = False, E_V: tl.constexpr = False,
+    E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -171,6 +171,9 @@ def _state_fwd_kernel(
     # FUSE_O: the chunk's output O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n (``chunk_fwd._output_kernel``'s, same
     # arguments: qd, qf, mqk, mqa, sv, sa, TIED, VSC, ASC, E_Q, E_V) is formed here, from S_n and U_n in
     # registers, and stored in o; STORE: S_n and U_n are stored (the output kernel's or the backward's).
+    # SCALED (SAME_AK and TIED, FUSE_O, not STORE; ``chunk_fwd.scaled_update``): w and uv are W' and Ū, and
+    # Y = Ū - W' S_n is the chunk's whole value update (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y, O = Q̃ S_n + M_QK Y;
+    # v, sa and sv are not read.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -217,12 +220,21 @@ def _state_fwd_kernel(
             m_ak = m_a[:, None] & m_k[None, :]
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
             Uc = _dot(W, S, PRECISION)
-            Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
+            Ul = tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
+            if SCALED:
+                Uc = Ul - Uc
+            else:
+                Uc += Ul
             if STORE:
                 tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
             if FUSE_O and not TIED:
                 O -= _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
-            if SAME_AK:
+            if SCALED:  # Uc is Y
+                Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
+                acc += _dot_xe(tl.trans(Kr), Uc * fk[:, None], PRECISION, E_K)
+                O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
+            elif SAME_AK:
                 Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
                 Vr = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                 fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
