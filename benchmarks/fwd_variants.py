@@ -1,59 +1,83 @@
-"""Fused-forward variants on one GPU: the three kernels of ``chunk_dplr_fwd`` timed under launch knobs.
+"""Fused-forward variants on one GPU: ``chunk_dplr_fwd``'s kernels timed one by one under launch knobs.
 
-    python benchmarks/fwd_variants.py gdn gla     (writes $OUT/fwd_exp.json, or ./fwd_exp.json)
+    python benchmarks/fwd_variants.py gdn [hdla ...] --variants "" "scaled=0" "intra_maxnreg=168" ...
 
-Captures the canonical inputs of one case of ``kernels.py`` and times ``chunk_dplr_fwd`` with
-the intra kernel on 4 or 8 warps, every product in plain ``tf32`` (inexact: a speed bound), and
-without the 16-bit products; then profiles the default per kernel.
+Captures the canonical inputs of each ``kernels.py`` case, then for each variant (comma-separated
+``chunk_fwd._KNOBS`` settings, values as Python literals; "" is the default) times ``chunk_dplr_fwd``
+under the PyTorch profiler: the GPU time of each kernel, median over calls, so the host's speed does
+not enter. Prints a table and writes ``$OUT/fwd_variants.json`` (or ./fwd_variants.json).
 """
-import sys, json, torch
-sys.path.insert(0, "benchmarks")
-from kernels import CASES
-import rankdecay.ops.triton as rt
-import rankdecay.ops.triton.chunk_fwd as cf
-from torch.profiler import profile, ProfilerActivity
-
-captured = {}
-orig = cf.chunk_dplr_fwd
-def grab(*a, **k):
-    captured["args"] = a
-    return orig(*a, **k)
-rt.chunk_dplr_fwd = grab
-
-def bench(fn, reps=20):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        s.record(); fn(); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e))
-    ts.sort(); return ts[len(ts)//2]
-
-res = {}
-for case in sys.argv[1:]:
-    c = CASES[case]
-    x = c.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
-    with torch.no_grad():
-        c.ours(x)
-    args = captured["args"]
-    print(case, [None if t is None or not hasattr(t, "dtype") else (t.dtype, tuple(t.shape)) for t in args[:6]], flush=True)
-    variants = {"base": {}, "w4": dict(intra_warps=4), "w8": dict(intra_warps=8), "tf32": dict(precision="tf32", state_precision="tf32"),
-                "state_tf32": dict(state_precision="tf32")}
-    for name, cfg in variants.items():
-        try:
-            ms = bench(lambda: orig(*args, _config=cfg))
-        except Exception as ex:
-            ms = repr(ex)[:200]
-        res[f"{case}/{name}"] = ms
-        print(case, name, ms, flush=True)
-    if args[1].dtype != torch.float32:
-        a2 = list(args); a2[1] = a2[1].float()
-        if a2[4] is not None: a2[4] = a2[4].float()
-        ms = bench(lambda: orig(*a2)); res[f"{case}/no_lowp"] = ms; print(case, "no_lowp", ms, flush=True)
-    ms = bench(lambda: c.ours(x)); res[f"{case}/full_op"] = ms; print(case, "full op", ms, flush=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5): orig(*args)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40), flush=True)
+import argparse
+import ast
+import json
 import os
-json.dump(res, open(os.environ.get("OUT", ".") + "/fwd_exp.json", "w"), indent=1)
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels import CASES  # noqa: E402
+
+import rankdecay.ops.triton as rt  # noqa: E402
+import rankdecay.ops.triton.chunk_fwd as cf  # noqa: E402
+
+
+def knobs(spec: str) -> dict:
+    return {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+
+
+def kernel_times(fn, calls: int = 10) -> dict:
+    """Median GPU µs per call of each kernel fn launches (after two calls that compile)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name].append(e.device_time)
+    return {name: statistics.median(ts) * len(ts) / calls for name, ts in per.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", choices=list(CASES))
+    parser.add_argument("--variants", nargs="+", default=[""])
+    parser.add_argument("--shape", nargs=5, type=int, default=[8, 2048, 16, 128, 128])
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="medium")
+    args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    captured = {}
+    orig = cf.chunk_dplr_fwd
+
+    def grab(*a, **k):
+        captured["call"] = (a, k)
+        return orig(*a, **k)
+
+    rt.chunk_dplr_fwd = grab
+    results = {}
+    for case in args.cases:
+        c = CASES[case]
+        with torch.no_grad():
+            c.ours(c.make(*args.shape, "cuda", torch.bfloat16))
+        a, k = captured["call"]
+        for spec in args.variants:
+            try:
+                times = kernel_times(lambda: orig(*a, **k, _config=knobs(spec)))
+            except Exception as ex:  # a variant that does not compile or launch: say so, go on
+                print(f"{case} [{spec or 'default'}]: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                continue
+            results[f"{case} [{spec or 'default'}]"] = times
+            parts = ", ".join(f"{n.split('(')[0][:24]} {t:.1f}" for n, t in sorted(times.items(), key=lambda x: -x[1]))
+            print(f"{case} [{spec or 'default'}]: total {sum(times.values()):.1f} us: {parts}", flush=True)
+    json.dump(results, open(os.path.join(os.environ.get("OUT", "."), "fwd_variants.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,8 @@ appeared only then).
 - ``inv_stub``: the UT inverse returns L as loaded (no forward substitution, no block products).
 - ``prod_stub``: the decayed products return zeros (no loads, no tensor-core work).
 - ``dot1``: ``_dot_ex`` as one TF32 pass instead of two.
+- ``merge_ieee`` / ``merge_tf32``: the UT inverse's 16 x 16 block products in exact fp32 / one TF32 pass
+  (``chunk_fwd.merge_precision`` picks one by the products' precision).
 - ``tf32``: every fp32 product in one TF32 pass (``precision`` and ``state_precision``).
 - ``w8`` / ``w2``: the intra kernel on 8 / 2 warps.
 - ``state_bv32`` / ``state_w8``: the state kernel with a 32-wide value block / 8 warps.
@@ -33,7 +35,8 @@ import sys
 import triton
 import triton.language as tl
 
-VARIANTS = ["base", "inv_stub", "prod_stub", "dot1", "tf32", "w8", "w2", "state_bv32", "state_w8", "out_bv128", "out_w8"]
+VARIANTS = ["base", "inv_stub", "prod_stub", "dot1", "merge_ieee", "merge_tf32", "tf32", "w8", "w2", "state_bv32",
+            "state_w8", "out_bv128", "out_w8"]
 
 
 @triton.jit
@@ -74,6 +77,8 @@ def _patch(variant: str) -> dict:
         cf._tied_products = _tied_products_stub
     elif variant == "dot1":
         cf._dot_ex = _dot1_stub
+    elif variant.startswith("merge_"):
+        return dict(merge=variant[6:])
     elif variant == "tf32":
         return dict(precision="tf32", state_precision="tf32")
     elif variant in ("w8", "w2"):

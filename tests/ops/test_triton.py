@@ -335,6 +335,29 @@ def test_products_precision_follows_pytorch_setting():
     assert got == {"highest": "tf32x3" if cuda else "ieee", "high": "tf32", "medium": "bf16" if cuda else "bf16_ieee"}
 
 
+def test_inverse_merges_in_tf32_only_where_products_are_rounded():
+    """The UT inverse's block merges take one TF32 pass only at the "high" and "medium" products' precisions
+    (``chunk_fwd.merge_precision``); at fp32 accuracy, and under the interpreter's bf16 stand-in, exact fp32."""
+    from rankdecay.ops.triton.chunk_fwd import merge_precision
+
+    assert {p: merge_precision(p) for p in ("tf32x3", "ieee", "tf32", "bf16", "bf16_ieee")} == {
+        "tf32x3": "ieee", "ieee": "ieee", "tf32": "tf32", "bf16": "tf32", "bf16_ieee": "ieee"}
+
+
+@pytest.mark.parametrize("Rkv", [1, 2])
+def test_fused_forward_with_tf32_merges(Rkv, monkeypatch):
+    """The inverse's TF32 merges (forced here; under the interpreter a TF32 product is exact) give the same
+    forward: the 64-row inverse (Rkv = 1: four 16-row blocks) and the 32-row one (Rkv = 2: 32-token chunks)."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "merge", "tf32")
+    inputs = random_inputs(1, 70, 2, 16, 8, 1, Rkv, "scalar")
+    with torch.no_grad():
+        got, ref = run("triton", inputs, grads=False), run("chunk", inputs, grads=False, chunk_size=16)
+    for name, x, y in zip(["o", "final_state"], got, ref):
+        assert_matches(x, y, 1e-5, f"Rkv={Rkv}: {name}")
+
+
 def test_tensors_between_kernels_16bit_only_where_products_are():
     """bf16 between the fused kernels by default only on a GPU at the bf16 products' precision and
     K <= 128 (``chunk_fwd.stored_dtype``; at K > 128 the state kernel's 32-wide value block was

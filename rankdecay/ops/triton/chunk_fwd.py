@@ -11,6 +11,10 @@ Three kernels, in ``rankdecay.ops.chunk``'s notation (HDLA §3.2, eqs. 13-18):
    alone fills the GPU (``fuse_output``), the state kernel forms O itself from S_n and U_n in
    registers, and S_n and U_n are stored only for the backward.
 
+The delta rule's forward without the backward, outputs from the state kernel, takes a scaled form
+(``scaled_update``): the intra kernel stores only T' = (I + D L_BK)^{-1}, and the state kernel forms
+the chunk's value update T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n) itself (fla's v_new, without W and U).
+
 Ranks are compile-time constants: the rows of a chunk are (token, rank) pairs, token
 major, with the rank padded to a power of two (padded rows are zero and change
 nothing), so one kernel family serves every (Rab, Rkv). A chunk holds
@@ -139,9 +143,18 @@ def _tied_products(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl
 
 
 @triton.jit
-def _dot_ieee(X, Y):
-    """X @ Y in exact fp32 (on the FMA units: the UT inverse's 16 x 16 blocks)."""
-    return tl.dot(X, Y, input_precision="ieee")
+def _dot_merge(X, Y, MERGE: tl.constexpr):
+    """X @ Y of the UT inverse's 16 x 16 blocks at the merges' precision (``merge_precision``): "ieee", exact
+    fp32 on the FMA units, or "tf32", one tensor-core pass."""
+    return tl.dot(X, Y, input_precision=MERGE)
+
+
+def merge_precision(precision: str) -> str:
+    """The precision of the UT inverse's block merges (``_unit_lower_inverse``) at a products' precision: one
+    TF32 pass where the products themselves are rounded to TF32 or bf16 ("tf32", "bf16": the inverse is rounded
+    to bf16 for its products anyway; H100 GDN forward, intra kernel 359 -> 343 µs, BENCHMARKS.md session 25),
+    exact fp32 at fp32 accuracy. The diagonal blocks are exact fp32 at every precision."""
+    return "tf32" if precision in ("tf32", "bf16") else "ieee"
 
 
 @triton.jit
@@ -151,14 +164,14 @@ def _block(lptr, i, j, N: tl.constexpr, blk):
 
 
 @triton.jit
-def _merge_block(L10, D0, D1):
+def _merge_block(L10, D0, D1, MERGE: tl.constexpr):
     """The lower-left block -D1 L10 D0 of (I + L)^{-1} for L = [[L00, 0], [L10, L11]], given the inverses
     D0 and D1 of its diagonal blocks."""
-    return -_dot_ieee(D1, _dot_ieee(L10, D0))
+    return -_dot_merge(D1, _dot_merge(L10, D0, MERGE), MERGE)
 
 
 @triton.jit
-def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
+def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee"):
     """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N = 16, 32 or 64), as [N, N].
 
     ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
@@ -171,9 +184,9 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
     2. The blocks below the diagonal follow as two levels of 2 x 2 block inverses,
        [[T0, 0], [-T1 L10 T0, T1]]: first the 16 x 16 pairs on the diagonal, then (N = 64) the
        lower-left 32 x 32 quadrant, block by block from registers. These are 16 products of
-       16 x 16 blocks in exact fp32 ("ieee", on the FMA units); whole-tile tensor-core products
-       would need three TF32 passes each for fp32 accuracy. The finished blocks are stored in
-       ``sptr`` and the whole inverse read back once.
+       16 x 16 blocks at MERGE (``merge_precision``): exact fp32 ("ieee", on the FMA units), where
+       whole-tile tensor-core products would need three TF32 passes each, or one TF32 pass ("tf32").
+       The finished blocks are stored in ``sptr`` and the whole inverse read back once.
     """
     BS: tl.constexpr = 16
     NB: tl.constexpr = N // BS
@@ -198,25 +211,25 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr):
         tl.debug_barrier()  # the diagonal blocks, one by one below
         D0 = tl.load(sptr + blk)
         D1 = tl.load(sptr + BS * (N + 1) + blk)
-        X10 = _merge_block(_block(lptr, 1, 0, N, blk), D0, D1)
+        X10 = _merge_block(_block(lptr, 1, 0, N, blk), D0, D1, MERGE)
         tl.store(sptr + BS * N + blk, X10)
         if NB == 4:
             # the lower-left 32 x 32 quadrant -T1 L' T0, T0 = [[D0, 0], [X10, D1]] and T1 = [[D2, 0], [X32, D3]]
             # the inverses of the diagonal quadrants: 16 x 16 products in registers, no block waits on a store
             D2 = tl.load(sptr + 2 * BS * (N + 1) + blk)
             D3 = tl.load(sptr + 3 * BS * (N + 1) + blk)
-            X32 = _merge_block(_block(lptr, 3, 2, N, blk), D2, D3)
+            X32 = _merge_block(_block(lptr, 3, 2, N, blk), D2, D3, MERGE)
             L21 = _block(lptr, 2, 1, N, blk)
             L31 = _block(lptr, 3, 1, N, blk)
-            Y20 = _dot_ieee(_block(lptr, 2, 0, N, blk), D0) + _dot_ieee(L21, X10)  # Y = L' T0
-            Y30 = _dot_ieee(_block(lptr, 3, 0, N, blk), D0) + _dot_ieee(L31, X10)
-            Y21 = _dot_ieee(L21, D1)
-            Y31 = _dot_ieee(L31, D1)
+            Y20 = _dot_merge(_block(lptr, 2, 0, N, blk), D0, MERGE) + _dot_merge(L21, X10, MERGE)  # Y = L' T0
+            Y30 = _dot_merge(_block(lptr, 3, 0, N, blk), D0, MERGE) + _dot_merge(L31, X10, MERGE)
+            Y21 = _dot_merge(L21, D1, MERGE)
+            Y31 = _dot_merge(L31, D1, MERGE)
             tl.store(sptr + BS * (3 * N + 2) + blk, X32)
-            tl.store(sptr + BS * 2 * N + blk, -_dot_ieee(D2, Y20))
-            tl.store(sptr + BS * (2 * N + 1) + blk, -_dot_ieee(D2, Y21))
-            tl.store(sptr + BS * 3 * N + blk, -(_dot_ieee(X32, Y20) + _dot_ieee(D3, Y30)))
-            tl.store(sptr + BS * (3 * N + 1) + blk, -(_dot_ieee(X32, Y21) + _dot_ieee(D3, Y31)))
+            tl.store(sptr + BS * 2 * N + blk, -_dot_merge(D2, Y20, MERGE))
+            tl.store(sptr + BS * (2 * N + 1) + blk, -_dot_merge(D2, Y21, MERGE))
+            tl.store(sptr + BS * 3 * N + blk, -(_dot_merge(X32, Y20, MERGE) + _dot_merge(D3, Y30, MERGE)))
+            tl.store(sptr + BS * (3 * N + 1) + blk, -(_dot_merge(X32, Y21, MERGE) + _dot_merge(D3, Y31, MERGE)))
         tl.debug_barrier()  # every block is stored before the whole inverse is read back
         r = tl.arange(0, N)
         out = tl.load(sptr + r[:, None] * N + r[None, :], mask=(r[:, None] // BS) >= (r[None, :] // BS), other=0.0)
@@ -320,7 +333,7 @@ def _intra_kernel(
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee",
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -333,8 +346,9 @@ def _intra_kernel(
     # TIED (a = b = k, ranks 1, a decay per row: the delta rule): M_QA = M_QK ⊙ sa and L_BA = L_BK ⊙ sa
     # share their products, so two of the four are taken; M_QA is stored only for the backward (SAVE).
     # SCALED (TIED, no SAVE; ``scaled_update``): the rows' update comes scaled by a's factors D = diag(sa),
-    # with D T = T' D for T' = (I + D L_BK)^{-1} and T' D L_BK = I - T': uv holds Ū = T' (sv ⊙ v) and w
-    # W' = T' (D e^{G_{i-1}} ⊙ k), so that v ⊙ sv - D U = Ū - W' S_0, one product and no L_BK V (fla's form).
+    # with D T = T' D for T' = (I + D L_BK)^{-1} and T' D L_BK = I - T': sv ⊙ v - D U = T' (sv ⊙ v - D e^{G_{i-1}}
+    # ⊙ K S_0). Only T' (in uv, [NA, NA]) and the rows' factors D e^{G_{i-1}} (in af) are stored; the state
+    # kernel takes the rest, so no W, Ũ or L_BK V is formed here.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -384,7 +398,7 @@ def _intra_kernel(
             # without SAVE the 16 x 16 blocks above it (zeros) are not written
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
-        Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA)
+        Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE)
         if TIED and not SCALED:  # L_BK is L_BA before a's factors
             L = P
         elif GATE < 2:
@@ -392,6 +406,8 @@ def _intra_kernel(
                           LP_BK)
         else:
             L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+        if SCALED:  # T' itself, for the state kernel (in uv's place)
+            tl.store(uv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
             if GATE < 2:
@@ -401,7 +417,7 @@ def _intra_kernel(
         fac_v = _row_factor(sv, fk, vk)
         if RAB > 0 and not SCALED:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
-    for v0 in tl.static_range(0, V, BV):
+    for v0 in tl.static_range(0, V if not SCALED else 0, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         V16 = _load_rows(v, fk, vk, o_v, m_v, V)
@@ -411,9 +427,7 @@ def _intra_kernel(
             Vr = V16
         if GATE == 2 and VSC:  # without factors the later kernels read v as given (RAW_V)
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
-        if SCALED:  # Ū = T' (sv ⊙ v)
-            tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, Vr, PRECISION), mask=m_v[None, :])
-        elif RAB > 0:
+        if RAB > 0:
             LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, LV, PRECISION),
                      mask=m_v[None, :])
@@ -422,11 +436,6 @@ def _intra_kernel(
     # e^{G_C} come from ``chunk_log_cumsum``); with a decay per row, K's, A's and Q's decays as row factors
     if RAB > 0 and GATE == 1:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
-    if SCALED:  # W' = (T' D e^{G_{i-1}}) k
-        if GATE == 1:
-            Tinv_b = Tinv_b * fac_a[None, :]
-        else:
-            Tinv = Tinv * fac_a[None, :]
     if GATE != 2:
         if GATE == 1:
             dec_k = tl.exp((G_end - Gk).to(tl.float32))
@@ -440,14 +449,19 @@ def _intra_kernel(
             tl.store(kf + c * NK + r_k, dec_k * fac_v)
         else:
             tl.store(kf + c * NK + r_k, dec_k)
-        if RAB > 0 and not SCALED:
+        if SCALED:  # the rows' factors D e^{G_{i-1}} of K S_0
+            if GATE == 1:
+                tl.store(af + c * NA + r_a, fac_a * tl.exp(Gb.to(tl.float32)))
+            else:
+                tl.store(af + c * NA + r_a, fac_a)
+        elif RAB > 0:
             fa_end = tl.full([NA], 1.0, tl.float32)
             if ASC:
                 fa_end = fa_end * fac_a
             if GATE == 1:
                 fa_end = fa_end * tl.exp((G_end - Ga).to(tl.float32))
             tl.store(af + c * NA + r_a, fa_end)
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in tl.static_range(0, K if not SCALED else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         if RAB > 0:
@@ -521,7 +535,9 @@ def _output_kernel(
 # Launch knobs: "intra_warps", "intra_bk" (the intra kernel's key block), "output_bv" (the output
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
-# num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form).
+# num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form),
+# "intra_maxnreg" (the intra kernel's register cap; None: the compiler's), "merge" ("ieee" / "tf32": the UT
+# inverse's block merges; None: ``merge_precision``'s choice).
 _KNOBS: dict = {}
 
 
@@ -552,13 +568,21 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     return 2 if ok else _LAUNCH["stages"]
 
 
+def _maxnreg(n) -> dict:
+    """A kernel launch's register cap (Triton's ``maxnreg``), where a knob sets one."""
+    return {"maxnreg": int(n)} if n else {}
+
+
 def scaled_update(tied: bool, fuse: bool, save: bool, knob=None) -> bool:
     """Whether the delta rule's forward takes its rows' update already scaled by a's factors (the kernels'
-    SCALED, fla's form): the intra kernel inverts I + D L_BK (D = diag(a_scale)) instead of I + L_BK D and
-    stores Ū = T' (sv ⊙ v) and W' = T' (D e^{G_{i-1}} ⊙ k), which spares it the product L_BK V, and the state
-    kernel forms the whole value update sv ⊙ v - D U = Ū - W' S_n and never reads v. Only for ``tied`` keys,
-    with the outputs formed in the state kernel (``fuse``) and nothing saved (``save``): the backward and the
-    output kernel read T and U_n themselves. ``knob`` (``_KNOBS["scaled"]``): False turns it off."""
+    SCALED): with D = diag(a_scale), D T = T' D for T' = (I + D L_BK)^{-1}, and T' D L_BK = I - T', so the
+    chunk's whole value update is sv ⊙ v - D U = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n). The intra kernel then
+    inverts I + D L_BK and stores T' alone: no L_BK V, W or Ũ (three [64, 64] x [64, 128] products and 32 KB
+    per chunk less), and the state kernel forms that update from k, v and T' in one more [64, 64] product.
+    H100 GDN forward: intra kernel 357 -> 264 µs, state kernel 199 -> 148 µs (BENCHMARKS.md session 25).
+    Only for ``tied`` keys, with the outputs formed in the state kernel (``fuse``) and nothing saved
+    (``save``): the backward and the output kernel read T and U_n themselves. ``knob``
+    (``_KNOBS["scaled"]``): False turns it off."""
     return tied and fuse and not save and (knob is None or bool(knob))
 
 
@@ -633,6 +657,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # to do (Q̃, K̃ and e^{G_C} come with the log-cumsums)
     raw_v = gate == 2 and sv is None
     intra = not (raw_v and Rab == 0)
+    blocks = _blocks(K, V, NK, NA)
+    # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
+    fuse = cfg.get("fuse_output")
+    if fuse is None:
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
+    scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
@@ -641,10 +671,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     mqk = torch.empty(B, H, NC, TC, NK, **st)
     kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
     vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v) else None
-    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab else None
-    w = torch.empty(B, H, NC, NA, K, **st) if Rab else None
+    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and not scaled else None
+    w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
     ad = torch.empty_like(w) if Rab and not raw else None
-    uv = torch.empty(B, H, NC, NA, V, **st) if Rab else None
+    # scaled: T' [NA, NA] in Ũ's place
+    uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) else None
@@ -669,12 +700,6 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
-    blocks = _blocks(K, V, NK, NA)
-    # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
-    fuse = cfg.get("fuse_output")
-    if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
-    scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
     if intra:
         _intra_kernel[(NC, B * H)](
             q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
@@ -686,7 +711,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None,
             VSC=sv is not None,
             E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
-            num_warps=cfg["intra_warps"], num_stages=1,
+            MERGE=cfg.get("merge") or merge_precision(prec),
+            num_warps=cfg["intra_warps"], num_stages=1, **_maxnreg(cfg.get("intra_maxnreg")),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward

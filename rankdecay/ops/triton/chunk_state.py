@@ -171,9 +171,9 @@ def _state_fwd_kernel(
     # FUSE_O: the chunk's output O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n (``chunk_fwd._output_kernel``'s, same
     # arguments: qd, qf, mqk, mqa, sv, sa, TIED, VSC, ASC, E_Q, E_V) is formed here, from S_n and U_n in
     # registers, and stored in o; STORE: S_n and U_n are stored (the output kernel's or the backward's).
-    # SCALED (SAME_AK and TIED, FUSE_O, not STORE; ``chunk_fwd.scaled_update``): w and uv are W' and Ū, and
-    # Y = Ū - W' S_n is the chunk's whole value update (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y, O = Q̃ S_n + M_QK Y;
-    # v, sa and sv are not read.
+    # SCALED (SAME_AK and TIED, FUSE_O, not STORE; ``chunk_fwd.scaled_update``): uv is T' [CA, CA] per chunk and
+    # af the rows' factors D e^{G_{i-1}}, and Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n) is the chunk's whole value
+    # update (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y, O = Q̃ S_n + M_QK Y; w is not read.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -218,43 +218,46 @@ def _state_fwd_kernel(
             m_a = o_a < CA
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
-            W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
-            Uc = _dot(W, S, PRECISION)
-            Ul = tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
-            if SCALED:
-                Uc = Ul - Uc
-            else:
-                Uc += Ul
-            if STORE:
-                tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
-            if FUSE_O and not TIED:
-                O -= _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
-            if SCALED:  # Uc is Y
+            if SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
                 Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                if VSC:
+                    R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
+                R -= _dot_xe(Kr, S, PRECISION, E_K) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
+                Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
+                Y = _dot(Tt, R, PRECISION)
                 fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
-                acc += _dot_xe(tl.trans(Kr), Uc * fk[:, None], PRECISION, E_K)
-                O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
-            elif SAME_AK:
-                Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
-                Vr = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
-                fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
-                fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
-                acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None] - Uc * fa[:, None], PRECISION, E_K)
-                if FUSE_O:  # not tied, M_QA U_n is taken above
-                    O += _values_out(mqk, c, r_q, o_a, m_a, Vr, Uc, sv, sa, i_bh, n, T, H, TC, CR, RKV, RKVP,
-                                     TIED, VSC, ASC, E_V, PRECISION)
-            elif FUSE_O and TIED:  # the rows of U are k's (CA = CR)
-                Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
-                if ASC:
-                    Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
-                O -= _dot(Ma, Uc, PRECISION)
-            elif RAW:
-                Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
-                fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
-                acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
+                acc += _dot_xe(tl.trans(Kr), Y * fk[:, None], PRECISION, E_K)
+                O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
             else:
-                Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
-                acc -= _dot(tl.trans(Ad), Uc, PRECISION)
+                W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
+                Uc = _dot(W, S, PRECISION)
+                Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
+                if STORE:
+                    tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
+                if FUSE_O and not TIED:
+                    O -= _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Uc, PRECISION)
+                if SAME_AK:
+                    Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                    Vr = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                    fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
+                    fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
+                    acc += _dot_xe(tl.trans(Kr), Vr * fk[:, None] - Uc * fa[:, None], PRECISION, E_K)
+                    if FUSE_O:  # not tied, M_QA U_n is taken above
+                        O += _values_out(mqk, c, r_q, o_a, m_a, Vr, Uc, sv, sa, i_bh, n, T, H, TC, CR, RKV, RKVP,
+                                         TIED, VSC, ASC, E_V, PRECISION)
+                elif FUSE_O and TIED:  # the rows of U are k's (CA = CR)
+                    Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
+                    if ASC:
+                        Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
+                    O -= _dot(Ma, Uc, PRECISION)
+                elif RAW:
+                    Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                    fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
+                    acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
+                else:
+                    Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
+                    acc -= _dot(tl.trans(Ad), Uc, PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
         elif GATE == 2:
