@@ -335,6 +335,20 @@ def test_products_precision_follows_pytorch_setting():
     assert got == {"highest": "tf32x3" if cuda else "ieee", "high": "tf32", "medium": "bf16" if cuda else "bf16_ieee"}
 
 
+def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
+    """``chunk_fwd.fuse_output``: the state kernel forms the outputs on a GPU where its grid fills every SM, and
+    for the delta rule's scaled forward (``scalable``) at any grid; never under the interpreter."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "_sm_count", lambda device: 132)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [chunk_fwd.fuse_output(n, cuda) for n in (32, 131, 132, 256)] == [False, False, True, True]
+    assert chunk_fwd.fuse_output(32, cuda, scalable=True)
+    assert not chunk_fwd.fuse_output(256, cpu) and not chunk_fwd.fuse_output(32, cpu, scalable=True)
+    assert chunk_fwd.scaled_update(True, True, False) and not chunk_fwd.scaled_update(True, True, True)
+    assert not chunk_fwd.scaled_update(False, True, False) and not chunk_fwd.scaled_update(True, True, False, False)
+
+
 def test_inverse_merges_in_tf32_only_where_products_are_rounded():
     """The UT inverse's block merges take one TF32 pass only at the "high" and "medium" products' precisions
     (``chunk_fwd.merge_precision``); at fp32 accuracy, and under the interpreter's bf16 stand-in, exact fp32."""

@@ -30,6 +30,8 @@ are ``channel.channel_product``'s, in sub-blocks of the chunk, before the intra 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -547,15 +549,23 @@ def stored_dtype(precision: str, K: int, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" and K <= 128 and device.type == "cuda" else torch.float32
 
 
-def fuse_output(programs: int, device: torch.device) -> bool:
+def fuse_output(programs: int, device: torch.device, scalable: bool = False) -> bool:
     """Whether the state kernel forms the outputs itself (``_state_fwd_kernel``'s FUSE_O) rather than a
     separate output kernel, one program per chunk: where its ``programs`` (value blocks x sequences x
     heads) alone fill every SM of the GPU. Fused, S_n and U_n need not be written out (without the
     backward) nor read back; with fewer programs the output kernel's parallelism over chunks wins.
-    Off on the CPU (the interpreter: the tests force each form, ``_KNOBS["fuse_output"]``)."""
+    ``scalable``: the delta rule's forward without the backward, which fused takes the scaled form
+    (``scaled_update``); that wins at every grid measured (H100 GDN forward, µs of GPU time: B2 T8192
+    1122 -> 639, B1 T32768 3253 -> 1928, B1 T4096 422 -> 257; BENCHMARKS.md session 25), so it is fused
+    whatever the grid. Off on the CPU (the interpreter: the tests force each form, ``_KNOBS["fuse_output"]``)."""
     if device.type != "cuda":
         return False
-    return programs >= torch.cuda.get_device_properties(device).multi_processor_count
+    return scalable or programs >= _sm_count(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -661,7 +671,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
     fuse = cfg.get("fuse_output")
     if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device)
+        scalable = scaled_update(tied, True, save, cfg.get("scaled"))
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable)
     scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
