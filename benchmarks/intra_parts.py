@@ -17,8 +17,8 @@ appeared only then).
 - ``inv_stub``: the UT inverse returns L as loaded (no forward substitution, no block products).
 - ``prod_stub``: the decayed products return zeros (no loads, no tensor-core work).
 - ``dot1``: ``_dot_ex`` as one TF32 pass instead of two.
-- ``merge_ieee`` / ``merge_tf32``: the UT inverse's 16 x 16 block products in exact fp32 / one TF32 pass
-  (``chunk_fwd.merge_precision`` picks one by the products' precision).
+- ``merge_ieee`` / ``merge_tf32``: the UT inverse's 16 x 16 block products in exact fp32 (the default) / one
+  TF32 pass (``chunk_fwd._KNOBS["merge"]``).
 - ``tf32``: every fp32 product in one TF32 pass (``precision`` and ``state_precision``).
 - ``w8`` / ``w2``: the intra kernel on 8 / 2 warps.
 - ``state_bv32`` / ``state_w8``: the state kernel with a 32-wide value block / 8 warps.

@@ -349,19 +349,24 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert not chunk_fwd.scaled_update(False, True, False) and not chunk_fwd.scaled_update(True, True, False, False)
 
 
-def test_inverse_merges_in_tf32_only_where_products_are_rounded():
-    """The UT inverse's block merges take one TF32 pass only at the "high" and "medium" products' precisions
-    (``chunk_fwd.merge_precision``); at fp32 accuracy, and under the interpreter's bf16 stand-in, exact fp32."""
-    from rankdecay.ops.triton.chunk_fwd import merge_precision
+def test_intra_kernel_register_cap_only_where_measured():
+    """The intra kernel runs under a 168-register cap only for the delta rule's scaled forward at the bf16
+    products' precision with 16-bit k and v and K <= 128 (``chunk_fwd.intra_registers``): there it compiles
+    without spills for sm_90 and was faster on the H100; elsewhere the compiler chooses."""
+    from rankdecay.ops.triton.chunk_fwd import intra_registers
 
-    assert {p: merge_precision(p) for p in ("tf32x3", "ieee", "tf32", "bf16", "bf16_ieee")} == {
-        "tf32x3": "ieee", "ieee": "ieee", "tf32": "tf32", "bf16": "tf32", "bf16_ieee": "ieee"}
+    k16, v16 = torch.zeros(1, 1, 1, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 1, 128, dtype=torch.bfloat16)
+    assert intra_registers(True, "bf16", k16, v16) == 168
+    assert intra_registers(False, "bf16", k16, v16) is None
+    assert {intra_registers(True, p, k16, v16) for p in ("tf32x3", "tf32", "ieee", "bf16_ieee")} == {None}
+    assert intra_registers(True, "bf16", k16.float(), v16) is None
+    assert intra_registers(True, "bf16", torch.zeros(1, 1, 1, 1, 256, dtype=torch.bfloat16), v16) is None
 
 
 @pytest.mark.parametrize("Rkv", [1, 2])
 def test_fused_forward_with_tf32_merges(Rkv, monkeypatch):
-    """The inverse's TF32 merges (forced here; under the interpreter a TF32 product is exact) give the same
-    forward: the 64-row inverse (Rkv = 1: four 16-row blocks) and the 32-row one (Rkv = 2: 32-token chunks)."""
+    """The inverse's TF32 merges (a benchmarking knob; under the interpreter a TF32 product is exact) give the
+    same forward: the 64-row inverse (Rkv = 1: four 16-row blocks) and the 32-row one (Rkv = 2: 32-token chunks)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "merge", "tf32")

@@ -146,17 +146,19 @@ def _tied_products(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl
 
 @triton.jit
 def _dot_merge(X, Y, MERGE: tl.constexpr):
-    """X @ Y of the UT inverse's 16 x 16 blocks at the merges' precision (``merge_precision``): "ieee", exact
-    fp32 on the FMA units, or "tf32", one tensor-core pass."""
+    """X @ Y of the UT inverse's 16 x 16 blocks at the merges' precision: "ieee", exact fp32 on the FMA units
+    (the default), or "tf32", one tensor-core pass (``_KNOBS["merge"]``; measured, not kept: BENCHMARKS.md
+    session 25)."""
     return tl.dot(X, Y, input_precision=MERGE)
 
 
-def merge_precision(precision: str) -> str:
-    """The precision of the UT inverse's block merges (``_unit_lower_inverse``) at a products' precision: one
-    TF32 pass where the products themselves are rounded to TF32 or bf16 ("tf32", "bf16": the inverse is rounded
-    to bf16 for its products anyway; H100 GDN forward, intra kernel 359 -> 343 µs, BENCHMARKS.md session 25),
-    exact fp32 at fp32 accuracy. The diagonal blocks are exact fp32 at every precision."""
-    return "tf32" if precision in ("tf32", "bf16") else "ieee"
+def intra_registers(scaled: bool, precision: str, k: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The intra kernel's register cap (Triton's ``maxnreg``): 168, three programs of 4 warps per SM, for the
+    delta rule's scaled forward at the bf16 products' precision with 16-bit k and v and K <= 128, where it
+    compiles without spills for sm_90 and was measured faster (H100 GDN: 262 -> 237 µs, BENCHMARKS.md
+    session 25); else None, the compiler's choice (up to 255: two programs per SM)."""
+    ok = scaled and precision == "bf16" and _is16(k) and _is16(v) and k.shape[-1] <= 128
+    return 168 if ok else None
 
 
 @triton.jit
@@ -186,8 +188,8 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee
     2. The blocks below the diagonal follow as two levels of 2 x 2 block inverses,
        [[T0, 0], [-T1 L10 T0, T1]]: first the 16 x 16 pairs on the diagonal, then (N = 64) the
        lower-left 32 x 32 quadrant, block by block from registers. These are 16 products of
-       16 x 16 blocks at MERGE (``merge_precision``): exact fp32 ("ieee", on the FMA units), where
-       whole-tile tensor-core products would need three TF32 passes each, or one TF32 pass ("tf32").
+       16 x 16 blocks at MERGE: exact fp32 ("ieee", on the FMA units), where whole-tile tensor-core
+       products would need three TF32 passes each; or, as a benchmarking knob, one TF32 pass ("tf32").
        The finished blocks are stored in ``sptr`` and the whole inverse read back once.
     """
     BS: tl.constexpr = 16
@@ -538,8 +540,8 @@ def _output_kernel(
 # kernel's value block), "output_warps", "fuse_output" (True / False: the outputs from the state kernel
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
 # num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form),
-# "intra_maxnreg" (the intra kernel's register cap; None: the compiler's), "merge" ("ieee" / "tf32": the UT
-# inverse's block merges; None: ``merge_precision``'s choice).
+# "intra_maxnreg" (the intra kernel's register cap; 0: the compiler's; absent: ``intra_registers``'s choice),
+# "merge" ("ieee", the default, or "tf32": the UT inverse's block merges).
 _KNOBS: dict = {}
 
 
@@ -722,8 +724,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None,
             VSC=sv is not None,
             E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
-            MERGE=cfg.get("merge") or merge_precision(prec),
-            num_warps=cfg["intra_warps"], num_stages=1, **_maxnreg(cfg.get("intra_maxnreg")),
+            MERGE=cfg.get("merge") or "ieee",
+            num_warps=cfg["intra_warps"], num_stages=1,
+            **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
