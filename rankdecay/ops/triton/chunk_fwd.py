@@ -403,7 +403,7 @@ def _intra_kernel(
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE)
-        if TIED and not SCALED:  # L_BK is L_BA before a's factors
+        if TIED:  # L_BK is L_BA before a's factors (unused in the scaled form)
             L = P
         elif GATE < 2:
             L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
