@@ -346,6 +346,12 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert chunk_fwd.fuse_output(32, cuda, scalable=True)
     assert not chunk_fwd.fuse_output(256, cpu) and not chunk_fwd.fuse_output(32, cpu, scalable=True)
     assert chunk_fwd.scaled_update(True, True, False) and not chunk_fwd.scaled_update(True, True, True)
+    # the scaled form's state kernel on a 32-wide value block where 64 leaves SMs idle
+    widths = [chunk_fwd.state_value_block(True, 64, bh, 128, cuda) for bh in (16, 32, 65, 66, 128)]
+    assert widths == [32, 32, 32, 64, 64]
+    assert chunk_fwd.state_value_block(False, 64, 16, 128, cuda) == 64
+    assert chunk_fwd.state_value_block(True, 32, 16, 128, cuda) == 32
+    assert chunk_fwd.state_value_block(True, 64, 16, 128, cpu) == 64
     assert not chunk_fwd.scaled_update(False, True, False) and not chunk_fwd.scaled_update(True, True, False, False)
 
 

@@ -541,6 +541,7 @@ def _output_kernel(
 # or the output kernel; None, the default: ``fuse_output``'s choice), "state_stages" (the state kernel's
 # num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form),
 # "intra_maxnreg" (the intra kernel's register cap; 0: the compiler's; absent: ``intra_registers``'s choice),
+# "state_bv" (the forward state kernel's value block; None: ``state_value_block``'s choice),
 # "merge" ("ieee", the default, or "tf32": the UT inverse's block merges).
 _KNOBS: dict = {}
 
@@ -563,6 +564,18 @@ def fuse_output(programs: int, device: torch.device, scalable: bool = False) -> 
     if device.type != "cuda":
         return False
     return scalable or programs >= _sm_count(device)
+
+
+def state_value_block(scaled: bool, BV: int, sequences_heads: int, V: int, device: torch.device) -> int:
+    """The state kernel's value block: ``_blocks``'s ``BV``, or 32 in place of 64 for the scaled form
+    (``scaled_update``) where the 64-wide grid (value blocks x ``sequences_heads``) leaves SMs idle, to double
+    its programs. H100 GDN forward, state kernel µs: B1 T32768 1399 -> 1251, B2 T8192 373 -> 336, and at
+    B8 T2048 (a full grid) 148 -> 203, so not there; the results were bitwise the same (BENCHMARKS.md
+    session 25). The 32-wide block that Triton 3.6 miscompiled (sessions 13, 14) had bf16 W tiles, which
+    the scaled form does not read."""
+    if scaled and BV == 64 and device.type == "cuda" and triton.cdiv(V, 64) * sequences_heads < _sm_count(device):
+        return 32
+    return BV
 
 
 @functools.lru_cache(maxsize=None)
@@ -676,6 +689,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         scalable = scaled_update(tied, True, save, cfg.get("scaled"))
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable)
     scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
