@@ -289,7 +289,8 @@ def test_delta_rule_keys_with_cu_seqlens():
 def test_delta_rule_forward_extremes(output_form):
     """Gated DeltaNet's forward alone (no autograd; with the outputs from the state kernel this is the scaled
     form, ``chunk_fwd.scaled_update``): T = 1, T = 130 (a partial chunk), log-gates of -30 per step over ten
-    steps and one of -1e4, β up to 2 and one β = 0, K = V = 36 (masked tiles); outputs and final states finite and matching."""
+    steps and one of -1e4, β up to 2 and one β = 0, K = V = 36 (masked tiles); outputs and final states
+    finite and matching."""
     gen = torch.Generator().manual_seed(7)
     for T in (1, 130):
         q, k, v = (torch.randn(2, T, 2, 36, generator=gen) for _ in range(3))
@@ -345,14 +346,16 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert [chunk_fwd.fuse_output(n, cuda) for n in (32, 131, 132, 256)] == [False, False, True, True]
     assert chunk_fwd.fuse_output(32, cuda, scalable=True)
     assert not chunk_fwd.fuse_output(256, cpu) and not chunk_fwd.fuse_output(32, cpu, scalable=True)
-    assert chunk_fwd.scaled_update(True, True, False) and not chunk_fwd.scaled_update(True, True, True)
+    assert chunk_fwd.scaled_update(True, True, True, False) and not chunk_fwd.scaled_update(True, True, True, True)
+    assert not chunk_fwd.scaled_update(True, False, True, False)  # the chunk's rows in two blocks (K > 128)
     # the scaled form's state kernel on a 32-wide value block where 64 leaves SMs idle
     widths = [chunk_fwd.state_value_block(True, 64, bh, 128, cuda) for bh in (16, 32, 65, 66, 128)]
     assert widths == [32, 32, 32, 64, 64]
     assert chunk_fwd.state_value_block(False, 64, 16, 128, cuda) == 64
     assert chunk_fwd.state_value_block(True, 32, 16, 128, cuda) == 32
     assert chunk_fwd.state_value_block(True, 64, 16, 128, cpu) == 64
-    assert not chunk_fwd.scaled_update(False, True, False) and not chunk_fwd.scaled_update(True, True, False, False)
+    assert not chunk_fwd.scaled_update(False, True, True, False)
+    assert not chunk_fwd.scaled_update(True, True, True, False, False)
 
 
 def test_intra_kernel_register_cap_only_where_measured():

@@ -598,17 +598,18 @@ def _maxnreg(n) -> dict:
     return {"maxnreg": int(n)} if n else {}
 
 
-def scaled_update(tied: bool, fuse: bool, save: bool, knob=None) -> bool:
+def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None) -> bool:
     """Whether the delta rule's forward takes its rows' update already scaled by a's factors (the kernels'
     SCALED): with D = diag(a_scale), D T = T' D for T' = (I + D L_BK)^{-1}, and T' D L_BK = I - T', so the
     chunk's whole value update is sv ⊙ v - D U = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n). The intra kernel then
     inverts I + D L_BK and stores T' alone: no L_BK V, W or Ũ (three [64, 64] x [64, 128] products and 32 KB
     per chunk less), and the state kernel forms that update from k, v and T' in one more [64, 64] product.
     H100 GDN forward: intra kernel 357 -> 264 µs, state kernel 199 -> 148 µs (BENCHMARKS.md session 25).
-    Only for ``tied`` keys, with the outputs formed in the state kernel (``fuse``) and nothing saved
-    (``save``): the backward and the output kernel read T and U_n themselves. ``knob``
-    (``_KNOBS["scaled"]``): False turns it off."""
-    return tied and fuse and not save and (knob is None or bool(knob))
+    Only for ``tied`` keys whose chunk rows are ``one_block`` of the state kernel's (``_blocks``' BCA = NA: K <=
+    128), since each of its programs reads T' whole; with the outputs formed in the state kernel (``fuse``);
+    and with nothing saved (``save``): the backward and the output kernel read T and U_n themselves.
+    ``knob`` (``_KNOBS["scaled"]``): False turns it off."""
+    return tied and one_block and fuse and not save and (knob is None or bool(knob))
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -684,11 +685,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     intra = not (raw_v and Rab == 0)
     blocks = _blocks(K, V, NK, NA)
     # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
+    scalable = scaled_update(tied, blocks["BCA"] == NA, True, save, cfg.get("scaled"))  # where fused
     fuse = cfg.get("fuse_output")
     if fuse is None:
-        scalable = scaled_update(tied, True, save, cfg.get("scaled"))
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable)
-    scaled = scaled_update(tied, fuse, save, cfg.get("scaled"))
+    scaled = scalable and fuse
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
