@@ -269,7 +269,8 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[8, 2048, 16, 128, 128])
     parser.add_argument("--decode-batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--scaling", action="store_true",
-                        help="also T = 2k, 8k, 32k at 16k tokens per batch (B = 1 at 32k), for gdn and hdla among --cases")
+                        help="also T = 2k, 8k, 32k at 16k tokens per batch (B = 1 at 32k), for gdn and hdla "
+                             "among --cases")
     parser.add_argument("--json", default=None)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "

@@ -311,6 +311,29 @@ def test_delta_rule_forward_extremes(output_form):
             assert_matches(x, y, 1e-5, f"T={T} {output_form}: {name}")
 
 
+@pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])
+def test_delta_rule_wide_keys(grads, output_form):
+    """K = 160 (a 256-wide key tile): the state kernel takes a chunk's rows in two 32-row blocks (not SAME_AK),
+    so the forward is not the scaled form (each program would read only part of T'). With the outputs from
+    the state kernel, its tied branch once took M_QA U_n for the outputs and skipped the state's Ãᵀ U_n."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 70, 1, 160, generator=gen) for _ in range(3))
+    k = F.normalize(k, dim=-1)
+    g, beta = F.logsigmoid(torch.randn(1, 70, 1, generator=gen)), 2 * torch.rand(1, 70, 1, generator=gen)
+    results = []
+    for mode in ("triton", "chunk"):
+        xs = [x.to(DEVICE).requires_grad_(grads) for x in (q, k, v, g, beta)]
+        with torch.set_grad_enabled(grads):
+            o, s = ops.gated_delta_rule(*xs, output_final_state=True, mode=mode)
+        out = [o.detach(), s.detach()]
+        if grads:
+            ((o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() + s.sin().sum()).backward()
+            out += [x.grad for x in xs]
+        results.append(out)
+    for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta"], *results):
+        assert_matches(x, y, 1e-5, f"K=160 {output_form}: {name}")
+
+
 @pytest.fixture
 def matmul_precision(request):
     """torch.set_float32_matmul_precision(param) for one test, restored after it."""

@@ -246,18 +246,20 @@ def _state_fwd_kernel(
                     if FUSE_O:  # not tied, M_QA U_n is taken above
                         O += _values_out(mqk, c, r_q, o_a, m_a, Vr, Uc, sv, sa, i_bh, n, T, H, TC, CR, RKV, RKVP,
                                          TIED, VSC, ASC, E_V, PRECISION)
-                elif FUSE_O and TIED:  # the rows of U are k's (CA = CR)
-                    Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
-                    if ASC:
-                        Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
-                    O -= _dot(Ma, Uc, PRECISION)
-                elif RAW:
-                    Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
-                    fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
-                    acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
                 else:
-                    Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
-                    acc -= _dot(tl.trans(Ad), Uc, PRECISION)
+                    if FUSE_O and TIED:  # the rows of U are k's (CA = CR); the state's share follows below
+                        Ma = _chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA)
+                        if ASC:
+                            Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
+                        O -= _dot(Ma, Uc, PRECISION)
+                    if RAW:
+                        Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                        fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
+                        acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
+                    else:
+                        Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak,
+                                     other=0.0).to(tl.float32)
+                        acc -= _dot(tl.trans(Ad), Uc, PRECISION)
         if GATE == 1:
             S = S * tl.load(d + c)
         elif GATE == 2:
