@@ -369,16 +369,19 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert [chunk_fwd.fuse_output(n, cuda) for n in (32, 131, 132, 256)] == [False, False, True, True]
     assert chunk_fwd.fuse_output(32, cuda, scalable=True)
     assert not chunk_fwd.fuse_output(256, cpu) and not chunk_fwd.fuse_output(32, cpu, scalable=True)
-    assert chunk_fwd.scaled_update(True, True, True, False) and not chunk_fwd.scaled_update(True, True, True, True)
+    # the scaled form: tied keys, the chunk's rows one row block, fused, nothing saved, not turned off
+    assert chunk_fwd.scaled_update(True, True, True, False)
+    assert not chunk_fwd.scaled_update(False, True, True, False)
     assert not chunk_fwd.scaled_update(True, False, True, False)  # the chunk's rows in two blocks (K > 128)
-    # the scaled form's state kernel on a 32-wide value block where 64 leaves SMs idle
+    assert not chunk_fwd.scaled_update(True, True, False, False)
+    assert not chunk_fwd.scaled_update(True, True, True, True)
+    assert not chunk_fwd.scaled_update(True, True, True, False, False)
+    # its state kernel on a 32-wide value block where 64 leaves SMs idle
     widths = [chunk_fwd.state_value_block(True, 64, bh, 128, cuda) for bh in (16, 32, 65, 66, 128)]
     assert widths == [32, 32, 32, 64, 64]
     assert chunk_fwd.state_value_block(False, 64, 16, 128, cuda) == 64
     assert chunk_fwd.state_value_block(True, 32, 16, 128, cuda) == 32
     assert chunk_fwd.state_value_block(True, 64, 16, 128, cpu) == 64
-    assert not chunk_fwd.scaled_update(False, True, True, False)
-    assert not chunk_fwd.scaled_update(True, True, True, False, False)
 
 
 def test_intra_kernel_register_cap_only_where_measured():
