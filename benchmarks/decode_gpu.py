@@ -35,8 +35,9 @@ def per_step(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def build(preset: str, mixer: str) -> RankDecayForCausalLM:
+def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayForCausalLM:
     kw = {"layer_mixers": ["gdn", "swa"] * 12} if mixer == "gdn-h1" else {"mixer": mixer}
+    kw["state_dtype"] = state_dtype
     if mixer.startswith("hh-"):
         kw["hh_rank"] = 4
     torch.manual_seed(0)
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
+    parser.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="the cache's recurrent-state dtype (RankDecayConfig.state_dtype); each is a row")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N eager steps per mixer")
     args = parser.parse_args()
@@ -106,22 +109,24 @@ def main() -> None:
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
-    print("| mixer | B | generate ms/token | eager step ms | graph step ms | graph speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| mixer | state | B | generate ms/token | eager step ms | graph step ms | graph speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     rows = []
     for mixer in args.mixers:
-        model = build(args.preset, mixer)
-        for B in args.batches:
-            r = dict(mixer=mixer, B=B, preset=args.preset, **run(model, B, args.prompt, args.steps, args.new_tokens))
-            rows.append(r)
-            print(f"| {mixer} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | {r['graph_ms']:.3f} | "
-                  f"{r['eager_ms'] / r['graph_ms']:.1f}x |", flush=True)
-        if args.profile:
-            print(f"\nprofile: {mixer}, B={args.batches[0]}")
-            profile(model, args.batches[0], args.prompt, args.profile)
-            print()
-        del model
-        torch.cuda.empty_cache()
+        for state_dtype in args.state_dtypes:
+            model = build(args.preset, mixer, state_dtype)
+            for B in args.batches:
+                r = dict(mixer=mixer, state_dtype=state_dtype, B=B, preset=args.preset,
+                         **run(model, B, args.prompt, args.steps, args.new_tokens))
+                rows.append(r)
+                print(f"| {mixer} | {state_dtype} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | "
+                      f"{r['graph_ms']:.3f} | {r['eager_ms'] / r['graph_ms']:.1f}x |", flush=True)
+            if args.profile:
+                print(f"\nprofile: {mixer}, {state_dtype}, B={args.batches[0]}")
+                profile(model, args.batches[0], args.prompt, args.profile)
+                print()
+            del model
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -81,6 +81,16 @@ def make_decode(B, T, H, K, V, device, dtype):
     return x
 
 
+def make_decode_raw(B, T, H, K, V, device, dtype, state_dtype=torch.float32):
+    """The layer's decode step (``ops.gated_delta_rule_decode``): projections in, gates formed in the kernel,
+    the state updated in place in ``state_dtype``."""
+    x = {n: torch.randn(B, 1, H, d, device=device, dtype=dtype) for n, d in (("q", K), ("k", K), ("v", V))}
+    x.update(a=torch.randn(B, 1, H, device=device, dtype=dtype), b=torch.randn(B, 1, H, device=device, dtype=dtype),
+             A_log=torch.rand(H, device=device).log(), dt_bias=torch.randn(H, device=device),
+             initial_state=torch.randn(B, H, K, V, device=device).to(state_dtype))
+    return x
+
+
 def _fla(path, fn):
     def call(x, **kw):
         import importlib
@@ -114,6 +124,14 @@ CASES = {
                        # fla writes the new state only when asked, as a decode step must
                        {"fla": lambda x: _fla("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")(
                            x, output_final_state=True)}, decode=True),
+    # the layers' step: state read and written back in place, fp32 or a bf16 cache (state_dtype)
+    "gdn-decode-inplace": Case("GDN decode step, state in place", make_decode_raw,
+                               lambda x: ops.gated_delta_rule_decode(**x, inplace_final_state=True)[0],
+                               lambda K, V, C: 4.0 * K * V + 4 * K * V, {}, decode=True),
+    "gdn-decode-bf16": Case("GDN decode step, bf16 state in place",
+                            lambda *a: make_decode_raw(*a, state_dtype=torch.bfloat16),
+                            lambda x: ops.gated_delta_rule_decode(**x, inplace_final_state=True)[0],
+                            lambda K, V, C: 4.0 * K * V + 4 * K * V, {}, decode=True),
 }
 
 

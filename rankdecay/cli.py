@@ -74,7 +74,8 @@ def _generate(args) -> int:
                          "`rankdecay init` or save one with model.save_pretrained()")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
+    extra = {"state_dtype": args.state_dtype} if args.state_dtype else {}
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, **extra).to(device).eval()
     tokenizer = load_tokenizer(args.model_dir, model.config.vocab_size)
     prompts = args.prompt
     if getattr(tokenizer, "pad_token", "") is None:
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--state-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the decoding cache's recurrent-state dtype (default: the model config's, float32)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode with rankdecay.models.GraphDecoder: the step as a CUDA graph on a GPU "
                         "(on a CPU the same static-buffer steps, eagerly)")

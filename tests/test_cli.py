@@ -44,6 +44,21 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys):
     assert lines == expected
 
 
+def test_generate_state_dtype_reaches_the_layers(tmp_path, capsys, monkeypatch):
+    import rankdecay.layers.mixers as mixers
+
+    seen = []
+    original = mixers._state_dtype
+    monkeypatch.setattr(mixers, "_state_dtype", lambda x: seen.append(x) or original(x))
+    main(["init", str(tmp_path), "--set", "initializer_range=0.2"])
+    capsys.readouterr()
+    seen.clear()
+    assert main(["generate", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "4",
+                 "--state-dtype", "bfloat16"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert seen and set(seen) == {"bfloat16"}
+
+
 def test_generate_sampling_is_seeded(tmp_path, capsys):
     main(["init", str(tmp_path), "--set", "initializer_range=0.5"])
     runs = []

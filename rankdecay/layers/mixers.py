@@ -30,6 +30,17 @@ from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
 
 
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _state_dtype(x: torch.dtype | str) -> torch.dtype:
+    """The cache's recurrent-state dtype from a torch dtype or its name ("float32", "bfloat16", "float16")."""
+    dtype = _STATE_DTYPES.get(x) if isinstance(x, str) else x
+    if dtype not in _STATE_DTYPES.values():
+        raise ValueError(f"state_dtype must be one of {', '.join(_STATE_DTYPES)} (or that torch dtype), got {x!r}")
+    return dtype
+
+
 class LinearMixer(nn.Module, abc.ABC):
     """The block shared by every linear-attention mixer.
 
@@ -55,6 +66,9 @@ class LinearMixer(nn.Module, abc.ABC):
             key space (PCA pruning) commute with the convolution.
         scale: the query scale of the op (default ``head_k_dim ** -0.5``); a pruned model
             keeps its original scale (``rankdecay.prune``).
+        state_dtype: the dtype of the recurrent state in the :class:`Cache` (fp32, or bf16 / fp16
+            to halve the cache and a decode step's memory traffic). Updates are fp32 either way.
+            On the GPU decode kernel's route the state is updated in place in the cache.
     """
 
     kv_per_token = 1  # keys and values per token (Gated DeltaProduct: n_h)
@@ -78,6 +92,7 @@ class LinearMixer(nn.Module, abc.ABC):
         layer_idx: int = 0,
         scale: float | None = None,
         shared_qk_conv: bool = False,
+        state_dtype: torch.dtype | str = torch.float32,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("conv_size", conv_size),
@@ -104,6 +119,7 @@ class LinearMixer(nn.Module, abc.ABC):
         self.qk_norm, self.chunk_size, self.mode, self.layer_idx = qk_norm, chunk_size, mode, layer_idx
         self.scale = head_k_dim ** -0.5 if scale is None else float(scale)
         self.shared_qk_conv = shared_qk_conv
+        self.state_dtype = _state_dtype(state_dtype)
         self.qk_hook = None  # called as qk_hook(self, q, k) with the op's q and k (calibration, diagnostics)
         self.use_short_conv, self.use_output_gate, self.output_norm = use_short_conv, use_output_gate, output_norm
         n = self.kv_per_token
@@ -179,11 +195,16 @@ class LinearMixer(nn.Module, abc.ABC):
         initial_state = state["recurrent"] if state is not None else None
         if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
                 and self.qk_norm == "l2" and self.qk_hook is None):
-            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
+            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step); with a
+            # cache to update, the kernel writes the state back into it (in the cache's dtype)
+            inplace = (use_cache and initial_state is not None and initial_state.dtype == self.state_dtype
+                       and initial_state.is_contiguous())
             o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x), scale=self.scale,
                                                          initial_state=initial_state, output_final_state=True,
-                                                         mode=mode)
+                                                         inplace_final_state=inplace, mode=mode)
         else:
+            if initial_state is not None and initial_state.dtype != torch.float32:
+                initial_state = initial_state.float()  # a 16-bit cache: the other paths start from fp32
             if self.qk_norm == "l2":
                 q = l2norm(q)
             if self.qk_norm in ("l2", "k"):
@@ -202,7 +223,7 @@ class LinearMixer(nn.Module, abc.ABC):
             o = self.o_norm(o)
         o = self.o_proj(o.reshape(B, T, H * V))
         if cache is not None and use_cache:
-            cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state}
+            cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state.to(self.state_dtype)}
         return o, cache
 
     def extra_repr(self) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+STATE_DTYPES = ("float32", "bfloat16", "float16")  # the decoding cache's recurrent state (``state_dtype``)
 MIXERS = ("gdn", "deltanet", "gdp", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
 
 # Shapes of the papers. Head-in-Head Table 9: 340M = 24 layers, d 1024, 4 heads, tied
@@ -49,6 +50,10 @@ class RankDecayConfig(PretrainedConfig):
         swa_window, swa_num_heads, swa_head_dim, rope_theta: the attention layers.
         intermediate_size: SwiGLU width (default: fla's rule from hidden_size).
         use_cache: return a decoding cache by default.
+        state_dtype: the dtype the linear mixers keep their recurrent state in, in the decoding
+            cache: "float32" (default) or "bfloat16" / "float16", which halves the cache and the
+            memory a decode step moves (vLLM's ``mamba_ssm_cache_dtype``). The state is still
+            updated in fp32 inside each step and rounded once per step when stored.
     """
 
     model_type = "rankdecay"
@@ -83,6 +88,7 @@ class RankDecayConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
+        state_dtype: str = "float32",
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
@@ -102,7 +108,7 @@ class RankDecayConfig(PretrainedConfig):
             intermediate_size = 256 * -(-int(hidden_size * 8 / 3) // 256)
         self.intermediate_size, self.rms_norm_eps, self.initializer_range = (
             intermediate_size, rms_norm_eps, initializer_range)
-        self.use_cache = use_cache
+        self.use_cache, self.state_dtype = use_cache, state_dtype
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
         self.validate_mixers()
@@ -128,6 +134,8 @@ class RankDecayConfig(PretrainedConfig):
             raise ValueError(f"hh_rank {self.hh_rank} must divide head_k_dim {head_k}")
         if self.hh_mask not in ("static", "data"):
             raise ValueError(f"hh_mask must be 'static' or 'data', got {self.hh_mask!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

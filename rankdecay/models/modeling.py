@@ -40,7 +40,8 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
                                       rope_theta=config.rope_theta, layer_idx=layer_idx)
     common = dict(use_short_conv=config.use_short_conv, conv_size=config.conv_size, chunk_size=config.chunk_size,
                   mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx,
-                  scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv)
+                  scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv,
+                  state_dtype=getattr(config, "state_dtype", "float32"))
     if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
     if getattr(config, "gate_logit_normalizer", None) is not None and name in ("gla", "hdla"):

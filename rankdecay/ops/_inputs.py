@@ -78,6 +78,23 @@ def resolve_scale(scale, K: int) -> float:
     return float(scale)
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a state updated in place may be stored in
+
+
+def check_inplace_state(initial_state: torch.Tensor | None) -> torch.Tensor:
+    """``inplace_final_state``'s target: an ``initial_state`` that is contiguous and fp32, bf16 or fp16
+    (a 16-bit cache is read and written in its dtype and updated in fp32), and that needs no gradient."""
+    if initial_state is None:
+        raise ValueError("inplace_final_state=True needs an initial_state to update")
+    if initial_state.dtype not in STATE_DTYPES or not initial_state.is_contiguous():
+        raise ValueError("inplace_final_state=True needs a contiguous fp32, bf16 or fp16 initial_state, got "
+                         f"{initial_state.dtype}{'' if initial_state.is_contiguous() else ' (not contiguous)'}")
+    if initial_state.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("inplace_final_state=True overwrites initial_state and has no backward; "
+                           "call it under torch.no_grad() or on a state that does not require grad")
+    return initial_state
+
+
 def check_devices(device, named) -> None:
     """Every ``(name, tensor or None)`` of ``named`` on q's ``device``."""
     for name, t in named:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._inputs import check_devices, check_float, check_shape, compute_dtype, resolve_scale
+from ._inputs import check_devices, check_float, check_inplace_state, check_shape, compute_dtype, resolve_scale
 from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import dplr
 
@@ -329,7 +329,7 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
-                         raw_gates=None):
+                         raw_gates=None, inplace_final_state=False):
     """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``: see
@@ -347,12 +347,14 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     o, state = fused_recurrent_gated_delta_rule(
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
-        c(beta), scale, c(initial_state), use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates)
+        c(beta), scale, initial_state if inplace_final_state else c(initial_state),
+        inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates)
     return o, (state if output_final_state else None)
 
 
 def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None, initial_state=None,
-                            output_final_state=False, use_qk_l2norm_in_kernel=True, mode="auto"):
+                            output_final_state=False, use_qk_l2norm_in_kernel=True, inplace_final_state=False,
+                            mode="auto"):
     r"""Gated DeltaNet's decode step with its gates formed in the kernel from the layer's projections
     (the fused sigmoid-gating update of serving engines): one kernel for the L2 norms, the gates and
     the recurrence, on a GPU, without autograd; elsewhere the same computation in PyTorch.
@@ -362,6 +364,11 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, Mamba2's); ``a=None``: no decay
     (DeltaNet); b: ``[B, T, H]``, β's logits: :math:`\beta = \beta_{max} \sigma(b)`. Returns
     ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as ``gated_delta_rule``.
+
+    inplace_final_state: write the final state into ``initial_state`` (contiguous, fp32 or a 16-bit
+    cache's bf16 / fp16, updated in fp32) and return that tensor as the final state, as serving
+    engines' decode kernels do: a step then allocates no state and moves it once each way (the
+    kernel reads it and writes it back; on the other path the result is copied in).
 
     mode: ``"fused_recurrent"`` (the kernel), ``"naive"`` (the gates and norms in PyTorch, then the
     per-token loop, with autograd) or ``"auto"``: the kernel for CUDA tensors without autograd
@@ -378,14 +385,20 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                                  f"got {None if x is None else list(x.shape)}")
     if mode not in ("auto", "fused_recurrent", "naive"):
         raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
+    if inplace_final_state:
+        check_inplace_state(initial_state)
     if mode == "auto":
         mode = recurrent_mode(q)
     if mode == "fused_recurrent":
         raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
-                                    use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw)
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
+                                    inplace_final_state=inplace_final_state)
     beta = beta_max * _up(b).sigmoid()
     g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
-    return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, mode="naive",
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, state = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state or inplace_final_state, mode="naive",
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if inplace_final_state:
+        state = initial_state.copy_(state)
+    return o, (state if output_final_state else None)

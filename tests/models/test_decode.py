@@ -73,6 +73,50 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     assert calls == ["fused_recurrent"] * expected
 
 
+@pytest.mark.parametrize("state_dtype,tol", [("float32", 1e-5), ("float16", 1e-4)])
+def test_decode_kernel_updates_the_cache_in_place(state_dtype, tol, monkeypatch):
+    """On the decode kernel's route the kernel writes each layer's state back into the cache (one tensor
+    for every step, so a CUDA graph copies nothing), in the cache's dtype, and the logits are the
+    PyTorch route's with the same cache dtype. (fp16 rather than bf16 here: Triton's interpreter
+    converts to bf16 by truncation; the GPU rounds. Both round the same fp32 steps, so they differ
+    only where fp32's last bits flip a rounding.)"""
+    import rankdecay.layers.mixers as mixers
+
+    model = tiny_model("gdn", state_dtype=state_dtype)
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        ref = _decode(model, ids, [12] + [1] * 12)
+        monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
+        cache = output_cache(model(ids[:, :12], use_cache=True))
+        states = [layer["recurrent"] for layer in cache.layers]
+        logits = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 24)]
+    assert all(layer["recurrent"] is s for layer, s in zip(cache.layers, states)), "a step replaced the state"
+    assert all(s.dtype == getattr(torch, state_dtype) for s in states)
+    assert_matches(torch.cat(logits, 1), ref[:, 12:], tol, state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype,tol", [("bfloat16", 2e-2), ("float16", 2e-3)])
+def test_a_16_bit_state_cache_costs_its_precision(state_dtype, tol):
+    """state_dtype halves the cache; the logits stay within the 16-bit state's precision of the fp32
+    cache's (2^-8 for bf16, 2^-11 for fp16, a few roundings deep)."""
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        ref = _decode(tiny_model("gdn"), ids, [20] + [1] * 20)
+        model = tiny_model("gdn", state_dtype=state_dtype)
+        got = _decode(model, ids, [20] + [1] * 20)
+        half = _cache_bytes(output_cache(model(ids, use_cache=True)))
+        full = _cache_bytes(output_cache(tiny_model("gdn")(ids, use_cache=True)))
+    assert_matches(got, ref, tol, state_dtype)
+    assert not torch.equal(got, ref)
+    recurrent = 2 * 2 * 2 * 32 * 32  # layers x B x heads x K x V of the tiny model
+    assert full - half == recurrent * 2, "the recurrent states should take 2 bytes an entry"
+
+
+def test_state_dtype_is_checked():
+    with pytest.raises(ValueError, match="state_dtype must be one of float32, bfloat16, float16"):
+        tiny_model("gdn", state_dtype="float64")
+
+
 @pytest.mark.parametrize("mixer", ["gdn", "swa"])
 def test_cache_reorder_selects_rows(mixer):
     """Beam search's reorder, after a prompt and after decode steps (SWA's ring)."""

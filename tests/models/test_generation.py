@@ -104,11 +104,14 @@ def test_bad_use_raises_clear_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
-@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gdn+swa"])
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gdn+swa", "gdn-bf16-state"])
 def test_cuda_graph_decodes_as_eager_steps(mixer):
     """On a GPU: the recorded graph gives the eager steps' tokens and logits (fp32 model; the
-    fused decode kernel in both)."""
-    model = (_hybrid() if mixer == "gdn+swa" else tiny_model(mixer)).cuda()
+    fused decode kernel in both, updating the cache's state in place; a bf16 cache too)."""
+    if mixer == "gdn+swa":
+        model = _hybrid().cuda()
+    else:
+        model = tiny_model(mixer.split("-")[0], **({"state_dtype": "bfloat16"} if "bf16" in mixer else {})).cuda()
     ids, mask = _left_padded((40, 9, 25))
     ids, mask = ids.cuda(), mask.cuda()
     eager, graph = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=True)

@@ -812,6 +812,59 @@ def test_gated_delta_rule_decode_forms_the_gates(gated, beta_max):
         assert_matches(y, z, 1e-6, f"naive: {name}")
 
 
+def _rounding(x: torch.Tensor, dtype: torch.dtype, ulps: float) -> torch.Tensor:
+    """``ulps`` units in the last place of ``dtype`` at each entry of x (fp32): half an ulp is one
+    round-to-nearest; at the smallest exponents, the spacing of the subnormals."""
+    if dtype == torch.float32:
+        return torch.zeros_like(x)
+    bits, tiny = {torch.bfloat16: (8, 2.0 ** -133), torch.float16: (11, 2.0 ** -24)}[dtype]
+    _, e = torch.frexp(x)  # |x| in [2^(e-1), 2^e): the spacing there is 2^(e - bits)
+    return ulps * torch.ldexp(torch.ones_like(x), e - bits).clamp_min(tiny)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["fused_recurrent", "naive"])
+def test_gated_delta_rule_decode_state_in_place(mode, state_dtype):
+    """inplace_final_state (vLLM's argument): the state is updated in initial_state itself, which is
+    returned, and a 16-bit cache is read in its dtype, stepped in fp32 and rounded once when stored:
+    every entry within one rounding of the fp32 steps from the same start."""
+    B, T, H, K, V = 2, 3, 3, 20, 24
+    gen = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, a, b, A_log, dt_bias = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V), rnd(B, T, H), rnd(B, T, H), \
+        rnd(H), rnd(H)
+    h = rnd(B, H, K, V).to(state_dtype)
+    start = h.clone()
+    with torch.no_grad():
+        o_ref, s_ref = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, initial_state=start.float(),
+                                                   output_final_state=True, mode="naive")
+        o, s = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, initial_state=h, output_final_state=True,
+                                           inplace_final_state=True, mode=mode)
+    assert s is h and s.dtype == state_dtype
+    assert_matches(o, o_ref, 1e-5, "o")
+    # Triton's interpreter converts fp32 to bf16 by truncation (a whole ulp; checked when this test
+    # was written); the GPU and PyTorch round to nearest (half an ulp)
+    truncates = mode == "fused_recurrent" and state_dtype == torch.bfloat16 and not torch.cuda.is_available()
+    err = (s.float() - s_ref).abs()
+    bound = _rounding(s_ref, state_dtype, 1.0 if truncates else 0.5) + 1e-6 * s_ref.abs().max()  # + fp32's order
+    assert (err <= bound).all(), f"state: {(err - bound).max().item():.3e} past one rounding"
+    assert not torch.equal(s.float(), start.float()), "the state was not updated"
+
+
+def test_decode_state_in_place_errors():
+    q, b = torch.randn(1, 1, 2, 16, device=DEVICE), torch.randn(1, 1, 2, device=DEVICE)
+    call = lambda h, **kw: ops.gated_delta_rule_decode(q, q, q, None, b, initial_state=h,  # noqa: E731
+                                                        inplace_final_state=True, **kw)
+    with pytest.raises(ValueError, match="needs an initial_state"):
+        call(None)
+    with pytest.raises(ValueError, match=r"contiguous fp32, bf16 or fp16 initial_state, got torch.float32 \(not"):
+        call(torch.zeros(1, 2, 16, 32, device=DEVICE)[..., ::2])
+    with pytest.raises(ValueError, match="got torch.float64"):
+        call(torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(RuntimeError, match="no backward"):
+        call(torch.zeros(1, 2, 16, 16, device=DEVICE, requires_grad=True))
+
+
 def test_gated_delta_rule_decode_errors():
     q, b = torch.randn(1, 1, 2, 16, device=DEVICE), torch.randn(1, 1, 2, device=DEVICE)
     A = torch.zeros(2, device=DEVICE)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._inputs import check_inplace_state
+
 
 @triton.jit
 def _fused_recurrent_fwd_kernel(
@@ -51,7 +53,7 @@ def _fused_recurrent_fwd_kernel(
             S += k_j[:, None] * v_j[None, :]
         q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
         tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0), mask=m_v)
-    tl.store(ht + p_h, S, mask=m_h)
+    tl.store(ht + p_h, S.to(ht.dtype.element_ty), mask=m_h)
 
 
 def _pow2(n: int) -> int:
@@ -65,27 +67,25 @@ def gate_kind(g: torch.Tensor | None) -> int:
 
 
 def _final_state_buffer(q: torch.Tensor, initial_state: torch.Tensor | None, inplace: bool, shape) -> torch.Tensor:
-    """Where a kernel writes the final state: ``initial_state`` itself with ``inplace``, else a new fp32 tensor."""
-    if not inplace:
-        return q.new_empty(shape, dtype=torch.float32)
-    if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-        raise ValueError("inplace=True needs a contiguous fp32 initial_state to update")
-    return initial_state
+    """Where a kernel writes the final state: ``initial_state`` itself with ``inplace`` (each program reads
+    its slice whole before it writes it), else a new fp32 tensor."""
+    return check_inplace_state(initial_state) if inplace else q.new_empty(shape, dtype=torch.float32)
 
 
 def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Tensor | None,
-                         inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         inplace_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical inputs (``rankdecay.ops._inputs``): q [N, T, H, K], k [N, T, H, Rkv, K],
     v [N, T, H, Rkv, V], a/b [N, T, H, Rab, K] or None, g [N, T, H, 1|K] or None,
     initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] fp32, S_T [N, H, K, V] fp32).
 
-    With ``inplace``, the final state is written into ``initial_state`` (which must be
-    fp32 and contiguous) and that tensor is returned: a decode step allocates nothing.
+    With ``inplace_final_state``, the final state is written into ``initial_state`` (contiguous;
+    fp32, or bf16 / fp16 for a 16-bit cache: read and written in its dtype, updated in fp32) and
+    that tensor is returned: a decode step allocates nothing and moves the state once each way.
     """
     N, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
-    ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
+    ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
     o = q.new_empty(N, T, H, V, dtype=torch.float32)
     BK = _pow2(K)
     BV = min(_pow2(V), 32 if BK > 128 else 64)
@@ -162,23 +162,25 @@ def _fused_recurrent_gdn_kernel(
             u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
             S += k_t[:, None] * u[None, :]
         tl.store(o + tok * V + o_v, tl.sum(q_t[:, None] * S, axis=0).to(o.dtype.element_ty), mask=m_v)
-    tl.store(ht + p_h, S, mask=m_h)
+    tl.store(ht + p_h, S.to(ht.dtype.element_ty), mask=m_h)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, inplace: bool = False,
-                                     use_qk_l2norm: bool = False, raw_gates: tuple | None = None):
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None,
+                                     inplace_final_state: bool = False, use_qk_l2norm: bool = False,
+                                     raw_gates: tuple | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
     initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] in q's dtype,
-    S_T [N, H, K, V] fp32); with ``inplace`` the state is updated in ``initial_state``.
+    S_T [N, H, K, V] fp32); with ``inplace_final_state`` the state is updated in ``initial_state``
+    (fp32, bf16 or fp16, contiguous; ``fused_recurrent_dplr``).
 
     ``use_qk_l2norm``: q and k are L2-normalised in the kernel. ``raw_gates = (A_log [H],
     dt_bias [H] or None when g is None, beta_max)``: beta and g are the layer's projections, and
     the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias)."""
     N, T, H, K = q.shape
     V = v.shape[-1]
-    ht = _final_state_buffer(q, initial_state, inplace, (N, H, K, V))
+    ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
     o = q.new_empty(N, T, H, V)
     BK = _pow2(K)
     BV = min(_pow2(V), 32 if BK > 64 else 64)
