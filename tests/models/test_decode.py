@@ -82,8 +82,9 @@ def test_decode_kernel_updates_the_cache_in_place(state_dtype, tol, monkeypatch)
     only where fp32's last bits flip a rounding.)"""
     import rankdecay.layers.mixers as mixers
 
-    model = tiny_model("gdn", state_dtype=state_dtype)
-    ids = random_ids(2, 24)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs on a GPU, or interpreted on the CPU
+    model = tiny_model("gdn", state_dtype=state_dtype).to(device)
+    ids = random_ids(2, 24).to(device)
     with torch.no_grad():
         ref = _decode(model, ids, [12] + [1] * 12)
         monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")

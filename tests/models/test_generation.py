@@ -111,7 +111,8 @@ def test_cuda_graph_decodes_as_eager_steps(mixer):
     if mixer == "gdn+swa":
         model = _hybrid().cuda()
     else:
-        model = tiny_model(mixer.split("-")[0], **({"state_dtype": "bfloat16"} if "bf16" in mixer else {})).cuda()
+        bf16 = mixer.endswith("-bf16-state")
+        model = tiny_model(mixer.removesuffix("-bf16-state"), **({"state_dtype": "bfloat16"} if bf16 else {})).cuda()
     ids, mask = _left_padded((40, 9, 25))
     ids, mask = ids.cuda(), mask.cuda()
     eager, graph = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=True)

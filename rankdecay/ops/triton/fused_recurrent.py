@@ -66,6 +66,11 @@ def gate_kind(g: torch.Tensor | None) -> int:
     return 0 if g is None else (1 if g.shape[-1] == 1 else 2)
 
 
+# The GDN decode kernel's "bv" / "warps" where set (benchmarks/decode_variants.py). Else 32-wide value
+# blocks (K > 64) on 4 warps, or 2 for a 16-bit state: 26 against 29 us at B = 64 (BENCHMARKS.md, session 26)
+_LAUNCH: dict = {}
+
+
 def _final_state_buffer(q: torch.Tensor, initial_state: torch.Tensor | None, inplace: bool, shape) -> torch.Tensor:
     """Where a kernel writes the final state: ``initial_state`` itself with ``inplace`` (each program reads
     its slice whole before it writes it), else a new fp32 tensor."""
@@ -183,13 +188,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
     o = q.new_empty(N, T, H, V)
     BK = _pow2(K)
-    BV = min(_pow2(V), 32 if BK > 64 else 64)
+    BV = _LAUNCH.get("bv") or min(_pow2(V), 32 if BK > 64 else 64)
     grid = (-(-V // BV), N * H)
     A_log, dt_bias, beta_max = raw_gates if raw_gates is not None else (None, None, 1.0)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
         scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
         H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
-        RAW_GATES=raw_gates is not None, num_warps=4,
+        RAW_GATES=raw_gates is not None, num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
