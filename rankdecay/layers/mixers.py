@@ -152,8 +152,9 @@ class LinearMixer(nn.Module, abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        """Call the op: q [B, T, H, K], k [B, T*n, H, K], v [B, T*n, H, V] -> (o, final state)."""
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        """Call the op: q [B, T, H, K], k [B, T*n, H, K], v [B, T*n, H, V] -> (o, final state). ``inplace``:
+        the op writes the final state into ``initial_state`` (the cache's tensor) and returns it."""
 
     # --- the shared block ----------------------------------------------------------
 
@@ -193,18 +194,19 @@ class LinearMixer(nn.Module, abc.ABC):
         recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
         mode = _recurrent_mode(x) if recurrent else "auto"
         initial_state = state["recurrent"] if state is not None else None
+        # on the GPU's per-token kernels, with a cache to update, the kernel writes the state back into
+        # the cache's tensor (in its dtype): a decode step allocates no state and nothing copies it
+        inplace = (mode == "fused_recurrent" and use_cache and initial_state is not None
+                   and initial_state.dtype == self.state_dtype and initial_state.is_contiguous())
+        if not inplace and initial_state is not None and initial_state.dtype != torch.float32:
+            initial_state = initial_state.float()  # a 16-bit cache: the other paths start from fp32
         if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
                 and self.qk_norm == "l2" and self.qk_hook is None):
-            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step); with a
-            # cache to update, the kernel writes the state back into it (in the cache's dtype)
-            inplace = (use_cache and initial_state is not None and initial_state.dtype == self.state_dtype
-                       and initial_state.is_contiguous())
+            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
             o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x), scale=self.scale,
                                                          initial_state=initial_state, output_final_state=True,
                                                          inplace_final_state=inplace, mode=mode)
         else:
-            if initial_state is not None and initial_state.dtype != torch.float32:
-                initial_state = initial_state.float()  # a 16-bit cache: the other paths start from fp32
             if self.qk_norm == "l2":
                 q = l2norm(q)
             if self.qk_norm in ("l2", "k"):
@@ -212,7 +214,7 @@ class LinearMixer(nn.Module, abc.ABC):
             if self.qk_hook is not None:
                 self.qk_hook(self, q, k)
             o, final_state = self.mix(q, k, v, self.gates(x, mask), initial_state=initial_state,
-                                      cu_seqlens=cu_seqlens, mode=mode)
+                                      cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
         if self.use_output_gate:
             gate = self.g_proj(x).view(B, T, H, V)
             if self.output_norm:
@@ -230,9 +232,9 @@ class LinearMixer(nn.Module, abc.ABC):
         return (f"heads={self.num_heads}, head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
                 f"conv={self.use_short_conv}, qk_norm={self.qk_norm}, mode={self.mode}")
 
-    def _op_kwargs(self, initial_state, cu_seqlens, mode):
+    def _op_kwargs(self, initial_state, cu_seqlens, mode, inplace=False):
         return dict(scale=self.scale, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
-                    chunk_size=self.chunk_size, mode=mode)
+                    chunk_size=self.chunk_size, mode=mode, inplace_final_state=inplace)
 
 
 def _mamba2_decay_params(module: nn.Module, num_heads: int) -> None:
@@ -265,8 +267,8 @@ class DeltaNet(LinearMixer):
     def decode_gates(self, x):
         return {"a": None, "b": self.b_proj(x), "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.delta_rule(q, k, v, gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.delta_rule(q, k, v, gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class GatedDeltaNet(DeltaNet):
@@ -283,8 +285,9 @@ class GatedDeltaNet(DeltaNet):
     def decode_gates(self, x):
         return {**super().decode_gates(x), "a": self.a_proj(x), "A_log": self.A_log, "dt_bias": self.dt_bias}
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.gated_delta_rule(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.gated_delta_rule(q, k, v, gates["g"], gates["beta"],
+                                    **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class GatedDeltaProduct(GatedDeltaNet):
@@ -308,9 +311,9 @@ class GatedDeltaProduct(GatedDeltaNet):
             gates["g"] = None
         return gates
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.gated_delta_product(q, k, v, gates["g"], gates["beta"], self.kv_per_token,
-                                       **self._op_kwargs(initial_state, cu_seqlens, mode))
+                                       **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class GLA(LinearMixer):
@@ -328,8 +331,8 @@ class GLA(LinearMixer):
         g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
         return {"g": self.masked_log_gate(g.view(B, T, self.num_heads, self.head_k_dim), mask)}
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class SimpleGLA(LinearMixer):
@@ -343,8 +346,8 @@ class SimpleGLA(LinearMixer):
     def gates(self, x, mask):
         return {"g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.simple_gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.simple_gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class LinearAttention(LinearMixer):
@@ -353,8 +356,8 @@ class LinearAttention(LinearMixer):
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, qk_norm=None, **kwargs):
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, qk_norm=qk_norm, **kwargs)
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.linear_attn(q, k, v, **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.linear_attn(q, k, v, **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class HDLA(LinearMixer):
@@ -388,8 +391,8 @@ class HDLA(LinearMixer):
         beta = self.b_proj(x).float().sigmoid()
         return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
-        return ops.hdla(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode))
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.hdla(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
 class HeadInHead(GatedDeltaNet):
@@ -435,9 +438,9 @@ class HeadInHead(GatedDeltaNet):
         gates["mask"] = ops.head_in_head_mask(F.softplus(m_org.float()))
         return gates
 
-    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode):
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.hh_delta_rule(q, k, v, gates["beta"], gates["mask"], gates.get("g"),
-                                 **self._op_kwargs(initial_state, cu_seqlens, mode))
+                                 **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, mask={self.mask_kind}, gated={self.gated}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .backends import check_triton_mode, needs_grad, resolve_mode
-from ._inputs import canonicalize, pack_varlen, unpack_varlen, varlen_index
+from ._inputs import canonicalize, check_inplace_state, pack_varlen, unpack_varlen, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
 
@@ -25,6 +25,7 @@ def dplr(
     mode: str = "auto",
     a_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Linear attention with a diagonal-plus-rank-``Rab`` decay and rank-``Rkv`` writes.
 
@@ -67,6 +68,11 @@ def dplr(
             tensor cores and apply the fp32 factors to the results, without an fp32 copy of
             ``αβk`` in memory. Other paths multiply them in, in the compute dtype.
 
+        inplace_final_state: write the final state into ``initial_state`` (contiguous; fp32, or a
+            16-bit cache's bf16 / fp16, updated in fp32 and rounded once) and return that tensor as
+            the final state, as serving engines' decode steps do. The ``"fused_recurrent"`` kernel
+            writes it there directly; the other paths copy their result in. No autograd through it.
+
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in ``q``'s dtype; ``final_state`` is
         ``[N, H, K, V]`` in fp32 (fp64 if any input is fp64), or None unless
@@ -74,6 +80,8 @@ def dplr(
         Differentiable in every tensor argument, ``initial_state`` included.
     """
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
+    if inplace_final_state:
+        check_inplace_state(initial_state)
     dtype = x.compute_dtype
     mode = resolve_mode(mode, q, dtype)
     if mode in ("triton", "fused_recurrent"):
@@ -96,7 +104,7 @@ def dplr(
     elif mode == "fused_recurrent":
         from .triton import fused_recurrent_dplr
 
-        o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state)
+        o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state, inplace_final_state)
     elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd
 
@@ -110,6 +118,8 @@ def dplr(
 
     if x.lengths is not None:
         o = unpack_varlen(o, valid)
+    if inplace_final_state and state is not initial_state:
+        state = initial_state.copy_(state)
     return o.to(x.q.dtype), (state if output_final_state else None)
 
 

@@ -3,7 +3,7 @@
 Each function builds the decay (``g``, ``a``, ``b``) and the writes (``k``, ``v``) of
 its recurrence and calls the one engine; none has its own copy of the algorithm.
 All take the same keyword arguments as ``dplr`` (``scale``, ``initial_state``,
-``output_final_state``, ``cu_seqlens``, ``chunk_size``, ``mode``) and return
+``output_final_state``, ``cu_seqlens``, ``chunk_size``, ``mode``, ``inplace_final_state``) and return
 ``(o [B, T, H, V], final_state [N, H, K, V] or None)``. Argument names and order
 follow flash-linear-attention where it has the same operation.
 
@@ -76,17 +76,17 @@ def _gate_factor(g: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def linear_attn(q, k, v, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                chunk_size=64, mode="auto"):
+                chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Linear attention (Katharopoulos et al. 2020): :math:`S_t = S_{t-1} + k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``. Returns ``(o [B, T, H, V], final_state)``.
     """
     return dplr(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def retention(q, k, v, log_gamma, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size=64, mode="auto"):
+              chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Retention / Lightning attention: :math:`S_t = \gamma_h S_{t-1} + k_t v_t^\top`, a fixed decay per head.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; log_gamma: ``[H]`` (``log γ_h <= 0``;
@@ -98,11 +98,11 @@ def retention(q, k, v, log_gamma, *, scale=None, initial_state=None, output_fina
     check_shape(log_gamma, "log_gamma", (H,), "[H]")
     g = log_gamma.expand(B, T, H)
     return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               chunk_size=64, mode="auto"):
+               chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Scalar-gated linear attention (Mamba2-style): :math:`S_t = e^{g_t} S_{t-1} + k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log-decay.
@@ -110,11 +110,11 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     _check_qkv(q, k, v)
     _check_gate(g, q, per_channel=False)
     return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        chunk_size=64, mode="auto"):
+        chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Gated linear attention (Yang et al. 2024): :math:`S_t = \mathrm{Diag}(e^{g_t}) S_{t-1} + k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decay per key channel.
@@ -123,11 +123,11 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     check_float(g, "g")
     check_shape(g, "g", tuple(q.shape), "[B, T, H, K]")
     return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               chunk_size=64, mode="auto", use_qk_l2norm_in_kernel=False):
+               chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
     r"""DeltaNet: :math:`S_t = (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised, or give ``use_qk_l2norm_in_kernel``);
@@ -135,11 +135,12 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
     """
     return gated_delta_rule(q, k, v, None, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                            chunk_size=chunk_size, mode=mode, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                            chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     chunk_size=64, mode="auto", use_qk_l2norm_in_kernel=False):
+                     chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
     r"""Gated DeltaNet (eq. 10): :math:`S_t = \alpha_t (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
@@ -157,8 +158,10 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_beta(beta, q)
     _check_gate(g, q)
     if mode == "fused_recurrent" and cu_seqlens is None:
+        if inplace_final_state:
+            check_inplace_state(initial_state)
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    use_qk_l2norm=use_qk_l2norm_in_kernel)
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
@@ -168,7 +171,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     # no per-channel gate in it, and the backward then forms k's gradient in one pass
     return dplr(q, k1, v[..., None, :], a, k1, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
-                a_scale=a_scale, v_scale=beta)
+                inplace_final_state=inplace_final_state, a_scale=a_scale, v_scale=beta)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +193,7 @@ def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,
 
 
 def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, chunk_size=64, mode="auto"):
+                        cu_seqlens=None, chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Gated DeltaProduct (Siems et al. 2025): ``n_h`` delta-rule sub-steps per token.
 
     Per token t, with sub-steps j = 1..n_h and :math:`H_j = I - \beta_j k_j k_j^\top`:
@@ -227,11 +230,12 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     k_w = torch.stack(transformed, dim=3)  # β_j H_{n_h}⋯H_{j+1} k_j, [B, T, H, nh, K]
     a, a_scale = _beta_alpha(k_w, None, g)  # β_j is in k_w already
     return dplr(q, k_w, vs, a, ks, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, a_scale=a_scale)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state,
+                a_scale=a_scale)
 
 
 def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-         chunk_size=64, mode="auto"):
+         chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Householder-diagonalised linear attention (HDLA eq. 27).
 
     .. math:: S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(\lambda_t)\,(I - \beta_t k_t k_t^\top) S_{t-1} + k_t v_t^\top
@@ -260,11 +264,11 @@ def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state
         a = torch.stack([a1, a2], dim=3)  # [B, T, H, 2, K]
         b = torch.stack([lk, k_], dim=3)
     return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode)
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, chunk_size=64, mode="auto"):
+                  cu_seqlens=None, chunk_size=64, mode="auto", inplace_final_state=False):
     r"""Head-in-Head DeltaNet / Gated DeltaNet (Head-in-Head eq. 10, App. B).
 
     .. math:: S_t = \alpha_t (I - \beta_t (k_t k_t^\top \odot \mathrm{expand}(M_t))) S_{t-1} + \beta_t k_t v_t^\top
@@ -305,7 +309,7 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     a, a_scale = _beta_alpha(a, beta, g)
     return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
-                a_scale=a_scale, v_scale=beta)
+                inplace_final_state=inplace_final_state, a_scale=a_scale, v_scale=beta)
 
 
 def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -74,16 +74,17 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
 
 
 @pytest.mark.parametrize("state_dtype,tol", [("float32", 1e-5), ("float16", 1e-4)])
-def test_decode_kernel_updates_the_cache_in_place(state_dtype, tol, monkeypatch):
-    """On the decode kernel's route the kernel writes each layer's state back into the cache (one tensor
-    for every step, so a CUDA graph copies nothing), in the cache's dtype, and the logits are the
-    PyTorch route's with the same cache dtype. (fp16 rather than bf16 here: Triton's interpreter
-    converts to bf16 by truncation; the GPU rounds. Both round the same fp32 steps, so they differ
-    only where fp32's last bits flip a rounding.)"""
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla"])
+def test_decode_kernel_updates_the_cache_in_place(mixer, state_dtype, tol, monkeypatch):
+    """On the GPU's per-token route (GDN's decode kernel; the DPLR kernel for the others) the kernel
+    writes each layer's state back into the cache (one tensor for every step, so a CUDA graph copies
+    nothing), in the cache's dtype, and the logits are the PyTorch route's with the same cache dtype.
+    (fp16 rather than bf16 here: Triton's interpreter converts to bf16 by truncation; the GPU rounds.
+    Both round the same fp32 steps, so they differ only where fp32's last bits flip a rounding.)"""
     import rankdecay.layers.mixers as mixers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs on a GPU, or interpreted on the CPU
-    model = tiny_model("gdn", state_dtype=state_dtype).to(device)
+    model = tiny_model(mixer, state_dtype=state_dtype).to(device)
     ids = random_ids(2, 24).to(device)
     with torch.no_grad():
         ref = _decode(model, ids, [12] + [1] * 12)
@@ -93,7 +94,7 @@ def test_decode_kernel_updates_the_cache_in_place(state_dtype, tol, monkeypatch)
         logits = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 24)]
     assert all(layer["recurrent"] is s for layer, s in zip(cache.layers, states)), "a step replaced the state"
     assert all(s.dtype == getattr(torch, state_dtype) for s in states)
-    assert_matches(torch.cat(logits, 1), ref[:, 12:], tol, state_dtype)
+    assert_matches(torch.cat(logits, 1), ref[:, 12:], tol, f"{mixer}, {state_dtype}")
 
 
 @pytest.mark.parametrize("state_dtype,tol", [("bfloat16", 2e-2), ("float16", 2e-3)])

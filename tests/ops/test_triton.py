@@ -851,6 +851,26 @@ def test_gated_delta_rule_decode_state_in_place(mode, state_dtype):
     assert not torch.equal(s.float(), start.float()), "the state was not updated"
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["fused_recurrent", "triton", "chunk", "naive"])
+def test_dplr_state_in_place(mode, state_dtype):
+    """dplr(inplace_final_state=True) on every path, rank-2 decay with a per-channel gate and rank-2
+    writes (HDLA's and Gated DeltaProduct's decode): the fused_recurrent kernel writes the state into
+    initial_state, the others copy their result in; within one rounding of the fp32 result."""
+    q, k, v, a, b, g, h0 = random_inputs(2, 5, 2, 16, 8, 2, 2, "channel")
+    h = h0.to(state_dtype)
+    start = h.clone()
+    with torch.no_grad():
+        o_ref, s_ref = ops.dplr(q, k, v, a, b, g, initial_state=start.float(), output_final_state=True, mode="naive")
+        o, s = ops.dplr(q, k, v, a, b, g, initial_state=h, output_final_state=True, mode=mode,
+                        inplace_final_state=True, chunk_size=16)
+    assert s is h and s.dtype == state_dtype
+    assert_matches(o, o_ref, 1e-5, "o")
+    err = (s.float() - s_ref).abs()
+    bound = _rounding(s_ref, state_dtype, 0.5) + 1e-6 * s_ref.abs().max()
+    assert (err <= bound).all(), f"state: {(err - bound).max().item():.3e} past one rounding"
+
+
 def test_decode_state_in_place_errors():
     q, b = torch.randn(1, 1, 2, 16, device=DEVICE), torch.randn(1, 1, 2, device=DEVICE)
     call = lambda h, **kw: ops.gated_delta_rule_decode(q, q, q, None, b, initial_state=h,  # noqa: E731
