@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
+from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import l2norm
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
@@ -30,7 +31,7 @@ from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
 
 
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_DTYPES = {str(d).removeprefix("torch."): d for d in STATE_DTYPES}  # "float32": torch.float32, ...
 
 
 def _state_dtype(x: torch.dtype | str) -> torch.dtype:

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-STATE_DTYPES = ("float32", "bfloat16", "float16")  # the decoding cache's recurrent state (``state_dtype``)
+from ..ops import _inputs
+
+# the decoding cache's recurrent state (``state_dtype``): the names of the dtypes the kernels update in place
+STATE_DTYPES = tuple(str(d).removeprefix("torch.") for d in _inputs.STATE_DTYPES)
 MIXERS = ("gdn", "deltanet", "gdp", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
 
 # Shapes of the papers. Head-in-Head Table 9: 340M = 24 layers, d 1024, 4 heads, tied

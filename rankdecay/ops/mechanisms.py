@@ -158,8 +158,6 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_beta(beta, q)
     _check_gate(g, q)
     if mode == "fused_recurrent" and cu_seqlens is None:
-        if inplace_final_state:
-            check_inplace_state(initial_state)
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state)
     if use_qk_l2norm_in_kernel:
@@ -343,6 +341,8 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
     if initial_state is not None:
         check_float(initial_state, "initial_state")
         check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
+    if inplace_final_state:
+        check_inplace_state(initial_state)
     tensors = (q, k, v, g, beta, initial_state)
     check_devices(q.device, zip(("k", "v", "g", "beta", "initial_state"), tensors[1:]))
     check_triton_mode("fused_recurrent", q, tensors, compute_dtype(tensors))
@@ -389,8 +389,6 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                                  f"got {None if x is None else list(x.shape)}")
     if mode not in ("auto", "fused_recurrent", "naive"):
         raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
-    if inplace_final_state:
-        check_inplace_state(initial_state)
     if mode == "auto":
         mode = recurrent_mode(q)
     if mode == "fused_recurrent":
@@ -400,9 +398,6 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                                     inplace_final_state=inplace_final_state)
     beta = beta_max * _up(b).sigmoid()
     g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
-    o, state = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state or inplace_final_state, mode="naive",
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if inplace_final_state:
-        state = initial_state.copy_(state)
-    return o, (state if output_final_state else None)
+    return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, mode="naive",
+                            inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

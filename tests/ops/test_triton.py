@@ -883,6 +883,13 @@ def test_decode_state_in_place_errors():
         call(torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEVICE))
     with pytest.raises(RuntimeError, match="no backward"):
         call(torch.zeros(1, 2, 16, 16, device=DEVICE, requires_grad=True))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"got torch.float32 \(not contiguous\)"):  # the kernels'
+        call(torch.zeros(1, 2, 16, 32, device=DEVICE)[..., ::2], mode="fused_recurrent")
+    with torch.no_grad(), pytest.raises(ValueError, match="needs an initial_state"):
+        ops.gated_delta_rule(q, q, q, None, b, mode="fused_recurrent", inplace_final_state=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="got torch.float64"):
+        ops.dplr(q, q, q, initial_state=torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEVICE),
+                 mode="fused_recurrent", inplace_final_state=True)
 
 
 def test_gated_delta_rule_decode_errors():

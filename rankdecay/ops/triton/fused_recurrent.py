@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .._inputs import check_inplace_state
-
 
 @triton.jit
 def _fused_recurrent_fwd_kernel(
@@ -73,8 +71,9 @@ _LAUNCH: dict = {}
 
 def _final_state_buffer(q: torch.Tensor, initial_state: torch.Tensor | None, inplace: bool, shape) -> torch.Tensor:
     """Where a kernel writes the final state: ``initial_state`` itself with ``inplace`` (each program reads
-    its slice whole before it writes it), else a new fp32 tensor."""
-    return check_inplace_state(initial_state) if inplace else q.new_empty(shape, dtype=torch.float32)
+    its slice whole before it writes it; the ops checked it, ``_inputs.check_inplace_state``), else a new
+    fp32 tensor."""
+    return initial_state if inplace else q.new_empty(shape, dtype=torch.float32)
 
 
 def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Tensor | None,
