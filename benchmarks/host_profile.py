@@ -1,6 +1,7 @@
 """Where the host's time goes in one case of benchmarks/kernels.py: cProfile over repeated calls.
 
     python benchmarks/host_profile.py gdn [--backward] [--reps 50] [--rows 30] [--matmul-precision medium]
+    python benchmarks/host_profile.py gdn --backward --launches   # host µs per call inside each Triton launch
 
 The GPU runs asynchronously, so a call whose host time exceeds its GPU time is launch-bound
 (``kernels.py``'s "host ms" column); this says which Python functions that host time is spent in.
@@ -8,8 +9,10 @@ The GPU runs asynchronously, so a call whose host time exceeds its GPU time is l
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
+import time
 
 import torch
 
@@ -23,6 +26,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
+    parser.add_argument("--launches", action="store_true",
+                        help="no cProfile: the host's time per call, and the part of it inside each Triton launch")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
@@ -40,6 +45,9 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if args.launches:
+        launches(step, args.reps)
+        return
     prof = cProfile.Profile()
     for _ in range(args.reps):  # the GPU drained between calls, so no launch waits on a full queue
         prof.enable()
@@ -49,6 +57,39 @@ def main() -> None:
     stats = pstats.Stats(prof)
     print(f"host seconds per call: {stats.total_tt / args.reps * 1e3:.3f} ms")
     stats.sort_stats("tottime").print_stats(args.rows)
+
+
+def launches(step, reps: int) -> None:
+    """The host's time per call without a profiler, and the part spent in Triton's launcher (``JITFunction.run``:
+    argument specialisation, cache lookup, the driver's launch), by kernel."""
+    from triton.runtime.jit import JITFunction
+
+    spent, calls = collections.Counter(), collections.Counter()
+    run = JITFunction.run
+
+    def timed(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return run(self, *a, **kw)
+        finally:
+            spent[self.__name__] += time.perf_counter() - t0
+            calls[self.__name__] += 1
+
+    total = 0.0
+    JITFunction.run = timed
+    try:
+        for _ in range(reps):  # the GPU drained between calls, as above
+            t0 = time.perf_counter()
+            step()
+            total += time.perf_counter() - t0
+            torch.cuda.synchronize()
+    finally:
+        JITFunction.run = run
+    inside = sum(spent.values())
+    print(f"host ms per call: {total / reps * 1e3:.3f}; inside Triton launches {inside / reps * 1e3:.3f} "
+          f"({sum(calls.values()) / reps:.0f} launches); elsewhere {(total - inside) / reps * 1e3:.3f}")
+    for name, t in spent.most_common():
+        print(f"  {name}: {t / calls[name] * 1e6:.1f} µs per launch, {calls[name] / reps:.0f} per call")
 
 
 if __name__ == "__main__":

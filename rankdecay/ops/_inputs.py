@@ -95,6 +95,11 @@ def check_inplace_state(initial_state: torch.Tensor | None) -> torch.Tensor:
     return initial_state
 
 
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def check_devices(device, named) -> None:
     """Every ``(name, tensor or None)`` of ``named`` on q's ``device``."""
     for name, t in named:
@@ -123,8 +128,7 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
     """Validate the arguments of :func:`rankdecay.ops.dplr` and bring them to canonical form."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
 
     check_float(q, "q")
     if q.dim() != 4:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._inputs import check_devices, check_float, check_inplace_state, check_shape, compute_dtype, resolve_scale
+from ._inputs import (check_chunk_size, check_devices, check_float, check_inplace_state, check_shape, compute_dtype,
+                      resolve_scale)
 from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import dplr
 
@@ -59,12 +60,17 @@ def _check_gate(g: torch.Tensor | None, q: torch.Tensor, name: str = "g", per_ch
         raise ValueError(f"{name} must have shape {expected}, got {list(g.shape)}")
 
 
+def _runs_triton(mode: str, q: torch.Tensor, tensors) -> bool:
+    """Whether ``dplr`` runs these inputs on its Triton kernels (``resolve_mode``: "triton", computed in fp32, with
+    triton able to run on q's device)."""
+    dtype = compute_dtype(tensors)
+    return resolve_mode(mode, q, dtype) == "triton" and dtype == torch.float32 and triton_runs_on(q)
+
+
 def _triton_factors(mode: str, q: torch.Tensor, tensors, max_k: int = 1024) -> bool:
     """Whether a mechanism builds its DPLR factors with a Triton kernel (``triton.factors``): where
-    ``dplr`` itself runs Triton (``resolve_mode``), in fp32, for K up to ``max_k``."""
-    dtype = compute_dtype(tensors)
-    return (resolve_mode(mode, q, dtype) == "triton" and dtype == torch.float32 and q.shape[-1] <= max_k
-            and triton_runs_on(q))
+    ``dplr`` itself runs Triton, for K up to ``max_k``."""
+    return q.shape[-1] <= max_k and _runs_triton(mode, q, tensors)
 
 
 def _gate_factor(g: torch.Tensor | None) -> torch.Tensor | None:
@@ -162,6 +168,20 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if (cu_seqlens is None and not inplace_final_state and (g is None or g.dim() == 3)
+            and _runs_triton(mode, q, (q, k, v, g, beta, initial_state))):
+        # the fused kernels with a = b = k straight from these inputs: one autograd node, β e^g formed inside and
+        # the factors' gradients carried on to g and β in the backward's gate kernel (``chunk_gated_delta_rule``)
+        from .triton.chunk_bwd import chunk_gated_delta_rule
+
+        B, T, H, K = q.shape
+        check_chunk_size(chunk_size)  # not the kernels' own: checked as dplr checks it
+        if initial_state is not None:
+            check_float(initial_state, "initial_state")
+            check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
+        check_devices(q.device, (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)))
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, resolve_scale(scale, K), initial_state)
+        return o.to(q.dtype), (state if output_final_state else None)
     k1 = k[..., None, :]
     a, a_scale = _beta_alpha(k1, beta, g)
     # k stays in its dtype: the fused kernels multiply 16-bit pairs exactly on tensor cores and

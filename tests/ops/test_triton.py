@@ -311,6 +311,42 @@ def test_delta_rule_forward_extremes(output_form):
             assert_matches(x, y, 1e-5, f"T={T} {output_form}: {name}")
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("gated", [False, True], ids=["deltanet", "gdn"])
+def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
+    """(Gated) DeltaNet with autograd on the kernels is one node of autograd (``chunk_bwd._GatedDeltaRule``): it
+    forms β e^g itself and carries the factors' gradients on to g and β in its backward (the gate kernel's FOLD,
+    or two sums without a gate). Against the PyTorch path: T = 1 and 130, log-gates of -30 per step and one of
+    -1e4, β up to 2 and one β = 0, q, k, v and β in fp16 (fp16 results: the tolerance is their rounding), every
+    gradient, the initial state's too; and with the final state unused, whose gradient is then None (no zeros
+    are made for it) and the state kernel's backward starts from nothing."""
+    gen = torch.Generator().manual_seed(11)
+    for T, use_state in ((1, True), (130, True), (130, False)):
+        q, k, v = (torch.randn(2, T, 2, 20, generator=gen) for _ in range(3))
+        k = F.normalize(k, dim=-1)
+        g = F.logsigmoid(torch.randn(2, T, 2, generator=gen)) if gated else None
+        beta = 2 * torch.rand(2, T, 2, generator=gen)
+        if T > 1:
+            beta[:, 5] = 0.0
+            if gated:
+                g[:, 30:40], g[:, 70] = -30.0, -1e4
+        h0 = torch.randn(2, 2, 20, 20, generator=gen)
+        results = []
+        for mode in ("triton", "chunk"):
+            xs = [None if x is None else x.to(DEVICE, dtype if i in (0, 1, 2, 4) else torch.float32).clone()
+                  .requires_grad_() for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
+            o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+            if mode == "triton":
+                assert type(o.grad_fn).__name__ == "_GatedDeltaRuleBackward"
+            loss = (o.float() * torch.linspace(-1, 1, 20, device=o.device)).sum()
+            (loss + s.sin().sum() if use_state else loss).backward()
+            results.append([o.detach(), s.detach()] + [x.grad for x in xs if x is not None])
+        labels = ["o", "final_state", "dq", "dk", "dv"] + ["dg"] * gated + ["dbeta", "dh0"]
+        for name, x, y in zip(labels, *results, strict=True):
+            assert x.dtype == y.dtype, name
+            assert_matches(x.float(), y.float(), tol, f"T={T} {dtype} state used={use_state}: {name}")
+
+
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])
 def test_delta_rule_wide_keys(grads, output_form):
     """K = 160 (a 256-wide key tile): the state kernel takes a chunk's rows in two 32-row blocks (not SAME_AK),

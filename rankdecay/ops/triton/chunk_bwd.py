@@ -254,12 +254,17 @@ def _grad_tied_kernel(
 
 
 @triton.jit
-def _scalar_dg_kernel(dgp, pdg, dg, T, NC, H: tl.constexpr, TC: tl.constexpr, NKB: tl.constexpr):
+def _scalar_dg_kernel(dgp, pdg, dg, dsa, dsv, gs, sa, dbeta, T, NC, H: tl.constexpr, TC: tl.constexpr,
+                      NKB: tl.constexpr, NVB: tl.constexpr, FOLD: tl.constexpr):
     """dg [B, T, H, 1] of a scalar gate for one chunk: the products' share dgp [B, H, NC, C] plus the
     decayed inputs', from the key blocks' per-token sums pdg [B, H, NC, NKB, 3C + 1] (sQ, sKA, sB,
     e^{G_C}'s share). Token t's sQ depends on the gates g_s, s <= t, so g_s takes the reverse
     cumulative sum; sKA (s > t) the exclusive cumulative sum, sB (s < t) the exclusive reverse
-    one, and e^{G_C} every gate of the chunk. One launch where torch took a dozen."""
+    one, and e^{G_C} every gate of the chunk. One launch where torch took a dozen.
+
+    FOLD (``chunk_gated_delta_rule``: a_scale = β e^g, v_scale = β formed inside the autograd function): the
+    factors' gradients, per token and value block dsa, dsv [B, T, H, 1, NVB], go on to the gate and β here,
+    dg += Σ dsa ⊙ a_scale and dβ = Σ dsa e^g + Σ dsv (dbeta [B, T, H]; gs, sa: g and a_scale [B, T, H])."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     c = i_bh * NC + i_c
     r = tl.arange(0, TC)
@@ -276,7 +281,18 @@ def _scalar_dg_kernel(dgp, pdg, dg, T, NC, H: tl.constexpr, TC: tl.constexpr, NK
     d = (tl.load(dgp + c * TC + r) + tl.cumsum(sQ, axis=0, reverse=True) + tl.cumsum(sKA, axis=0) - sKA
          + tl.cumsum(sB, axis=0, reverse=True) - sB + tl.sum(eC, axis=0))
     t = i_c * TC + r
-    tl.store(dg + (i_bh // H * T + t) * H + i_bh % H, d, mask=t < T)
+    tok = (i_bh // H * T + t) * H + i_bh % H
+    if FOLD:
+        ok = t < T
+        s_a = tl.zeros([TC], dtype=tl.float32)
+        s_v = tl.zeros([TC], dtype=tl.float32)
+        for j in tl.static_range(NVB):
+            s_a += tl.load(dsa + tok * NVB + j, mask=ok, other=0.0)
+            s_v += tl.load(dsv + tok * NVB + j, mask=ok, other=0.0)
+        d += s_a * tl.load(sa + tok, mask=ok, other=0.0)
+        alpha = tl.exp(tl.load(gs + tok, mask=ok, other=0.0).to(tl.float32))
+        tl.store(dbeta + tok, s_a * alpha + s_v, mask=ok)
+    tl.store(dg + tok, d, mask=t < T)
 
 
 @triton.jit
@@ -561,6 +577,7 @@ def _grad_inputs_kernel(
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied):
+        ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no [B, H, K, V] zeros
         # tied: a = b = k (a and b are None here), their gradients returned as k's
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
@@ -570,130 +587,191 @@ class _ChunkDPLR(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, a, b, g, h0, sa, sv, *saved = ctx.saved_tensors
-        tied = ctx.tied
-        if tied:
-            a = b = k
-        qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec = saved
-        scale, C = ctx.scale, ctx.C
-        B, T, H, K = q.shape
-        Rkv, V = v.shape[-2], v.shape[-1]
-        Rab = a.shape[-2] if a is not None else 0
-        NC, NK, NA = s0.shape[2], C * _pow2(Rkv), C * _pow2(Rab)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        do = torch.zeros(B, T, H, V, **f32) if do is None else do.contiguous()  # 16-bit stays 16-bit
-        e_do = _is16(do)
-        dummy = do
-        opt = lambda x: dummy if x is None else x  # noqa: E731
-        prec = _precision(q)
-        raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
-        raw_v = not raw and vf is None  # v as given (the forward's RAW_V)
-        # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
-        blocks = _blocks(K, V, NK, NA, backward=True, precision=prec)
-        dhn = torch.empty_like(s0)
-        du = torch.empty_like(u)
-        dh0 = torch.empty(B, H, K, V, **f32)
-        _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-            opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(a if raw else ad), dummy, dummy,
-            dhn, opt(du if Rab else None), dh0, q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af), K=K, V=V,
-            CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None,
-            PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1),
-            E_Q=_is16(q), E_A=_is16(a), num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+        return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht)
+
+
+def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None):
+    """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
+    order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
+    gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
+    kernel: ``_scalar_dg_kernel``'s FOLD), and the result is (dq, dk, dv, dg, dh0, dβ)."""
+    q, k, v, a, b, g, h0, sa, sv, *saved = tensors
+    if tied:
+        a = b = k
+    qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec = saved
+    B, T, H, K = q.shape
+    Rkv, V = v.shape[-2], v.shape[-1]
+    Rab = a.shape[-2] if a is not None else 0
+    NC, NK, NA = s0.shape[2], C * _pow2(Rkv), C * _pow2(Rab)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = torch.zeros(B, T, H, V, **f32) if do is None else do.contiguous()  # 16-bit stays 16-bit
+    e_do = _is16(do)
+    dummy = do
+    opt = lambda x: dummy if x is None else x  # noqa: E731
+    prec = _precision(q)
+    raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
+    raw_v = not raw and vf is None  # v as given (the forward's RAW_V)
+    # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
+    blocks = _blocks(K, V, NK, NA, backward=True, precision=prec)
+    dhn = torch.empty_like(s0)
+    du = torch.empty_like(u)
+    dh0 = torch.empty(B, H, K, V, **f32)
+    _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
+        opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(a if raw else ad), dummy, dummy,
+        dhn, opt(du if Rab else None), dh0, q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af), K=K, V=V,
+        CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None,
+        PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1),
+        E_Q=_is16(q), E_A=_is16(a), num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+    )
+    # dV and dX = Tᵀ dU
+    like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
+    dv = like(v)
+    dx = torch.empty_like(u) if Rab else None
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    sv32 = sv.float().contiguous() if sv is not None else None
+    NVB = triton.cdiv(V, BV)
+    dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
+    gate = gate_kind(g)
+    BKg = _key_block("grad_bk", K, prec, gate == 2)  # step 4's key block
+    NKB = triton.cdiv(K, BKg)
+    asc = sa is not None and Rab > 0
+    sa32 = sa.float().contiguous() if asc else None
+    # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
+    dsa = torch.empty(*a.shape[:-1], NVB if tied else NKB, **f32) if asc else None
+    _grad_values_kernel[(NVB, NC, B * H)](
+        do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
+        opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
+        RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec,
+        VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, num_warps=_CONFIG["values"], num_stages=1,
+    )
+    # the gradients of the decayed inputs
+    f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
+    # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
+    stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
+    dqd, dkd = stc(C, K), stc(NK, K)
+    dad = stc(NA, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
+    dbd = stc(NA, K) if Rab else None
+    ddch = f32c(K) if g is not None else None
+    BKi = _key_block("inputs_bk", K, prec, gate == 2)
+    _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
+        do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
+        opt(ddch),
+        opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
+        PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
+        RAW_V=raw_v, num_warps=_CONFIG["inputs"], num_stages=1,
+    )
+    # the gradients of the products
+    dmqk = stc(C, NK)
+    # tied: dM_QA and dL_BA come added into dM_QK and dL_BK
+    dmqa, dlba = (stc(C, NA), stc(NA, NA)) if Rab and not tied else (None, None)
+    dlbk = stc(NA, NK) if Rab else None
+    dgp = f32c(C) if gate == 1 else None
+    _grad_products_kernel[(NC, B * H)](
+        do, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
+        opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
+        TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
+        RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
+        num_warps=_CONFIG["products"],
+        num_stages=1,
+    )
+    # dq, dk, da, db, dg
+    # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
+    dq, dk = like(q), like(k)
+    da, db = (like(a), like(b)) if Rab and not tied else (None, None)
+    dg = like(g) if gate == 2 else None
+    pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
+    if tied:
+        _grad_tied_kernel[(NKB, NC, B * H)](
+            q, k, opt(g), dmqk, dlbk, dqd, dkd, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg), T, NC,
+            H=H, K=K, TC=C, BK=BKg, GATE=gate, PRECISION=prec, E_Q=_is16(q), E_K=_is16(k),
+            num_warps=_CONFIG["grad"], num_stages=1,
         )
-        # dV and dX = Tᵀ dU
-        like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
-        dv = like(v)
-        dx = torch.empty_like(u) if Rab else None
-        BV = min(64, max(16, triton.next_power_of_2(V)))
-        sv32 = sv.float().contiguous() if sv is not None else None
-        NVB = triton.cdiv(V, BV)
-        dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
-        gate = gate_kind(g)
-        BKg = _key_block("grad_bk", K, prec, gate == 2)  # step 4's key block
-        NKB = triton.cdiv(K, BKg)
-        asc = sa is not None and Rab > 0
-        sa32 = sa.float().contiguous() if asc else None
-        # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
-        dsa = torch.empty(*a.shape[:-1], NVB if tied else NKB, **f32) if asc else None
-        _grad_values_kernel[(NVB, NC, B * H)](
-            do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
-            opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
-            RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec,
-            VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, num_warps=_CONFIG["values"], num_stages=1,
+    else:
+        # per channel: the decays' log-cumsums
+        gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
+        pq = pk = pa = pb = None
+        if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
+            pq, pk = f32c(C, K), f32c(NK, K)
+            pa, pb = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
+            prod = dict(T=T, TC=C, precision=prec)
+            channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
+            if Rab:
+                channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
+                                    **prod)
+                channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
+                                    **prod)
+                channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
+        _grad_kernel[(NKB, NC, B * H)](
+            q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
+            opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
+            opt(pa), opt(pb), T, NC, H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
+            RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
+            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=_is16(b),
+            num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
-        # the gradients of the decayed inputs
-        f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
-        # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
-        stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
-        dqd, dkd = stc(C, K), stc(NK, K)
-        dad = stc(NA, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
-        dbd = stc(NA, K) if Rab else None
-        ddch = f32c(K) if g is not None else None
-        BKi = _key_block("inputs_bk", K, prec, gate == 2)
-        _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
-            do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
-            opt(ddch),
-            opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
-            PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
-            RAW_V=raw_v, num_warps=_CONFIG["inputs"], num_stages=1,
-        )
-        # the gradients of the products
-        dmqk = stc(C, NK)
-        # tied: dM_QA and dL_BA come added into dM_QK and dL_BK
-        dmqa, dlba = (stc(C, NA), stc(NA, NA)) if Rab and not tied else (None, None)
-        dlbk = stc(NA, NK) if Rab else None
-        dgp = f32c(C) if gate == 1 else None
-        _grad_products_kernel[(NC, B * H)](
-            do, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
-            opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
-            TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
-            RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
-            num_warps=_CONFIG["products"],
-            num_stages=1,
-        )
-        # dq, dk, da, db, dg
-        # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
-        dq, dk = like(q), like(k)
-        da, db = (like(a), like(b)) if Rab and not tied else (None, None)
-        dg = like(g) if gate == 2 else None
-        pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
-        if tied:
-            _grad_tied_kernel[(NKB, NC, B * H)](
-                q, k, opt(g), dmqk, dlbk, dqd, dkd, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg), T, NC,
-                H=H, K=K, TC=C, BK=BKg, GATE=gate, PRECISION=prec, E_Q=_is16(q), E_K=_is16(k),
-                num_warps=_CONFIG["grad"], num_stages=1,
-            )
+    dbeta = None
+    if gate == 1:
+        dg = like(g)
+        if fold is not None:  # β's gradient too, and the gate's through a_scale = β e^g
+            dbeta = like(fold)
+            _scalar_dg_kernel[(NC, B * H)](dgp, pdg, dg, dsa, dsv, g, sa32, dbeta, T, NC, H=H, TC=C, NKB=NKB,
+                                           NVB=NVB, FOLD=True, num_warps=1)
         else:
-            # per channel: the decays' log-cumsums
-            gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
-            pq = pk = pa = pb = None
-            if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
-                pq, pk = f32c(C, K), f32c(NK, K)
-                pa, pb = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
-                prod = dict(T=T, TC=C, precision=prec)
-                channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
-                if Rab:
-                    channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
-                                        **prod)
-                    channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
-                                        **prod)
-                    channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
-            _grad_kernel[(NKB, NC, B * H)](
-                q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
-                opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
-                opt(pa), opt(pb), T, NC, H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
-                RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
-                E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=_is16(b),
-                num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
-            )
-        if gate == 1:
-            dg = like(g)
-            _scalar_dg_kernel[(NC, B * H)](dgp, pdg, dg, T, NC, H=H, TC=C, NKB=NKB, num_warps=1)
-        cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
-        if tied:
-            da = db = a = b = None
-        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
-                cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+            _scalar_dg_kernel[(NC, B * H)](dgp, pdg, dg, dgp, dgp, dgp, dgp, dgp, T, NC, H=H, TC=C, NKB=NKB,
+                                           NVB=1, FOLD=False, num_warps=1)
+    cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
+    if fold is not None:  # (dq, dk, dv, dg, dh0, dβ) of the delta rule: a = b = k, a_scale = β e^g, v_scale = β
+        if dbeta is None:  # no gate: a_scale = v_scale = β
+            dbeta = dsa.sum(-1).add_(dsv.sum(-1))
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dh0, h0), cast(dbeta, fold)
+    if tied:
+        da = db = a = b = None
+    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
+            cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+
+
+class _GatedDeltaRule(torch.autograd.Function):
+    """(Gated) DeltaNet on the fused kernels as one autograd node: ``chunk_dplr`` with a = b = k, a_scale = β e^g
+    and v_scale = β, those factors formed here and their gradients carried on to g and β inside the backward
+    (``_scalar_dg_kernel``'s FOLD), not by a chain of recorded PyTorch ops (unsqueezes, a cast, exp, a product,
+    each a node of autograd's engine and a launch or two on the host)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale):
+        ctx.set_materialize_grads(False)
+        k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
+        o, ht, saved = chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, h0, save=True, a_scale=sa, v_scale=sv)
+        ctx.save_for_backward(q, k1, v1, None, None, g1, h0, sa, sv, *(saved[n] for n in _SAVED), beta)
+        ctx.scale, ctx.C = scale, saved["TC"]
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        *tensors, beta = ctx.saved_tensors
+        dq, dk, dv, dg, dh0, dbeta = _backward(tensors, ctx.scale, ctx.C, True, do, dht, fold=beta)
+        B, T, H, K = dq.shape
+        dg = dg.view(B, T, H) if dg is not None else None
+        return dq, dk.view(B, T, H, K), dv.view(B, T, H, -1), dg, dbeta.view(B, T, H), dh0, None
+
+
+def _delta_rule_rows(k, v, g, beta):
+    """The delta rule's DPLR inputs from (Gated) DeltaNet's: k and v with a rank axis (views), g [B, T, H, 1],
+    a_scale = β e^g and v_scale = β as fp32 [B, T, H, 1] (what ``gated_delta_rule`` builds through autograd)."""
+    b32 = beta.float().unsqueeze(-1)
+    g1 = g.unsqueeze(-1).contiguous() if g is not None else None
+    sa = (b32 * g1.float().exp()).contiguous() if g is not None else b32.contiguous()
+    return k.unsqueeze(3), v.unsqueeze(3), g1, sa, b32.contiguous()
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
+    """(Gated) DeltaNet on the fused kernels, inputs as ``ops.gated_delta_rule`` takes them and already checked:
+    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
+    Returns (o [B, T, H, V], final state [B, H, K, V] fp32). With autograd when an input needs it (one node,
+    ``_GatedDeltaRule``), else the forward alone."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale)
+    k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
+    return chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, initial_state, a_scale=sa, v_scale=sv)
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):
