@@ -174,13 +174,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         # the factors' gradients carried on to g and β in the backward's gate kernel (``chunk_gated_delta_rule``)
         from .triton.chunk_bwd import chunk_gated_delta_rule
 
-        B, T, H, K = q.shape
         check_chunk_size(chunk_size)  # not the kernels' own: checked as dplr checks it
-        if initial_state is not None:
-            check_float(initial_state, "initial_state")
-            check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
-        check_devices(q.device, (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)))
-        o, state = chunk_gated_delta_rule(q, k, v, g, beta, resolve_scale(scale, K), initial_state)
+        _check_state_and_devices(q, k, v, g, beta, initial_state)
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, resolve_scale(scale, q.shape[-1]), initial_state)
         return o.to(q.dtype), (state if output_final_state else None)
     k1 = k[..., None, :]
     a, a_scale = _beta_alpha(k1, beta, g)
@@ -350,21 +346,27 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return n @ n.transpose(-1, -2)
 
 
+def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
+    """What ``dplr`` checks beyond q, k, v, g and beta's shapes, for (Gated) DeltaNet's routes that bypass it: the
+    initial state's dtype and shape ``[B, H, K, V]``, and every tensor on q's device."""
+    B, T, H, K = q.shape
+    if initial_state is not None:
+        check_float(initial_state, "initial_state")
+        check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
+    check_devices(q.device, (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)))
+
+
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False):
     """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``: see
     ``gated_delta_rule_decode``."""
-    B, T, H, K = q.shape
-    scale = resolve_scale(scale, K)
-    if initial_state is not None:
-        check_float(initial_state, "initial_state")
-        check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
+    scale = resolve_scale(scale, q.shape[-1])
+    _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
         check_inplace_state(initial_state)
     tensors = (q, k, v, g, beta, initial_state)
-    check_devices(q.device, zip(("k", "v", "g", "beta", "initial_state"), tensors[1:]))
     check_triton_mode("fused_recurrent", q, tensors, compute_dtype(tensors))
     from .triton import fused_recurrent_gated_delta_rule
 

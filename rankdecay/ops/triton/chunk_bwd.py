@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd
 from .chunk_fwd import (_channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
                         chunk_dplr_fwd, chunk_log_cumsum, log_cumsum_dtype, ties_keys)
@@ -282,8 +283,8 @@ def _scalar_dg_kernel(dgp, pdg, dg, dsa, dsv, gs, sa, dbeta, T, NC, H: tl.conste
          + tl.cumsum(sB, axis=0, reverse=True) - sB + tl.sum(eC, axis=0))
     t = i_c * TC + r
     tok = (i_bh // H * T + t) * H + i_bh % H
+    ok = t < T
     if FOLD:
-        ok = t < T
         s_a = tl.zeros([TC], dtype=tl.float32)
         s_v = tl.zeros([TC], dtype=tl.float32)
         for j in tl.static_range(NVB):
@@ -292,7 +293,7 @@ def _scalar_dg_kernel(dgp, pdg, dg, dsa, dsv, gs, sa, dbeta, T, NC, H: tl.conste
         d += s_a * tl.load(sa + tok, mask=ok, other=0.0)
         alpha = tl.exp(tl.load(gs + tok, mask=ok, other=0.0).to(tl.float32))
         tl.store(dbeta + tok, s_a * alpha + s_v, mask=ok)
-    tl.store(dg + tok, d, mask=t < T)
+    tl.store(dg + tok, d, mask=ok)
 
 
 @triton.jit
@@ -768,7 +769,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
     Returns (o [B, T, H, V], final state [B, H, K, V] fp32). With autograd when an input needs it (one node,
     ``_GatedDeltaRule``), else the forward alone."""
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+    if needs_grad((q, k, v, g, beta, initial_state)):
         return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale)
     k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
     return chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, initial_state, a_scale=sa, v_scale=sv)
