@@ -4,8 +4,9 @@
 
 Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
-state kernels' warps, stages and value block), then with each override given, and prints
-the milliseconds per call of every Triton kernel.
+state kernels' warps, stages and value block; ``fwd_*``: ``chunk_fwd._KNOBS``, the forward's,
+e.g. ``fwd_intra_warps=8``), then with each override given, and prints the milliseconds per
+call of every Triton kernel.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rankdecay.ops.triton.chunk_bwd as cb
+import rankdecay.ops.triton.chunk_fwd as cf
 import rankdecay.ops.triton.chunk_state as cs
 from kernels import CASES, measure  # noqa: E402  (run from benchmarks/)
 
@@ -45,10 +47,13 @@ def main() -> None:
         for label in ["default"] + args.set:
             cb._CONFIG.update(default)
             cs._LAUNCH.update(state_default)
+            cf._KNOBS.clear()
             if label != "default":
                 key, value = label.split("=")
                 if key.startswith("state_"):
                     cs._LAUNCH[key.removeprefix("state_")] = int(value)
+                elif key.startswith("fwd_"):  # the forward's knobs (chunk_fwd._KNOBS), e.g. fwd_intra_warps=8
+                    cf._KNOBS[key.removeprefix("fwd_")] = int(value)
                 else:
                     cb._CONFIG[key] = int(value)
             try:
@@ -59,6 +64,7 @@ def main() -> None:
             print(f"{name} {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items())), flush=True)
         cb._CONFIG.update(default)
         cs._LAUNCH.update(state_default)
+        cf._KNOBS.clear()
 
 
 if __name__ == "__main__":

@@ -264,6 +264,17 @@ def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
+    if cu_seqlens is None and not inplace_final_state and _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
+        # the fused kernels as one autograd node: a and b built inside, six products of token rows in place of the
+        # nine of a and b, the rows' gradients carried on to k, g and β inside (``chunk_hdla``)
+        from .triton.chunk_bwd import chunk_hdla
+
+        check_chunk_size(chunk_size)  # not the kernels' own: checked as dplr checks it
+        _check_state_and_devices(q, k, v, g, beta, initial_state)
+        gk = (g if g.dim() == 4 else g[..., None].expand(k.shape)).contiguous()
+        o, state = chunk_hdla(q.contiguous(), k.contiguous(), v.contiguous(), gk, beta.contiguous(),
+                              resolve_scale(scale, q.shape[-1]), initial_state)
+        return o.to(q.dtype), (state if output_final_state else None)
     if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
         from .triton.factors import hdla_factors  # one kernel each way instead of ~30 elementwise passes
 
@@ -347,8 +358,8 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
-    """What ``dplr`` checks beyond q, k, v, g and beta's shapes, for (Gated) DeltaNet's routes that bypass it: the
-    initial state's dtype and shape ``[B, H, K, V]``, and every tensor on q's device."""
+    """What ``dplr`` checks beyond q, k, v, g and beta's shapes, for the routes that bypass it ((Gated) DeltaNet's
+    and HDLA's): the initial state's dtype and shape ``[B, H, K, V]``, and every tensor on q's device."""
     B, T, H, K = q.shape
     if initial_state is not None:
         check_float(initial_state, "initial_state")

@@ -347,6 +347,76 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
             assert_matches(x.float(), y.float(), tol, f"T={T} {dtype} state used={use_state}: {name}")
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_hdla_is_one_autograd_node(gate, dtype, tol, monkeypatch):
+    """HDLA with autograd on the kernels is one node of autograd (``chunk_bwd._HDLA``): it builds a and b itself,
+    takes their products as six of token rows (``channel.hdla_products``, forced here: by default only at the bf16
+    products' precision) and carries the rows' gradients on to k, g and β. Against the PyTorch path: T = 1 and 77 (chunks of 32 tokens: a partial last chunk), log-gates of -30
+    per step and one of -1e4, β in [0, 2] with β = 0 and β = 2, a per-channel gate or a per-head one (expanded
+    over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None)."""
+    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS, "hdla_products", True)
+    gen = torch.Generator().manual_seed(12)
+    K, V = 20, 12
+    for T, use_state in ((1, True), (77, True), (77, False)):
+        q, k, v = torch.randn(2, T, 2, K, generator=gen), torch.randn(2, T, 2, K, generator=gen), \
+            torch.randn(2, T, 2, V, generator=gen)
+        k = F.normalize(k, dim=-1)
+        g = F.logsigmoid(torch.randn(2, T, 2, *((K,) if gate == "channel" else ()), generator=gen) + 1)
+        beta = 2 * torch.rand(2, T, 2, generator=gen)
+        if T > 1:
+            beta[:, 5], beta[:, 6] = 0.0, 2.0
+            g[:, 30:40], g[:, 70] = -30.0, -1e4
+        h0 = torch.randn(2, 2, K, V, generator=gen)
+        results = []
+        for mode in ("triton", "chunk"):
+            xs = [x.to(DEVICE, dtype if i in (0, 1, 2, 4) else torch.float32).clone().requires_grad_()
+                  for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
+            o, s = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+            if mode == "triton" and gate == "channel":
+                assert type(o.grad_fn).__name__ == "_HDLABackward"
+            loss = (o.float() * torch.linspace(-1, 1, V, device=o.device)).sum()
+            (loss + s.sin().sum() if use_state else loss).backward()
+            results.append([o.detach(), s.detach()] + [x.grad for x in xs])
+        for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], *results, strict=True):
+            assert x.dtype == y.dtype, name
+            assert torch.isfinite(x).all(), name
+            assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} state used={use_state}: {name}")
+
+
+@pytest.mark.parametrize("K", [16, 37])
+def test_hdla_products_match_the_four_products(K):
+    """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
+    M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
+    chunks of 32 tokens, the last one partial, with strong decays."""
+    from rankdecay.ops.triton.channel import channel_product, hdla_products
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
+    from rankdecay.ops.triton.factors import hdla_factors_fwd
+
+    gen = torch.Generator().manual_seed(13)
+    B, T, H, C = 1, 50, 2, 32
+    q = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    g[:, 20:23] = -30.0
+    g, beta = g.to(DEVICE), (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
+    a, b = hdla_factors_fwd(k, g, beta)
+    gc = chunk_log_cumsum(g, C, torch.float64)
+    NC = gc.shape[2]
+    full = lambda m, n: torch.full((B, H, NC, m, n), float("nan"), device=DEVICE)  # noqa: E731 (NaN: unwritten)
+    ours = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+    hdla_products(q, k, a, gc, beta, *ours, T=T, TC=C, precision="ieee", scale=0.3)
+    ref = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+    prod = dict(T=T, TC=C, precision="ieee", lowp=False)
+    channel_product(q, k, gc, ref[0], strict=False, scale=0.3, **prod)
+    channel_product(q, a, gc, ref[1], strict=False, scale=0.3, **prod)
+    channel_product(b, a, gc, ref[2], strict=True, **prod)
+    channel_product(b, k, gc, ref[3], strict=True, **prod)
+    for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], ours, ref):
+        assert torch.isfinite(x).all(), f"{name}: entries not written"
+        assert_matches(x, y, 1e-6, name)
+
+
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])
 def test_delta_rule_wide_keys(grads, output_form):
     """K = 160 (a 256-wide key tile): the state kernel takes a chunk's rows in two 32-row blocks (not SAME_AK),
@@ -733,6 +803,39 @@ def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_fo
         got = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
         ref = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
     _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+@pytest.mark.parametrize("grads", [True, False], ids=["autograd", "forward"])
+def test_gpu_hdla_realistic_size(matmul_precision, grads):
+    """HDLA itself (one autograd node, its products as six of token rows: ``chunk_bwd._HDLA``), bf16 inputs at
+    B2 T1000 H4 K=V=128 with a per-channel gate and β up to 2, against fp64 on the same inputs: at "highest" no
+    worse than the PyTorch path on the bf16 inputs, at "medium" within 2^-5, for the output, final state and
+    every gradient."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, D = 2, 1000, 4, 128
+    q, v = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
+    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+
+    def call(mode, exact=False):
+        xs = [(x.double() if exact else x.clone()).requires_grad_(grads) for x in inputs]
+        with torch.set_grad_enabled(grads):
+            o, s = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+        if not grads:
+            return [o, s]
+        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    exact = call("chunk", exact=True)
+    got, ref = call("triton"), call("chunk")
+    if grads:
+        assert type(got[0].grad_fn).__name__ == "_HDLABackward"
+    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact, matmul_precision)
 
 
 def _gdn_realistic_inputs(seed):

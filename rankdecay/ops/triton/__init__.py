@@ -9,7 +9,8 @@
   backward is written out (``chunk_bwd``: the state kernel in reverse and two per-chunk kernels).
 - ``chunk_gated_delta_rule``: (Gated) DeltaNet on those kernels as one autograd node, β e^g formed
   inside and the gradients of g and β formed in the backward's gate kernel (``ops.gated_delta_rule``
-  takes it for unpacked sequences).
+  takes it for unpacked sequences); ``chunk_hdla``: HDLA the same way, a and b built inside and its
+  products taken as six of token rows (``channel.hdla_products``).
 - ``chunk_state_passing``: the sequential part of the chunked algorithm — the state
   carried from chunk to chunk, with the pseudo-values U of each chunk — forward and
   backward, as a ``torch.autograd.Function``. The parallel parts (decayed products,
@@ -18,10 +19,10 @@
 
 Importing this package needs ``triton``; ``rankdecay.ops.backends()`` says whether it runs.
 """
-from .chunk_bwd import chunk_dplr, chunk_gated_delta_rule
+from .chunk_bwd import chunk_dplr, chunk_gated_delta_rule, chunk_hdla
 from .chunk_fwd import chunk_dplr_fwd
 from .chunk_state import chunk_state_passing
 from .fused_recurrent import fused_recurrent_dplr, fused_recurrent_gated_delta_rule
 
-__all__ = ["chunk_dplr", "chunk_gated_delta_rule", "chunk_dplr_fwd", "chunk_state_passing", "fused_recurrent_dplr",
-           "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_dplr", "chunk_gated_delta_rule", "chunk_hdla", "chunk_dplr_fwd", "chunk_state_passing",
+           "fused_recurrent_dplr", "fused_recurrent_gated_delta_rule"]

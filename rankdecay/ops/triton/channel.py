@@ -25,6 +25,10 @@ before it, as above) and dy for y's rows of its block (through the block's last 
 
 The exponents are differences of log-cumsums, fp64 at fp32 accuracy and fp32 where the products are
 rounded to TF32 or bf16 anyway (``chunk_fwd.log_cumsum_dtype``).
+
+HDLA's rows have structure the general products do not use: b1 = λ ⊙ k through G_{t-1} is k through G_t,
+b2 = k, and a1 = β k. ``hdla_products`` forms its four products from six products of token rows (q, b1 and b2
+against k and a2) in one kernel, the same sub-blocks and levels, instead of nine [C, C] products in four.
 """
 from __future__ import annotations
 
@@ -252,6 +256,141 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
         YSC=y_scale is not None, KP=triton.next_power_of_2(K), num_warps=_knob("warps", TC), num_stages=1,
     )
     return out
+
+
+@triton.jit
+def _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tokx, toky, scale, TC: tl.constexpr):
+    """One (row block, column block) of HDLA's four products from its six token products (``_hdla_products_kernel``;
+    be: the column tokens' β): M_QK = P1, M_QA = [β P1, P2], L_BK = [P3; P5], L_BA = [[β P3, P4], [β P5, P6]],
+    rows and columns (token, rank) token major; M_QK and M_QA times ``scale``."""
+    i = tokx[:, None]
+    j = toky[None, :]
+    bj = be[None, :]
+    tl.store(mqk + (c * TC + i) * TC + j, P1 * scale)
+    row = mqa + (c * TC + i) * (2 * TC) + 2 * j
+    tl.store(row, bj * P1 * scale)
+    tl.store(row + 1, P2 * scale)
+    row = lbk + (c * 2 * TC + 2 * i) * TC + j
+    tl.store(row, P3)
+    tl.store(row + TC, P5)
+    row = lba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
+    tl.store(row, bj * P3)
+    tl.store(row + 1, P4)
+    tl.store(row + 2 * TC, bj * P5)
+    tl.store(row + 2 * TC + 1, P6)
+
+
+@triton.jit
+def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+    """One level of ``_hdla_products_kernel``'s diagonal block: in blocks of S tokens, the second half's rows (x:
+    q and b1 through G_t, b2 through G_{t-1}) against the first half's (y: k and a2), through the token at S/2 - 1
+    (G0, G1: the rows' G_t and G_{t-1}). Returns the six products' shares."""
+    HS: tl.constexpr = S // 2
+    sel = ((tok % S) >= HS)[:, None]
+    Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, KG)
+    E0 = tl.exp(tl.where(sel, G0 - Gm, Gm - G0).to(tl.float32))  # both <= 0
+    x0 = tl.where(sel, E0, 0.0)
+    x1 = tl.where(sel, tl.exp(tl.where(sel, G1 - Gm, 0.0).to(tl.float32)), 0.0)
+    Ky = Kr * tl.where(sel, 0.0, E0)
+    Ay = A2 * tl.where(sel, 0.0, E0)
+    same = _same_block(tok, tok, S)
+    Qx = Q * x0
+    B1 = Kr * x0
+    B2 = Kr * x1
+    Ky, Ay = tl.trans(Ky), tl.trans(Ay)
+    return (tl.where(same, _dot(Qx, Ky, PRECISION), 0.0), tl.where(same, _dot(Qx, Ay, PRECISION), 0.0),
+            tl.where(same, _dot(B1, Ky, PRECISION), 0.0), tl.where(same, _dot(B1, Ay, PRECISION), 0.0),
+            tl.where(same, _dot(B2, Ky, PRECISION), 0.0), tl.where(same, _dot(B2, Ay, PRECISION), 0.0))
+
+
+@triton.jit
+def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
+                          H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
+                          KP: tl.constexpr, PRECISION: tl.constexpr):
+    # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
+    # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
+    # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
+    # one exp serves q and b1, one b2, one both y's. a1 = β k, so the columns of a1 are β times those of k.
+    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NB: tl.constexpr = TC // TB
+    LEVELS: tl.constexpr = TB.bit_length() - 1
+    g = gc + c * TC * K
+    tok, vx, fx = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+    be = tl.load(beta + fx, mask=vx, other=0.0).to(tl.float32)
+    P1 = tl.zeros([TB, TB], dtype=tl.float32)
+    P2 = tl.zeros([TB, TB], dtype=tl.float32)
+    P3 = tl.zeros([TB, TB], dtype=tl.float32)
+    P4 = tl.zeros([TB, TB], dtype=tl.float32)
+    P5 = tl.zeros([TB, TB], dtype=tl.float32)
+    P6 = tl.zeros([TB, TB], dtype=tl.float32)
+    d1 = tl.zeros([TB], dtype=tl.float32)  # a token against itself (M_QK, M_QA: j <= i)
+    d2 = tl.zeros([TB], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Q = _load_rows(q, fx, vx, o_k, m_k, K)
+        Kr = _load_rows(k, fx, vx, o_k, m_k, K)
+        A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
+        d1 += tl.sum(Q * Kr, axis=1)
+        d2 += tl.sum(Q * A2, axis=1)
+        G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
+        G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
+        for lvl in tl.static_range(LEVELS):
+            L1, L2, L3, L4, L5, L6 = _hdla_level(Q, Kr, A2, G0, G1, g, tok, o_k, m_k, K, TB >> lvl, PRECISION)
+            P1 += L1
+            P2 += L2
+            P3 += L3
+            P4 += L4
+            P5 += L5
+            P6 += L6
+    diag = tok[:, None] == tok[None, :]
+    P1 += tl.where(diag, d1[:, None], 0.0)
+    P2 += tl.where(diag, d2[:, None], 0.0)
+    _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC)
+    zero = tl.zeros([TB, TB], dtype=tl.float32)
+    for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
+        tokj = jb * TB + tl.arange(0, TB)
+        _hdla_store(zero, zero, zero, zero, zero, zero, be, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC)
+    if i_r > 0:  # each earlier block of columns, through the token just before this row block
+        ref = i_r * TB - 1
+        o_f = tl.arange(0, KP)  # all of K at once
+        m_f = o_f < K
+        Gr = tl.load(g + ref * K + o_f, mask=m_f, other=0.0)[None, :]
+        Ex = tl.exp((_gc_at(g, tok, tok >= 0, o_f, m_f, K) - Gr).to(tl.float32))
+        Qf = _load_rows(q, fx, vx, o_f, m_f, K) * Ex
+        Kf = _load_rows(k, fx, vx, o_f, m_f, K)
+        B1f = Kf * Ex
+        B2f = Kf * tl.exp((_gc_at(g, tok - 1, tok > 0, o_f, m_f, K) - Gr).to(tl.float32))
+        for jb in range(0, i_r):
+            tokj, vj, fj = _tok_rows(jb * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+            Ey = tl.exp((Gr - _gc_at(g, tokj, tokj >= 0, o_f, m_f, K)).to(tl.float32))
+            Ky = tl.trans(_load_rows(k, fj, vj, o_f, m_f, K) * Ey)
+            Ay = tl.trans(_load_rows(a, 2 * fj + 1, vj, o_f, m_f, K) * Ey)
+            bej = tl.load(beta + fj, mask=vj, other=0.0).to(tl.float32)
+            _hdla_store(_dot(Qf, Ky, PRECISION), _dot(Qf, Ay, PRECISION), _dot(B1f, Ky, PRECISION),
+                        _dot(B1f, Ay, PRECISION), _dot(B2f, Ky, PRECISION), _dot(B2f, Ay, PRECISION),
+                        bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC)
+
+
+def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float) -> None:
+    """HDLA's four per-channel products in one kernel: what ``channel_product`` gives for M_QK = P(q, k),
+    M_QA = P(q, a), L_BA = P(b, a) and L_BK = P(b, k) (strict) with a = [β k, a2] and b = [λ ⊙ k, k]
+    (``triton.factors.hdla_factors``), written into mqk [B, H, NC, TC, TC], mqa [.., TC, 2 TC], lba
+    [.., 2 TC, 2 TC] and lbk [.., 2 TC, TC]. Since λ_t ⊙ k_t e^{G_{t-1}} = k_t e^{G_t} and a1 = β k, they
+    are six products of token rows rather than nine (H100 HDLA: BENCHMARKS.md session 28).
+
+    q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
+    (``chunk_log_cumsum``); beta [B, T, H]."""
+    B, _, H, K = q.shape
+    NC = gc.shape[2]
+    TB = _sub_block(TC, 1, 1)
+    _hdla_products_kernel[(TC // TB, NC, B * H)](
+        q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC, H=H, K=K, TC=TC, TB=TB,
+        BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
+        PRECISION=precision, num_warps=_knob("warps", TC), num_stages=1,
+    )
 
 
 @triton.jit

@@ -35,12 +35,21 @@ from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd
 from .chunk_fwd import (_channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
                         chunk_dplr_fwd, chunk_log_cumsum, log_cumsum_dtype, ties_keys)
+from .factors import hdla_factors_bwd, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
-# inputs_bk / grad_bk 0: _key_block's choice
-_CONFIG = dict(values=4, products=4, inputs=4, inputs_bk=0, grad=4, grad_channel=8, grad_bk=0)
+# inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
+# of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28)
+_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_bk=0)
+
+
+def _products_warps(C: int) -> int:
+    """The products' gradient kernel's width: ``_CONFIG``'s where set, else 4 for chunks of 64 tokens and 2 for
+    smaller ones (ranks above 1), where it was measured faster (H100: HH-GDN 0.98 -> 0.71 ms, HDLA 0.41 -> 0.30,
+    against GDN 0.18 -> 0.21 at 64 tokens; BENCHMARKS.md session 28)."""
+    return _CONFIG["products"] or (4 if C >= 64 else 2)
 
 
 def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
@@ -672,7 +681,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None):
         opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
         TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
         RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
-        num_warps=_CONFIG["products"],
+        num_warps=_products_warps(C),
         num_stages=1,
     )
     # dq, dk, da, db, dg
@@ -773,6 +782,41 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
         return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale)
     k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
     return chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, initial_state, a_scale=sa, v_scale=sv)
+
+
+class _HDLA(torch.autograd.Function):
+    """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``),
+    its products taken as six of token rows (``channel.hdla_products``), and the rows' gradients carried on to k, g
+    and β by the factors' backward kernel, added into the chunked kernels' dk and dg."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale):
+        ctx.set_materialize_grads(False)
+        a, b = hdla_factors_fwd(k, g, beta)
+        k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
+        o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
+        ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta)
+        ctx.scale, ctx.C = scale, saved["TC"]
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        *tensors, k, beta = ctx.saved_tensors
+        dq, dk, dv, da, db, dg, dh0, *_ = _backward(tensors, ctx.scale, ctx.C, False, do, dht)
+        dk = dk.view(k.shape)
+        _, _, dbeta = hdla_factors_bwd(k, tensors[5], beta, da, db, dk, dg)  # adds the rows' share to dk and dg
+        return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
+
+
+def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
+    """HDLA (``ops.hdla``) on the fused kernels, inputs already checked and contiguous: q, k, g [B, T, H, K] (g
+    per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
+    final state [B, H, K, V] fp32). With autograd when an input needs it (one node, ``_HDLA``), else the forward
+    alone."""
+    if needs_grad((q, k, v, g, beta, initial_state)):
+        return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
+    a, b = hdla_factors_fwd(k, g, beta)
+    return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):

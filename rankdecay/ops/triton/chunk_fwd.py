@@ -26,7 +26,8 @@ vectors and their differences are taken in fp64; with a per-channel gate the chu
 log-cumsums are formed once (``chunk_log_cumsum``, [B, H, NC, C, K], summed in fp64 and
 stored in fp64 or, where the products are rounded anyway, fp32: ``log_cumsum_dtype``) and
 every exponent is a difference of two of them. A per-channel gate's four [C, C] products
-are ``channel.channel_product``'s, in sub-blocks of the chunk, before the intra kernel runs.
+are ``channel.channel_product``'s, in sub-blocks of the chunk, before the intra kernel runs (HDLA's:
+``channel.hdla_products``, one kernel).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _is16, _load_rows, _out_dtype,
                           _precision, _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
-from .channel import _CHANNEL, _gc_at, _input_dot, channel_product
+from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_products
 from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -637,13 +638,15 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
 
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
-                   _config: dict | None = None, a_scale=None, v_scale=None):
+                   _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
     v [B, T, H, Rkv, V], a, b [B, T, H, Rab, K] or None, g [B, T, H, 1 | K] or None,
     any float dtype; initial_state [B, H, K, V] or None; a_scale [B, T, H, Rab], v_scale
-    [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). Returns (o [B, T, H, V] in q's dtype,
+    [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). ``hdla_beta`` [B, T, H]: a and b are
+    HDLA's rows for this β (``factors.hdla_factors``; a per-channel gate), whose products then take one
+    kernel (``channel.hdla_products``) at the bf16 products' precision. Returns (o [B, T, H, V] in q's dtype,
     final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
     backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -723,8 +726,17 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
-        channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
-        if Rab:
+        # HDLA: six products of token rows instead of nine, where the products are bf16's (H100 HDLA forward: 4.1 ->
+        # 3.0 ms); at fp32 accuracy the one kernel spills and was slower (11.8 -> 17.0 ms; BENCHMARKS.md session 28).
+        # _KNOBS["hdla_products"] True / False forces either way
+        fused = hdla_beta is not None and cfg.get("hdla_products", prec.startswith("bf16"))
+        if fused:
+            if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
+                raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
+            hdla_products(q, k[..., 0, :], a, g, hdla_beta.contiguous(), mqk, mqa, lba, lbk, scale=scale, **prod)
+        else:
+            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
+        if Rab and not fused:
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)

@@ -42,7 +42,9 @@ def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _hdla_factors_bwd_kernel(k, g, beta, da, db, dk, dg, dbeta, N, K: tl.constexpr, BK: tl.constexpr,
-                             ROWS: tl.constexpr):
+                             ROWS: tl.constexpr, ACC: tl.constexpr = False):
+    # ACC: dk and dg hold the gradients k and g have from elsewhere (the chunked kernels'); the factors' are
+    # added to them in fp32 and stored in dk's and dg's dtypes
     o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     o_k = tl.arange(0, BK)
     m = (o_n < N)[:, None] & (o_k < K)[None, :]
@@ -62,8 +64,12 @@ def _hdla_factors_bwd_kernel(k, g, beta, da, db, dk, dg, dbeta, N, K: tl.constex
     dc = -be * be * tl.sum(da2 * k_, axis=1)[:, None]
     dlk = be * da2 + db1 + dc * k_
     dk_ = be * da1 - be * be * c * da2 + db2 + dc * lk + dlk * lam
+    dg_ = dlk * lk  # d/dg of λ k = λ k
+    if ACC:
+        dk_ += tl.load(dk + p, mask=m, other=0.0).to(tl.float32)
+        dg_ += tl.load(dg + p, mask=m, other=0.0).to(tl.float32)
     tl.store(dk + p, dk_, mask=m)
-    tl.store(dg + p, dlk * lk, mask=m)  # d/dg of λ k = λ k
+    tl.store(dg + p, dg_, mask=m)
     tl.store(dbeta + o_n, d_beta, mask=o_n < N)
 
 
@@ -73,30 +79,46 @@ def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
     return BK, rows, (triton.cdiv(N, rows),)
 
 
+def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hdla_factors``' (a, b) without autograd (inputs contiguous)."""
+    K = k.shape[-1]
+    N = k.numel() // K
+    a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
+    b = torch.empty_like(a)
+    BK, rows, grid = _grid(N, K)
+    _hdla_factors_fwd_kernel[grid](k, g, beta, a, b, N, K=K, BK=BK, ROWS=rows)
+    return a, b
+
+
+def hdla_factors_bwd(k, g, beta, da, db, dk=None, dg=None):
+    """The gradients of k, g and β through (a, b) given da and db ([B, T, H, 2, K], contiguous): (dk, dg, dβ),
+    fp32. With dk and dg given ([B, T, H, K], any float dtype), the factors' share is added to them in place
+    (in fp32, stored in their dtypes) and they are returned."""
+    K = k.shape[-1]
+    N = k.numel() // K
+    acc = dk is not None
+    if not acc:
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dg = torch.empty_like(dk)
+    dbeta = torch.empty(beta.shape, dtype=torch.float32, device=k.device)
+    BK, rows, grid = _grid(N, K)
+    _hdla_factors_bwd_kernel[grid](k, g, beta, da, db, dk, dg, dbeta, N, K=K, BK=BK, ROWS=rows, ACC=acc)
+    return dk, dg, dbeta
+
+
 class _HDLAFactors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, g, beta):
-        K = k.shape[-1]
-        N = k.numel() // K
-        a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
-        b = torch.empty_like(a)
-        BK, rows, grid = _grid(N, K)
-        _hdla_factors_fwd_kernel[grid](k, g, beta, a, b, N, K=K, BK=BK, ROWS=rows)
+        a, b = hdla_factors_fwd(k, g, beta)
         ctx.save_for_backward(k, g, beta)
         return a, b
 
     @staticmethod
     def backward(ctx, da, db):
         k, g, beta = ctx.saved_tensors
-        K = k.shape[-1]
-        N = k.numel() // K
-        da = torch.zeros(*k.shape[:-1], 2, K, device=k.device) if da is None else da.contiguous()
+        da = torch.zeros(*k.shape[:-1], 2, k.shape[-1], device=k.device) if da is None else da.contiguous()
         db = torch.zeros_like(da) if db is None else db.contiguous()
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dg = torch.empty_like(dk)
-        dbeta = torch.empty(beta.shape, dtype=torch.float32, device=k.device)
-        BK, rows, grid = _grid(N, K)
-        _hdla_factors_bwd_kernel[grid](k, g, beta, da, db, dk, dg, dbeta, N, K=K, BK=BK, ROWS=rows)
+        dk, dg, dbeta = hdla_factors_bwd(k, g, beta, da, db)
         return dk.to(k.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
