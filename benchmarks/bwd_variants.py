@@ -5,7 +5,8 @@
 Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
 state kernels' warps, stages and value block; ``fwd_*``: ``chunk_fwd._KNOBS``, the forward's,
-e.g. ``fwd_intra_warps=8``), then with each override given, and prints the milliseconds per
+e.g. ``fwd_intra_warps=8``; ``ch_*``: ``channel._CHANNEL``, the per-channel products' kernels', e.g.
+``ch_hdla_bwd_warps=2``), then with each override given, and prints the milliseconds per
 call of every Triton kernel.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import rankdecay.ops.triton.channel as ch
 import rankdecay.ops.triton.chunk_bwd as cb
 import rankdecay.ops.triton.chunk_fwd as cf
 import rankdecay.ops.triton.chunk_state as cs
@@ -43,10 +45,11 @@ def main() -> None:
     for name in args.cases:
         case = CASES[name]
         inputs = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
-        default, state_default = dict(cb._CONFIG), dict(cs._LAUNCH)
+        default, state_default, ch_default = dict(cb._CONFIG), dict(cs._LAUNCH), dict(ch._CHANNEL)
         for label in ["default"] + args.set:
             cb._CONFIG.update(default)
             cs._LAUNCH.update(state_default)
+            ch._CHANNEL.update(ch_default)
             cf._KNOBS.clear()
             if label != "default":
                 key, value = label.split("=")
@@ -54,6 +57,8 @@ def main() -> None:
                     cs._LAUNCH[key.removeprefix("state_")] = int(value)
                 elif key.startswith("fwd_"):  # the forward's knobs (chunk_fwd._KNOBS), e.g. fwd_intra_warps=8
                     cf._KNOBS[key.removeprefix("fwd_")] = int(value)
+                elif key.startswith("ch_"):  # the products' kernels' (channel._CHANNEL), e.g. ch_hdla_bwd_warps=2
+                    ch._CHANNEL[key.removeprefix("ch_")] = int(value)
                 else:
                     cb._CONFIG[key] = int(value)
             try:
@@ -64,6 +69,7 @@ def main() -> None:
             print(f"{name} {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items())), flush=True)
         cb._CONFIG.update(default)
         cs._LAUNCH.update(state_default)
+        ch._CHANNEL.update(ch_default)
         cf._KNOBS.clear()
 
 

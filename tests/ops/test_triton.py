@@ -351,8 +351,9 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
 @pytest.mark.parametrize("gate", ["channel", "head"])
 def test_hdla_is_one_autograd_node(gate, dtype, tol, monkeypatch):
     """HDLA with autograd on the kernels is one node of autograd (``chunk_bwd._HDLA``): it builds a and b itself,
-    takes their products as six of token rows (``channel.hdla_products``, forced here: by default only at the bf16
-    products' precision) and carries the rows' gradients on to k, g and β. Against the PyTorch path: T = 1 and 77 (chunks of 32 tokens: a partial last chunk), log-gates of -30
+    takes their products as six of token rows (``channel.hdla_products`` and ``hdla_products_bwd``, forced here: by
+    default only at the bf16 products' precision) and carries the rows' gradients on to k, g and β. Against the
+    PyTorch path: T = 1 and 77 (chunks of 32 tokens: a partial last chunk), log-gates of -30
     per step and one of -1e4, β in [0, 2] with β = 0 and β = 2, a per-channel gate or a per-head one (expanded
     over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None)."""
     monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS, "hdla_products", True)
@@ -388,8 +389,9 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, monkeypatch):
 def test_hdla_products_match_the_four_products(K):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
     M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
-    chunks of 32 tokens, the last one partial, with strong decays."""
-    from rankdecay.ops.triton.channel import channel_product, hdla_products
+    chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
+    ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's."""
+    from rankdecay.ops.triton.channel import channel_product, channel_product_bwd, hdla_products, hdla_products_bwd
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
     from rankdecay.ops.triton.factors import hdla_factors_fwd
 
@@ -415,6 +417,31 @@ def test_hdla_products_match_the_four_products(K):
     for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], ours, ref):
         assert torch.isfinite(x).all(), f"{name}: entries not written"
         assert_matches(x, y, 1e-6, name)
+    # the backward (``hdla_products_bwd``) against ``channel_product_bwd``'s four, given the products' gradients
+    # everywhere (the entries outside the causal pattern must be ignored), a1 = β k's share folded into k and β
+    dps = [torch.randn(x.shape, generator=gen).to(DEVICE) for x in ref]
+    grad = lambda m: torch.full((B, H, NC, m, K), float("nan"), device=DEVICE)  # noqa: E731
+    mine = [grad(C), grad(C), grad(2 * C), grad(2 * C)]
+    dbeta = hdla_products_bwd(q, k, a, gc, beta, *dps, ours[0], ours[3], *mine, T=T, TC=C, precision="ieee",
+                              scale=0.3)
+    rq, rk, ra, rb = (torch.zeros_like(x) for x in mine)
+    prod = dict(T=T, TC=C, precision="ieee")
+    channel_product_bwd(q, k, gc, dps[0], rq, rk, strict=False, acc_x=False, acc_y=False, **prod)
+    channel_product_bwd(q, a, gc, dps[1], rq, ra, strict=False, acc_x=True, acc_y=False, **prod)
+    channel_product_bwd(b, a, gc, dps[2], rb, ra, strict=True, acc_x=False, acc_y=True, **prod)
+    channel_product_bwd(b, k, gc, dps[3], rb, rk, strict=True, acc_x=True, acc_y=True, **prod)
+
+    def chunks(x):  # [B, T, H, D] -> the chunk layout [B, H, NC, C, D], zeros after T
+        return F.pad(x, (0, 0, 0, 0, 0, NC * C - T)).unflatten(1, (NC, C)).permute(0, 3, 1, 2, 4)
+
+    da1 = ra[..., 0::2, :].clone()  # a1 = β k: its share goes to k (times β) and to β (times k)
+    rk += chunks(beta.unsqueeze(-1)) * da1
+    ra[..., 0::2, :] = 0.0
+    ref_dbeta = (da1 * chunks(k)).sum(-1).flatten(2, 3)[..., :T].transpose(1, 2)
+    for name, x, y in zip(["dq", "dk", "da", "db"], mine, (rq, rk, ra, rb)):
+        assert torch.isfinite(x).all(), f"{name}: entries not written"
+        assert_matches(x, y, 1e-5, f"{name} (backward)")
+    assert_matches(dbeta, ref_dbeta, 1e-5, "dbeta (backward)")
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])

@@ -28,7 +28,8 @@ rounded to TF32 or bf16 anyway (``chunk_fwd.log_cumsum_dtype``).
 
 HDLA's rows have structure the general products do not use: b1 = λ ⊙ k through G_{t-1} is k through G_t,
 b2 = k, and a1 = β k. ``hdla_products`` forms its four products from six products of token rows (q, b1 and b2
-against k and a2) in one kernel, the same sub-blocks and levels, instead of nine [C, C] products in four.
+against k and a2) in one kernel, the same sub-blocks and levels, instead of nine [C, C] products in four;
+``hdla_products_bwd`` their gradients from twelve, instead of sixteen in four launches.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from .fused_recurrent import _pow2
 # backward kernels (None: by chunk size, ``_LAUNCH``); log_cumsum: the log-cumsums' dtype (None:
 # ``chunk_fwd.log_cumsum_dtype``'s choice).
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
-_CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None)
+_CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_warps=None)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -502,3 +503,180 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
         YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, num_warps=_knob("bwd_warps", TC), num_stages=1,
     )
+
+
+@triton.jit
+def _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, ti, tj, TC: tl.constexpr):
+    """The six token products' gradients for rows ti and columns tj of a chunk, from those of HDLA's four products
+    (``_hdla_store``'s layout; be: the column tokens' β): dP1 = dM_QK + β dM_QA[:, a1], dP2 = dM_QA[:, a2],
+    dP3 = dL_BK[b1] + β dL_BA[b1, a1], dP4 = dL_BA[b1, a2], dP5 and dP6 the same on b2's rows; 0 outside the
+    causal pattern (j <= i for q's rows, j < i for b's). β's share through a1 = β k is taken here, into k's."""
+    i = ti[:, None]
+    j = tj[None, :]
+    bj = be[None, :]
+    cq = j <= i
+    cb = j < i
+    row = dmqa + (c * TC + i) * (2 * TC) + 2 * j
+    Dqk = (tl.load(dmqk + (c * TC + i) * TC + j, mask=cq, other=0.0).to(tl.float32)
+           + bj * tl.load(row, mask=cq, other=0.0).to(tl.float32))
+    Dqa = tl.load(row + 1, mask=cq, other=0.0).to(tl.float32)
+    row = dlba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
+    col = dlbk + (c * 2 * TC + 2 * i) * TC + j
+    D1k = tl.load(col, mask=cb, other=0.0).to(tl.float32) + bj * tl.load(row, mask=cb, other=0.0).to(tl.float32)
+    D1a = tl.load(row + 1, mask=cb, other=0.0).to(tl.float32)
+    D2k = (tl.load(col + TC, mask=cb, other=0.0).to(tl.float32)
+           + bj * tl.load(row + 2 * TC, mask=cb, other=0.0).to(tl.float32))
+    D2a = tl.load(row + 2 * TC + 1, mask=cb, other=0.0).to(tl.float32)
+    return Dqk, Dqa, D1k, D1a, D2k, D2a
+
+
+@triton.jit
+def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_k, m_k, K: tl.constexpr,
+                    S: tl.constexpr, PRECISION: tl.constexpr):
+    """One level of ``_hdla_products_bwd_kernel``'s diagonal block (``_hdla_level``'s pairs): the shares of dq,
+    db1, db2 (the second half's rows) and dk, da2 (the first half's), twelve products of [TB, TB] by [TB, BK]."""
+    HS: tl.constexpr = S // 2
+    sel = ((tok % S) >= HS)[:, None]
+    Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, K)
+    E0 = tl.exp(tl.where(sel, G0 - Gm, Gm - G0).to(tl.float32))  # both <= 0
+    x0 = tl.where(sel, E0, 0.0)
+    x1 = tl.where(sel, tl.exp(tl.where(sel, G1 - Gm, 0.0).to(tl.float32)), 0.0)
+    y0 = tl.where(sel, 0.0, E0)
+    same = _same_block(tok, tok, S)
+    Ky = Kr * y0
+    Ay = A2 * y0
+    Eqk = tl.where(same, Dqk, 0.0)
+    Eqa = tl.where(same, Dqa, 0.0)
+    E1k = tl.where(same, D1k, 0.0)
+    E1a = tl.where(same, D1a, 0.0)
+    E2k = tl.where(same, D2k, 0.0)
+    E2a = tl.where(same, D2a, 0.0)
+    dQ = (_dot(Eqk, Ky, PRECISION) + _dot(Eqa, Ay, PRECISION)) * x0
+    dB1 = (_dot(E1k, Ky, PRECISION) + _dot(E1a, Ay, PRECISION)) * x1  # b1's own exponent is G_{t-1}
+    dB2 = (_dot(E2k, Ky, PRECISION) + _dot(E2a, Ay, PRECISION)) * x1
+    Qx = Q * x0
+    B1 = Kr * x0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
+    B2 = Kr * x1
+    dK = (_dot(tl.trans(Eqk), Qx, PRECISION) + _dot(tl.trans(E1k), B1, PRECISION)
+          + _dot(tl.trans(E2k), B2, PRECISION)) * y0
+    dA = (_dot(tl.trans(Eqa), Qx, PRECISION) + _dot(tl.trans(E1a), B1, PRECISION)
+          + _dot(tl.trans(E2a), B2, PRECISION)) * y0
+    return dQ, dB1, dB2, dK, dA
+
+
+@triton.jit
+def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta,
+                              inv_scale, T, NC, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
+                              TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    # One program per (key block and row block, chunk, sequence x head), as ``_channel_product_bwd_kernel``:
+    # x's rows of its block (q; b1 and b2, both through G_{t-1}) against the columns up to them, y's rows (k, a2)
+    # against the rows from them on. pq [B, H, NC, TC, K], pk, pa and pb as ``channel_product_bwd`` leaves them
+    # (fp32, chunk layout) but with a1's share folded into k's and β's (pa's a1 rows 0); dbeta [B, T, H] fp32:
+    # β's share through a1 (from the programs of the first key block).
+    i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB: tl.constexpr = TC // TB
+    i_k, i_r = i_kr // NB, i_kr % NB
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    LEVELS: tl.constexpr = TB.bit_length() - 1
+    g = gc + c * TC * K
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    tok, vx, fx = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+    be = tl.load(beta + fx, mask=vx, other=0.0).to(tl.float32)
+    Q = _load_rows(q, fx, vx, o_k, m_k, K)
+    Kr = _load_rows(k, fx, vx, o_k, m_k, K)
+    A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
+    G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
+    G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
+    # the diagonal block: a token against itself (q's rows), then level by level
+    Dqk, Dqa, D1k, D1a, D2k, D2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tok, tok, TC)
+    eye = tok[:, None] == tok[None, :]
+    dqk = tl.sum(tl.where(eye, Dqk, 0.0), axis=1)[:, None]
+    dqa = tl.sum(tl.where(eye, Dqa, 0.0), axis=1)[:, None]
+    dQ = dqk * Kr + dqa * A2
+    dK = dqk * Q
+    dA = dqa * Q
+    dB1 = tl.zeros([TB, BK], dtype=tl.float32)
+    dB2 = tl.zeros([TB, BK], dtype=tl.float32)
+    for lvl in tl.static_range(LEVELS):
+        lq, l1, l2, lk, la = _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, g, tok, o_k, m_k, K,
+                                             TB >> lvl, PRECISION)
+        dQ += lq
+        dB1 += l1
+        dB2 += l2
+        dK += lk
+        dA += la
+    o_c = tl.arange(0, TC)  # every token of the chunk
+    tokc, vc, fc = _tok_rows(o_c, i_b, i_h, i_c, T, H, TC, 1, 1)
+    if i_r > 0:  # x's rows against the columns before the block, through the token just before it
+        ref = i_r * TB - 1
+        before = tokc <= ref
+        Gr = tl.load(g + ref * K + o_k, mask=m_k, other=0.0)[None, :]
+        Ey = tl.exp(tl.where(before[:, None], Gr - _gc_at(g, tokc, before, o_k, m_k, K), -1.0e30).to(tl.float32))
+        Kb = _load_rows(k, fc, vc & before, o_k, m_k, K) * Ey
+        Ab = _load_rows(a, 2 * fc + 1, vc & before, o_k, m_k, K) * Ey
+        bec = tl.load(beta + fc, mask=vc, other=0.0).to(tl.float32)
+        Fqk, Fqa, F1k, F1a, F2k, F2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, bec, c, tok, tokc, TC)
+        dQ += (_dot(Fqk, Kb, PRECISION) + _dot(Fqa, Ab, PRECISION)) * tl.exp((G0 - Gr).to(tl.float32))
+        e1 = tl.exp((G1 - Gr).to(tl.float32))
+        dB1 += (_dot(F1k, Kb, PRECISION) + _dot(F1a, Ab, PRECISION)) * e1
+        dB2 += (_dot(F2k, Kb, PRECISION) + _dot(F2a, Ab, PRECISION)) * e1
+    if i_r < NB - 1:  # y's rows against the rows after the block, through the block's last token
+        last = (i_r + 1) * TB - 1
+        after = (tokc > last)[:, None]
+        Gf = tl.load(g + last * K + o_k, mask=m_k, other=0.0)[None, :]
+        Ga0 = tl.exp(tl.where(after, _gc_at(g, tokc, tokc >= 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
+        Ga1 = tl.exp(tl.where(after, _gc_at(g, tokc - 1, tokc > 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
+        Ka = _load_rows(k, fc, vc, o_k, m_k, K)
+        Xq = _load_rows(q, fc, vc, o_k, m_k, K) * Ga0
+        X1 = Ka * Ga0
+        X2 = Ka * Ga1
+        Hqk, Hqa, H1k, H1a, H2k, H2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tokc, tok, TC)
+        ey = tl.exp((Gf - G0).to(tl.float32))
+        dK += (_dot(tl.trans(Hqk), Xq, PRECISION) + _dot(tl.trans(H1k), X1, PRECISION)
+               + _dot(tl.trans(H2k), X2, PRECISION)) * ey
+        dA += (_dot(tl.trans(Hqa), Xq, PRECISION) + _dot(tl.trans(H1a), X1, PRECISION)
+               + _dot(tl.trans(H2a), X2, PRECISION)) * ey
+    rows = (c * TC + tok)[:, None] * K + o_k[None, :]
+    tl.store(pq + rows, dQ, mask=m_k[None, :])
+    tl.store(pk + rows, dK, mask=m_k[None, :])
+    rows = (c * 2 * TC + 2 * tok)[:, None] * K + o_k[None, :]
+    tl.store(pa + rows, tl.zeros([TB, BK], dtype=tl.float32), mask=m_k[None, :])
+    tl.store(pa + rows + K, dA, mask=m_k[None, :])
+    tl.store(pb + rows, dB1, mask=m_k[None, :])
+    tl.store(pb + rows + K, dB2, mask=m_k[None, :])
+    if i_k == 0:  # β's share through a1 = β k: Σ_i dM_QA[i, a1_j] P1[i, j] + Σ_i,r dL_BA[b_ri, a1_j] L_BK[b_ri, j]
+        i = tokc[:, None]
+        j = tok[None, :]
+        cq = (j <= i) & vc[:, None]
+        cb = (j < i) & vc[:, None]
+        sq = (tl.load(dmqa + (c * TC + i) * (2 * TC) + 2 * j, mask=cq, other=0.0).to(tl.float32)
+              * tl.load(mqk + (c * TC + i) * TC + j, mask=cq, other=0.0).to(tl.float32)) * inv_scale
+        row = dlba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
+        col = lbk + (c * 2 * TC + 2 * i) * TC + j
+        sb = (tl.load(row, mask=cb, other=0.0).to(tl.float32) * tl.load(col, mask=cb, other=0.0).to(tl.float32)
+              + tl.load(row + 2 * TC, mask=cb, other=0.0).to(tl.float32)
+              * tl.load(col + TC, mask=cb, other=0.0).to(tl.float32))
+        tl.store(dbeta + fx, tl.sum(sq + sb, axis=0), mask=vx)
+
+
+def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, T: int, TC: int,
+                      precision: str, scale: float) -> torch.Tensor:
+    """The gradients through ``hdla_products``' four products in one kernel, given theirs (dmqk, dmqa, dlba, dlbk:
+    dL/dP of the products without their scale, ``channel_product_bwd``'s dp) and the products themselves (mqk
+    with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa and pb [.., 2 TC, K] (fp32) what
+    ``channel_product_bwd`` would for q, k, a and b, except that a1 = β k's share is taken into k's (pa's a1 rows
+    are 0) and β's, which it returns ([B, T, H] fp32). Twelve products of token rows instead of sixteen [C, C]
+    ones in four launches (BENCHMARKS.md session 29)."""
+    B, _, H, K = q.shape
+    NC = gc.shape[2]
+    TB = _sub_block(TC, 1, 1)
+    BK = min(_knob("bwd_bk", TC), max(16, triton.next_power_of_2(K)))
+    dbeta = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
+    _hdla_products_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
+        q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC, H=H, K=K,
+        TC=TC, TB=TB, BK=BK, PRECISION=precision, num_warps=_CHANNEL["hdla_bwd_warps"] or _knob("bwd_warps", TC),
+        num_stages=1,
+    )
+    return dbeta

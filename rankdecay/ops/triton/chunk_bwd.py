@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from ..backends import needs_grad
-from .channel import _input_dot, channel_product_bwd
+from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
-                        chunk_dplr_fwd, chunk_log_cumsum, log_cumsum_dtype, ties_keys)
+                        chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype, ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
@@ -600,11 +600,14 @@ class _ChunkDPLR(torch.autograd.Function):
         return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht)
 
 
-def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None):
+def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
-    kernel: ``_scalar_dg_kernel``'s FOLD), and the result is (dq, dk, dv, dg, dh0, dβ)."""
+    kernel: ``_scalar_dg_kernel``'s FOLD), and the result is (dq, dk, dv, dg, dh0, dβ). ``hdla_beta`` (``_HDLA``):
+    HDLA's β [B, T, H]; where its products were taken as token rows (``hdla_fused_products``) so is their
+    gradient (``channel.hdla_products_bwd``), with a1 = β k's share in dk and in one more result, β's share
+    ([B, T, H] fp32; None where the products were taken apart)."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     if tied:
         a = b = k
@@ -699,13 +702,17 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None):
     else:
         # per channel: the decays' log-cumsums
         gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
-        pq = pk = pa = pb = None
+        pq = pk = pa = pb = dbeta_rows = None
         if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
             pq, pk = f32c(C, K), f32c(NK, K)
             pa, pb = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
             prod = dict(T=T, TC=C, precision=prec)
-            channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
-            if Rab:
+            if hdla_beta is not None and hdla_fused_products(prec):
+                dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta.contiguous(), dmqk, dmqa, dlba, dlbk, mqk, lbk,
+                                               pq, pk, pa, pb, scale=scale, **prod)
+            else:
+                channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
+            if Rab and dbeta_rows is None:
                 channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
                                     **prod)
                 channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
@@ -736,8 +743,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None):
         return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dh0, h0), cast(dbeta, fold)
     if tied:
         da = db = a = b = None
-    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
-            cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+    grads = (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
+             cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+    return grads if hdla_beta is None else grads + (dbeta_rows,)
 
 
 class _GatedDeltaRule(torch.autograd.Function):
@@ -802,9 +810,12 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, k, beta = ctx.saved_tensors
-        dq, dk, dv, da, db, dg, dh0, *_ = _backward(tensors, ctx.scale, ctx.C, False, do, dht)
+        dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows = _backward(tensors, ctx.scale, ctx.C, False, do, dht,
+                                                               hdla_beta=beta)
         dk = dk.view(k.shape)
         _, _, dbeta = hdla_factors_bwd(k, tensors[5], beta, da, db, dk, dg)  # adds the rows' share to dk and dg
+        if dbeta_rows is not None:  # a1 = β k's share through the products (``channel.hdla_products_bwd``)
+            dbeta = dbeta + dbeta_rows
         return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
 
 

@@ -547,6 +547,14 @@ def _output_kernel(
 _KNOBS: dict = {}
 
 
+def hdla_fused_products(precision: str, cfg: dict | None = None) -> bool:
+    """Whether HDLA's products (``hdla_beta``) are taken as six of token rows, in the forward
+    (``channel.hdla_products``) and the backward (``channel.hdla_products_bwd``): where they are bf16's. At fp32
+    accuracy the one kernel spills and was slower (H100 HDLA forward: 11.8 -> 17.0 ms; BENCHMARKS.md session
+    28). ``_KNOBS["hdla_products"]`` True / False forces either way."""
+    return (_KNOBS if cfg is None else cfg).get("hdla_products", precision.startswith("bf16"))
+
+
 def stored_dtype(precision: str, K: int, device: torch.device) -> torch.dtype:
     """The default dtype of the tensors between the fused kernels (``_KNOBS``): bf16 on a GPU at
     the "bf16" products' precision with K <= 128, else fp32."""
@@ -726,10 +734,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
-        # HDLA: six products of token rows instead of nine, where the products are bf16's (H100 HDLA forward: 4.1 ->
-        # 3.0 ms); at fp32 accuracy the one kernel spills and was slower (11.8 -> 17.0 ms; BENCHMARKS.md session 28).
-        # _KNOBS["hdla_products"] True / False forces either way
-        fused = hdla_beta is not None and cfg.get("hdla_products", prec.startswith("bf16"))
+        # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms)
+        fused = hdla_beta is not None and hdla_fused_products(prec, cfg)
         if fused:
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
