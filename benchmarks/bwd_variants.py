@@ -6,7 +6,8 @@ Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knob
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
 state kernels' warps, stages and value block; ``fwd_*``: ``chunk_fwd._KNOBS``, the forward's,
 e.g. ``fwd_intra_warps=8``; ``ch_*``: ``channel._CHANNEL``, the per-channel products' kernels', e.g.
-``ch_hdla_bwd_warps=2``), then with each override given, and prints the milliseconds per
+``ch_hdla_bwd_warps=2``), then with each override given (several joined by commas act together:
+``ch_bwd_bk=64,ch_hdla_bwd_warps=4``), and prints the milliseconds per
 call of every Triton kernel.
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ def main() -> None:
             cs._LAUNCH.update(state_default)
             ch._CHANNEL.update(ch_default)
             cf._KNOBS.clear()
-            if label != "default":
-                key, value = label.split("=")
+            for pair in label.split(",") if label != "default" else []:  # knobs joined by commas go together
+                key, value = pair.split("=")
                 if key.startswith("state_"):
                     cs._LAUNCH[key.removeprefix("state_")] = int(value)
                 elif key.startswith("fwd_"):  # the forward's knobs (chunk_fwd._KNOBS), e.g. fwd_intra_warps=8

@@ -386,12 +386,13 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, monkeypatch):
 
 
 @pytest.mark.parametrize("K", [16, 37])
-def test_hdla_products_match_the_four_products(K):
+def test_hdla_products_match_the_four_products(K, monkeypatch):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
     M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
     chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
     ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's."""
-    from rankdecay.ops.triton.channel import channel_product, channel_product_bwd, hdla_products, hdla_products_bwd
+    from rankdecay.ops.triton.channel import (_CHANNEL, channel_product, channel_product_bwd, hdla_products,
+                                              hdla_products_bwd)
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
     from rankdecay.ops.triton.factors import hdla_factors_fwd
 
@@ -420,6 +421,7 @@ def test_hdla_products_match_the_four_products(K):
     # the backward (``hdla_products_bwd``) against ``channel_product_bwd``'s four, given the products' gradients
     # everywhere (the entries outside the causal pattern must be ignored), a1 = β k's share folded into k and β
     dps = [torch.randn(x.shape, generator=gen).to(DEVICE) for x in ref]
+    monkeypatch.setitem(_CHANNEL, "hdla_bwd_bk", 16)  # K = 37: three key blocks, β's share from the first alone
     grad = lambda m: torch.full((B, H, NC, m, K), float("nan"), device=DEVICE)  # noqa: E731
     mine = [grad(C), grad(C), grad(2 * C), grad(2 * C)]
     dbeta = hdla_products_bwd(q, k, a, gc, beta, *dps, ours[0], ours[3], *mine, T=T, TC=C, precision="ieee",

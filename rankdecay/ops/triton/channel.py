@@ -44,7 +44,10 @@ from .fused_recurrent import _pow2
 # backward kernels (None: by chunk size, ``_LAUNCH``); log_cumsum: the log-cumsums' dtype (None:
 # ``chunk_fwd.log_cumsum_dtype``'s choice).
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
-_CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_warps=None)
+# hdla_bwd_bk, hdla_bwd_warps: ``hdla_products_bwd``'s (H100 HDLA: 2.45 ms on 2 warps and 32 channels, 1.95 on
+# 4 and 64, 2.14 on 8 and 128; BENCHMARKS.md session 29).
+_CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
+                hdla_bwd_warps=4)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -672,11 +675,10 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
-    BK = min(_knob("bwd_bk", TC), max(16, triton.next_power_of_2(K)))
+    BK = min(_CHANNEL["hdla_bwd_bk"], max(16, triton.next_power_of_2(K)))
     dbeta = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
     _hdla_products_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
         q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC, H=H, K=K,
-        TC=TC, TB=TB, BK=BK, PRECISION=precision, num_warps=_CHANNEL["hdla_bwd_warps"] or _knob("bwd_warps", TC),
-        num_stages=1,
+        TC=TC, TB=TB, BK=BK, PRECISION=precision, num_warps=_CHANNEL["hdla_bwd_warps"], num_stages=1,
     )
     return dbeta
