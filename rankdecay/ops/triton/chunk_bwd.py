@@ -18,7 +18,9 @@ Five kernels: the state kernel in reverse (forming the outputs' share Q̃ᵀ dO 
 itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of value channels);
 ``_grad_products_kernel`` (the products' gradients, per chunk) and ``_grad_inputs_kernel`` (the
 decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk and block
-of key channels: dq, dk, da, db and dg through the products and decays).
+of key channels: dq, dk, da, db and dg through the products and decays). With a per-channel gate, the
+products' share of dq, dk, da and db comes first from ``channel.channel_product_bwd`` (HDLA's, from
+``channel.hdla_products_bwd`` in one kernel, its a1 = β k's share in dk and β's).
 
 With a decay per row (scalar gate or none) every kernel reads q, k, v and a as given, the rows'
 decays and factors applied on the other side of each product, so the forward saves no decayed
