@@ -285,18 +285,27 @@ def _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tokx, toky, s
 
 
 @triton.jit
-def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-    """One level of ``_hdla_products_kernel``'s diagonal block: in blocks of S tokens, the second half's rows (x:
-    q and b1 through G_t, b2 through G_{t-1}) against the first half's (y: k and a2), through the token at S/2 - 1
-    (G0, G1: the rows' G_t and G_{t-1}). Returns the six products' shares."""
+def _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr):
+    """The decays of one level of HDLA's diagonal block (blocks of S tokens, through the token at S/2 - 1; G0, G1:
+    the rows' G_t and G_{t-1}): (x0, x1) on the second half's rows, through G_t and G_{t-1}, and y0 on the first
+    half's, each 0 on the other half. One exp serves x0 and y0, a row being on one side only."""
     HS: tl.constexpr = S // 2
     sel = ((tok % S) >= HS)[:, None]
     Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, KG)
     E0 = tl.exp(tl.where(sel, G0 - Gm, Gm - G0).to(tl.float32))  # both <= 0
     x0 = tl.where(sel, E0, 0.0)
     x1 = tl.where(sel, tl.exp(tl.where(sel, G1 - Gm, 0.0).to(tl.float32)), 0.0)
-    Ky = Kr * tl.where(sel, 0.0, E0)
-    Ay = A2 * tl.where(sel, 0.0, E0)
+    return x0, x1, tl.where(sel, 0.0, E0)
+
+
+@triton.jit
+def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+    """One level of ``_hdla_products_kernel``'s diagonal block: in blocks of S tokens, the second half's rows (x:
+    q and b1 through G_t, b2 through G_{t-1}) against the first half's (y: k and a2), through the token at S/2 - 1
+    (G0, G1: the rows' G_t and G_{t-1}). Returns the six products' shares."""
+    x0, x1, y0 = _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, KG, S)
+    Ky = Kr * y0
+    Ay = A2 * y0
     same = _same_block(tok, tok, S)
     Qx = Q * x0
     B1 = Kr * x0
@@ -538,13 +547,7 @@ def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_
                     S: tl.constexpr, PRECISION: tl.constexpr):
     """One level of ``_hdla_products_bwd_kernel``'s diagonal block (``_hdla_level``'s pairs): the shares of dq,
     db1, db2 (the second half's rows) and dk, da2 (the first half's), twelve products of [TB, TB] by [TB, BK]."""
-    HS: tl.constexpr = S // 2
-    sel = ((tok % S) >= HS)[:, None]
-    Gm = _gc_at(gc, tok - tok % S + HS - 1, tok >= 0, o_k, m_k, K)
-    E0 = tl.exp(tl.where(sel, G0 - Gm, Gm - G0).to(tl.float32))  # both <= 0
-    x0 = tl.where(sel, E0, 0.0)
-    x1 = tl.where(sel, tl.exp(tl.where(sel, G1 - Gm, 0.0).to(tl.float32)), 0.0)
-    y0 = tl.where(sel, 0.0, E0)
+    x0, x1, y0 = _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, K, S)
     same = _same_block(tok, tok, S)
     Ky = Kr * y0
     Ay = A2 * y0

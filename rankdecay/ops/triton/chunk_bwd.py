@@ -714,12 +714,12 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                                                pq, pk, pa, pb, scale=scale, **prod)
             else:
                 channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
-            if Rab and dbeta_rows is None:
-                channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
-                                    **prod)
-                channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
-                                    **prod)
-                channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
+                if Rab:
+                    channel_product_bwd(q, a, gc, dmqa, pq, pa, strict=False, acc_x=True, acc_y=False, y_scale=sa32,
+                                        **prod)
+                    channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
+                                        **prod)
+                    channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
