@@ -496,7 +496,8 @@ def test_products_precision_follows_pytorch_setting():
 
 def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     """``chunk_fwd.fuse_output``: the state kernel forms the outputs on a GPU where its grid fills every SM, and
-    for the delta rule's scaled forward (``scalable``) at any grid; never under the interpreter."""
+    for the delta rule's scaled forward (``scalable``) at any grid; not before the backward (``save``) with chunks
+    under 64 tokens; never under the interpreter."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setattr(chunk_fwd, "_sm_count", lambda device: 132)
@@ -504,6 +505,11 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert [chunk_fwd.fuse_output(n, cuda) for n in (32, 131, 132, 256)] == [False, False, True, True]
     assert chunk_fwd.fuse_output(32, cuda, scalable=True)
     assert not chunk_fwd.fuse_output(256, cpu) and not chunk_fwd.fuse_output(32, cpu, scalable=True)
+    # saved for the backward: 64-token chunks as without it, shorter ones (HDLA's 32, HH-GDN's 16) never fused
+    assert chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=64)
+    assert not chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=32)
+    assert not chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=16)
+    assert chunk_fwd.fuse_output(256, cuda, save=False, chunk_size=32)  # HDLA's forward alone
     # the scaled form: tied keys, the chunk's rows one row block, fused, nothing saved, not turned off
     assert chunk_fwd.scaled_update(True, True, True, False)
     assert not chunk_fwd.scaled_update(False, True, True, False)
