@@ -347,16 +347,24 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
             assert_matches(x.float(), y.float(), tol, f"T={T} {dtype} state used={use_state}: {name}")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype,tol,stored", [(torch.float32, 1e-5, None), (torch.float16, 2e-3, None),
+                                              (torch.float16, 8 * 2 ** -11, torch.float16)],
+                         ids=["fp32", "fp16", "fp16-16-bit-between"])
 @pytest.mark.parametrize("gate", ["channel", "head"])
-def test_hdla_is_one_autograd_node(gate, dtype, tol, monkeypatch):
+def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     """HDLA with autograd on the kernels is one node of autograd (``chunk_bwd._HDLA``): it builds a and b itself,
     takes their products as six of token rows (``channel.hdla_products`` and ``hdla_products_bwd``, forced here: by
     default only at the bf16 products' precision) and carries the rows' gradients on to k, g and β. Against the
     PyTorch path: T = 1 and 77 (chunks of 32 tokens: a partial last chunk), log-gates of -30
     per step and one of -1e4, β in [0, 2] with β = 0 and β = 2, a per-channel gate or a per-head one (expanded
-    over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None)."""
-    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS, "hdla_products", True)
+    over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None). ``stored``: the
+    tensors between the kernels in 16 bits, as on a GPU at the bf16 products' precision (the products' gradients
+    of q, k, a and b among them), within eight units of fp16's rounding (as bf16's in
+    ``test_bf16_products_under_medium_matmul_precision``)."""
+    knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
+    monkeypatch.setitem(knobs, "hdla_products", True)
+    if stored is not None:
+        monkeypatch.setitem(knobs, "stored", stored)
     gen = torch.Generator().manual_seed(12)
     K, V = 20, 12
     for T, use_state in ((1, True), (77, True), (77, False)):

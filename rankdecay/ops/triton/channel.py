@@ -577,8 +577,8 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
     # One program per (key block and row block, chunk, sequence x head), as ``_channel_product_bwd_kernel``:
     # x's rows of its block (q; b1 and b2, both through G_{t-1}) against the columns up to them, y's rows (k, a2)
     # against the rows from them on. pq [B, H, NC, TC, K], pk, pa and pb as ``channel_product_bwd`` leaves them
-    # (fp32, chunk layout) but with a1's share folded into k's and β's (pa's a1 rows 0); dbeta [B, T, H] fp32:
-    # β's share through a1 (from the programs of the first key block).
+    # (chunk layout, any float dtype) but with a1's share folded into k's and β's (pa's a1 rows 0); dbeta [B, T, H]
+    # fp32: β's share through a1 (from the programs of the first key block).
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -671,10 +671,11 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
                       precision: str, scale: float) -> torch.Tensor:
     """The gradients through ``hdla_products``' four products in one kernel, given theirs (dmqk, dmqa, dlba, dlbk:
     dL/dP of the products without their scale, ``channel_product_bwd``'s dp) and the products themselves (mqk
-    with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa and pb [.., 2 TC, K] (fp32) what
-    ``channel_product_bwd`` would for q, k, a and b, except that a1 = β k's share is taken into k's (pa's a1 rows
-    are 0) and β's, which it returns ([B, T, H] fp32). Twelve products of token rows instead of sixteen [C, C]
-    ones in four launches (BENCHMARKS.md session 29)."""
+    with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa and pb [.., 2 TC, K] (any float
+    dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a and b,
+    except that a1 = β k's share is taken into k's (pa's a1 rows are 0) and β's, which it returns ([B, T, H]
+    fp32). Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md session
+    29)."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)

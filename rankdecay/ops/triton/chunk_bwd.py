@@ -141,11 +141,11 @@ def _grad_kernel(
             dK += _dot_ex(tl.trans(P), Bm, PRECISION, E_B)
             dB += _dot_ex(P, Kr, PRECISION, E_K)
     else:  # the products' share, through their decays (``channel.channel_product_bwd``)
-        dQ = tl.load(pq + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        dK = tl.load(pk + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        dQ = tl.load(pq + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+        dK = tl.load(pk + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         if RAB > 0:
-            dA = tl.load(pa + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            dB = tl.load(pb + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            dA = tl.load(pa + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+            dB = tl.load(pb + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
     # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
     # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
     Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -706,10 +706,15 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
         pq = pk = pa = pb = dbeta_rows = None
         if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
-            pq, pk = f32c(C, K), f32c(NK, K)
-            pa, pb = (f32c(NA, K), f32c(NA, K)) if Rab else (None, None)
             prod = dict(T=T, TC=C, precision=prec)
-            if hdla_beta is not None and hdla_fused_products(prec):
+            one = hdla_beta is not None and hdla_fused_products(prec)
+            # HDLA's one kernel writes each entry once: the stored dtype, as the tiles between the other kernels
+            # (the four products' kernels add into theirs: fp32). H100 HDLA fwd+bwd: peak memory 4561 -> 4177 MB,
+            # time the same (8.51 / 8.48 ms; BENCHMARKS.md session 30)
+            mk = stc if one else f32c
+            pq, pk = mk(C, K), mk(NK, K)
+            pa, pb = (mk(NA, K), mk(NA, K)) if Rab else (None, None)
+            if one:
                 dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta.contiguous(), dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
             else:
