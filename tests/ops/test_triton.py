@@ -387,10 +387,15 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             loss = (o.float() * torch.linspace(-1, 1, V, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs])
+            if mode == "triton":  # the forward alone: a1 and b formed from k in the kernels (a2_only)
+                with torch.no_grad():
+                    forward = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
         for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], *results, strict=True):
             assert x.dtype == y.dtype, name
             assert torch.isfinite(x).all(), name
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} state used={use_state}: {name}")
+        for name, x, y in zip(["o", "final_state"], forward, results[1], strict=False):
+            assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
 
 
 @pytest.mark.parametrize("K", [16, 37])
@@ -412,6 +417,8 @@ def test_hdla_products_match_the_four_products(K, monkeypatch):
     g[:, 20:23] = -30.0
     g, beta = g.to(DEVICE), (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
     a, b = hdla_factors_fwd(k, g, beta)
+    a2_only, none = hdla_factors_fwd(k, g, beta, a2_only=True)  # what the products read: a2, the same
+    assert none is None and torch.equal(a2_only[..., 1, :], a[..., 1, :])
     gc = chunk_log_cumsum(g, C, torch.float64)
     NC = gc.shape[2]
     full = lambda m, n: torch.full((B, H, NC, m, n), float("nan"), device=DEVICE)  # noqa: E731 (NaN: unwritten)

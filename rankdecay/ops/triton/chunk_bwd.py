@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
-from .chunk_fwd import (_channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
+from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
                         chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype, ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
@@ -833,7 +833,8 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     alone."""
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
-    a, b = hdla_factors_fwd(k, g, beta)
+    # without the backward, b and a1 = β k are formed from k in the kernels where the products take one kernel
+    a, b = hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 

@@ -332,13 +332,13 @@ def log_cumsum_dtype(precision: str) -> torch.dtype:
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, kdec, scale, T, NC,
+    q, k, v, a, b, g, sa, sv, qd, mqk, mqa, kd, vf, w, uv, ad, dch, tinv, lba, lbk, kf, af, qf, kdec, hb, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
-    SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee",
+    SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -354,6 +354,8 @@ def _intra_kernel(
     # with D T = T' D for T' = (I + D L_BK)^{-1} and T' D L_BK = I - T': sv ⊙ v - D U = T' (sv ⊙ v - D e^{G_{i-1}}
     # ⊙ K S_0). Only T' (in uv, [NA, NA]) and the rows' factors D e^{G_{i-1}} (in af) are stored; the state
     # kernel takes the rest, so no W, Ũ or L_BK V is formed here.
+    # HDLA (a per-channel gate, RAB 2, ``chunk_dplr_fwd``'s ``hdla_beta``: hb [B, T, H]): a1 = β k, b1 = λ ⊙ k
+    # and b2 = k are formed from k, and only a's second rows a2 are read (b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -466,10 +468,21 @@ def _intra_kernel(
             if GATE == 1:
                 fa_end = fa_end * tl.exp((G_end - Ga).to(tl.float32))
             tl.store(af + c * NA + r_a, fa_end)
+    if HDLA:
+        be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
+        first = (rka == 0)[:, None]
     for k0 in tl.static_range(0, K if not SCALED else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if RAB > 0:
+        if HDLA:  # rows (token, rank) of k's [B, T, H, 1, K]: token fa // 2
+            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
+            A = tl.where(first, be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
+            A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
+            tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
+            # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
+            Bm = Kt * tl.exp(_gc_at(gc, toka - rka, toka - rka >= 0, o_k, m_k, KG).to(tl.float32))
+            tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION), mask=m_k[None, :])
+        elif RAB > 0:
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
                 W = _dot_ex(Tinv_b, Bm, PRECISION, E_B)
@@ -661,7 +674,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     any float dtype; initial_state [B, H, K, V] or None; a_scale [B, T, H, Rab], v_scale
     [B, T, H, Rkv] or None: per-row factors of a and v (``dplr``'s). ``hdla_beta`` [B, T, H]: a and b are
     HDLA's rows for this β (``factors.hdla_factors``; a per-channel gate), whose products then take one
-    kernel (``channel.hdla_products``) at the bf16 products' precision. Returns (o [B, T, H, V] in q's dtype,
+    kernel (``channel.hdla_products``) at the bf16 products' precision (``hdla_fused_products``), where the intra
+    kernel forms a1 and b from k and β itself: there b may be None and a's first rows unset
+    (``factors.hdla_factors_fwd``'s ``a2_only``). Returns (o [B, T, H, V] in q's dtype,
     final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
     backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -737,16 +752,21 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
+    # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms), and its rows formed from
+    # k, β and a2 in the intra kernel (HDLA), so that without the backward the factor kernel writes a2 alone and b
+    # is None (3.05 -> 2.81 ms; BENCHMARKS.md session 30)
+    fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
+    if b is None and Rab and not fused:
+        raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")
     if gate == 2:  # the kernels read per-channel decays as differences of these
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
-        # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms)
-        fused = hdla_beta is not None and hdla_fused_products(prec, cfg)
         if fused:
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
-            hdla_products(q, k[..., 0, :], a, g, hdla_beta.contiguous(), mqk, mqa, lba, lbk, scale=scale, **prod)
+            hdla_beta = hdla_beta.contiguous()
+            hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, **prod)
         else:
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
         if Rab and not fused:
@@ -755,16 +775,15 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
     if intra:
         _intra_kernel[(NC, B * H)](
-            q, k, v, a if Rab else dummy, b if Rab else dummy, g if gate else dummy, dummy if sa is None else sa,
-            dummy if sv is None else sv, opt(qd), mqk,
+            q, k, v, a if Rab else dummy, opt(b if Rab else None), g if gate else dummy, opt(sa), opt(sv), opt(qd), mqk,
             mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
-            opt(kf), opt(af), opt(qf), opt(kdec), scale, T, NC,
+            opt(kf), opt(af), opt(qf), opt(kdec), hdla_beta if fused else dummy, scale, T, NC,
             H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
             PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
-            LP_BA=Rab > 0 and _lowp(b, a), LP_BK=Rab > 0 and _lowp(b, k), SAVE=save, ASC=sa is not None,
+            LP_BA=b is not None and _lowp(b, a), LP_BK=b is not None and _lowp(b, k), SAVE=save, ASC=sa is not None,
             VSC=sv is not None,
-            E_B=Rab > 0 and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
-            MERGE=cfg.get("merge") or "ieee",
+            E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
+            MERGE=cfg.get("merge") or "ieee", HDLA=fused,
             num_warps=cfg["intra_warps"], num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled, prec, k, v))),
         )

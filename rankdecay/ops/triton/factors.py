@@ -24,7 +24,9 @@ _ELEMS = 4096
 
 
 @triton.jit
-def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr):
+def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                             A2_ONLY: tl.constexpr = False):
+    # A2_ONLY: only a's second rows are written (a's first rows and b are left as they are)
     o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     o_k = tl.arange(0, BK)
     m = (o_n < N)[:, None] & (o_k < K)[None, :]
@@ -34,10 +36,11 @@ def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.conste
     be = tl.load(beta + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
     c = tl.sum(k_ * lk, axis=1)[:, None]
     p2 = o_n[:, None] * 2 * K + o_k[None, :]  # row r of token n: (2 n + r) K
-    tl.store(a + p2, be * k_, mask=m)
     tl.store(a + p2 + K, be * (lk - be * c * k_), mask=m)
-    tl.store(b + p2, lk, mask=m)
-    tl.store(b + p2 + K, k_, mask=m)
+    if not A2_ONLY:
+        tl.store(a + p2, be * k_, mask=m)
+        tl.store(b + p2, lk, mask=m)
+        tl.store(b + p2 + K, k_, mask=m)
 
 
 @triton.jit
@@ -79,14 +82,17 @@ def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
     return BK, rows, (triton.cdiv(N, rows),)
 
 
-def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hdla_factors``' (a, b) without autograd (inputs contiguous)."""
+def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     a2_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hdla_factors``' (a, b) without autograd (inputs contiguous). ``a2_only``: a [B, T, H, 2, K] with only its
+    second rows a2 written and b None, for kernels that form a1 = β k and b = [λ ⊙ k, k] from k themselves (HDLA's
+    forward without the backward, ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_beta``): a quarter of the writes."""
     K = k.shape[-1]
     N = k.numel() // K
     a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
-    b = torch.empty_like(a)
+    b = None if a2_only else torch.empty_like(a)
     BK, rows, grid = _grid(N, K)
-    _hdla_factors_fwd_kernel[grid](k, g, beta, a, b, N, K=K, BK=BK, ROWS=rows)
+    _hdla_factors_fwd_kernel[grid](k, g, beta, a, a if a2_only else b, N, K=K, BK=BK, ROWS=rows, A2_ONLY=a2_only)
     return a, b
 
 
