@@ -66,11 +66,11 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 @triton.jit
 def _grad_kernel(
     q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
-    pq, pk, pa, pb, T, NC,
+    pq, pk, pa, pb, graw, hb, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
-    E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr,
+    E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -85,6 +85,10 @@ def _grad_kernel(
     d sa (Σ_k a ⊙ d(sa ⊙ a)) goes to dsa [rows, key blocks]. E_Q, E_K, E_A, E_B: that input is
     16-bit, and its products with fp32 tiles take two TF32 passes (``chunk_state._dot_ex``).
 
+
+    HDLA (``_HDLA``'s products in one kernel): a1 = β k, b1 = λ ⊙ k (λ = e^g, graw the gate as given [B, T, H, K])
+    and b2 = k are formed from k and β (hb [B, T, H]), as the factor kernel forms them, and only a2 is read: b may
+    be absent.
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -109,8 +113,15 @@ def _grad_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
-        A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
-        Bm = _load_rows(b, fa, va, o_k, m_k, K)
+        if HDLA:  # rows (token, rank) of k's [B, T, H, 1, K]: token fa // 2
+            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
+            first = (rka == 0)[:, None]
+            be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]
+            A16 = tl.where(first, be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
+            Bm = tl.where(first, tl.exp(_load_rows(graw, fa // 2, va & (rka == 0), o_k, m_k, K)) * Kt, Kt)
+        else:
+            A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
+            Bm = _load_rows(b, fa, va, o_k, m_k, K)
         if ASC:
             fac_a = tl.load(sa + fa, mask=va, other=0.0)
             A = A16 * fac_a[:, None]
@@ -611,6 +622,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     gradient (``channel.hdla_products_bwd``), with a1 = β k's share in dk and in one more result, β's share
     ([B, T, H] fp32; None where the products were taken apart)."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
+    hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
         a = b = k
     qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec = saved
@@ -692,7 +704,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # dq, dk, da, db, dg
     # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
     dq, dk = like(q), like(k)
-    da, db = (like(a), like(b)) if Rab and not tied else (None, None)
+    da, db = (like(a), like(a if b is None else b)) if Rab and not tied else (None, None)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if tied:
@@ -705,9 +717,12 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         # per channel: the decays' log-cumsums
         gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
         pq = pk = pa = pb = dbeta_rows = None
+        one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
+        if b is None and Rab and not one:
+            raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do "
+                             "without it")
         if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
             prod = dict(T=T, TC=C, precision=prec)
-            one = hdla_beta is not None and hdla_fused_products(prec)
             # HDLA's one kernel writes each entry once: the stored dtype, as the tiles between the other kernels
             # (the four products' kernels add into theirs: fp32). H100 HDLA fwd+bwd: peak memory 4561 -> 4177 MB,
             # time the same (8.51 / 8.48 ms; BENCHMARKS.md session 30)
@@ -715,7 +730,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             pq, pk = mk(C, K), mk(NK, K)
             pa, pb = (mk(NA, K), mk(NA, K)) if Rab else (None, None)
             if one:
-                dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta.contiguous(), dmqk, dmqa, dlba, dlbk, mqk, lbk,
+                dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta, dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
             else:
                 channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
@@ -728,9 +743,10 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
-            opt(pa), opt(pb), T, NC, H=H, K=K, KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
+            opt(pa), opt(pb), g if one else dummy, hdla_beta if one else dummy, T, NC, H=H, K=K,
+            KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
-            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=_is16(b),
+            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one,
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
@@ -750,7 +766,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         return cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dh0, h0), cast(dbeta, fold)
     if tied:
         da = db = a = b = None
-    grads = (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, b), cast(dg, g), cast(dh0, h0), None,
+    grads = (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, a if b is None else b), cast(dg, g),
+             cast(dh0, h0), None,
              cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
     return grads if hdla_beta is None else grads + (dbeta_rows,)
 
@@ -807,7 +824,8 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
         ctx.set_materialize_grads(False)
-        a, b = hdla_factors_fwd(k, g, beta)
+        # where the products take one kernel, the kernels form a1 and b from k themselves: a2 alone, b None
+        a, b = hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
         ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta)
