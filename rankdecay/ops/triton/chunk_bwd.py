@@ -817,9 +817,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
 
 
 class _HDLA(torch.autograd.Function):
-    """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``),
-    its products taken as six of token rows (``channel.hdla_products``), and the rows' gradients carried on to k, g
-    and β by the factors' backward kernel, added into the chunked kernels' dk and dg."""
+    """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``;
+    with the products in one kernel, a2 alone: the intra kernel and step 4 form a1 and b from k), its products
+    taken as six of token rows (``channel.hdla_products``), and the rows' gradients carried on to k, g and β by
+    the factors' backward kernel, added into the chunked kernels' dk and dg."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
@@ -851,7 +852,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     alone."""
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
-    # without the backward, b and a1 = β k are formed from k in the kernels where the products take one kernel
+    # b and a1 = β k are formed from k in the kernels where the products take one kernel
     a, b = hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 

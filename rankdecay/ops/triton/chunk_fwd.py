@@ -753,8 +753,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
     # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms), and its rows formed from
-    # k, β and a2 in the intra kernel (HDLA), so that without the backward the factor kernel writes a2 alone and b
-    # is None (3.05 -> 2.81 ms; BENCHMARKS.md session 30)
+    # k, β and a2 in the intra kernel (HDLA), so that the factor kernel writes a2 alone and b is None (H100 HDLA
+    # forward 3.05 -> 2.81 ms; BENCHMARKS.md session 30)
     fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
     if b is None and Rab and not fused:
         raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")

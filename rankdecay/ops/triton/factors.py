@@ -85,8 +85,9 @@ def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
 def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      a2_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hdla_factors``' (a, b) without autograd (inputs contiguous). ``a2_only``: a [B, T, H, 2, K] with only its
-    second rows a2 written and b None, for kernels that form a1 = β k and b = [λ ⊙ k, k] from k themselves (HDLA's
-    forward without the backward, ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_beta``): a quarter of the writes."""
+    second rows a2 written and b None, for kernels that form a1 = β k and b = [λ ⊙ k, k] from k themselves (HDLA
+    with its products in one kernel: ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_beta``, ``chunk_bwd._HDLA``): a quarter
+    of the writes."""
     K = k.shape[-1]
     N = k.numel() // K
     a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
