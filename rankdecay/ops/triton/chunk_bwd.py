@@ -35,8 +35,9 @@ import triton.language as tl
 
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
-from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _load_rows, _lowp, _row_factor, _rows, _scalar_cumsums,
-                        chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype, ties_keys)
+from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
+                        _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
+                        ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
@@ -113,12 +114,11 @@ def _grad_kernel(
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
         r_a = tl.arange(0, NA)
         Ga, Gb = _scalar_cumsums(g, i_b, i_h, ta, toka, rka, T, H, KG, GATE)
-        if HDLA:  # rows (token, rank) of k's [B, T, H, 1, K]: token fa // 2
-            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
-            first = (rka == 0)[:, None]
+        if HDLA:
             be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]
-            A16 = tl.where(first, be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
-            Bm = tl.where(first, tl.exp(_load_rows(graw, fa // 2, va & (rka == 0), o_k, m_k, K)) * Kt, Kt)
+            Kt, A16 = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
+            Bm = tl.where((rka == 0)[:, None], tl.exp(_load_rows(graw, fa // 2, va & (rka == 0), o_k, m_k, K)) * Kt,
+                          Kt)
         else:
             A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
@@ -816,6 +816,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, initial_state, a_scale=sa, v_scale=sv)
 
 
+def _hdla_factors(q, k, g, beta):
+    """HDLA's rows (a, b) for ``chunk_dplr_fwd``: where the products take one kernel (the precision ``chunk_dplr_fwd``
+    takes, ``_KNOBS``'s if set), the kernels form a1 and b from k themselves, so a2 alone and b None."""
+    return hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
+
+
 class _HDLA(torch.autograd.Function):
     """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``;
     with the products in one kernel, a2 alone: the intra kernel and step 4 form a1 and b from k), its products
@@ -825,8 +831,7 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
         ctx.set_materialize_grads(False)
-        # where the products take one kernel, the kernels form a1 and b from k themselves: a2 alone, b None
-        a, b = hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
+        a, b = _hdla_factors(q, k, g, beta)
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
         ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta)
@@ -852,8 +857,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     alone."""
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
-    # b and a1 = β k are formed from k in the kernels where the products take one kernel
-    a, b = hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
+    a, b = _hdla_factors(q, k, g, beta)
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 

@@ -76,6 +76,15 @@ def _channel_decays(gc, tok, o_k, m_k, KG: tl.constexpr, TC: tl.constexpr, TO_EN
 
 
 @triton.jit
+def _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K: tl.constexpr):
+    """HDLA's rows (token, rank) of a chunk, columns o_k, from k [B, T, H, 1, K] (row fa's token: fa // 2) and a's
+    second rows a2 alone (``hdla_factors_fwd``'s ``a2_only``): (k's rows, a = [β k; a2]); be [rows, 1]: the rows'
+    tokens' β. As fp32."""
+    Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
+    return Kt, tl.where((rka == 0)[:, None], be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
+
+
+@triton.jit
 def _decays(Gx, Gy, tokx, toky, STRICT: tl.constexpr, GATE: tl.constexpr):
     """[NX, NY] causal mask (tok y < tok x, or <=) times exp(Gx - Gy) for a scalar gate (GATE 1).
 
@@ -470,13 +479,11 @@ def _intra_kernel(
             tl.store(af + c * NA + r_a, fa_end)
     if HDLA:
         be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
-        first = (rka == 0)[:, None]
     for k0 in tl.static_range(0, K if not SCALED else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if HDLA:  # rows (token, rank) of k's [B, T, H, 1, K]: token fa // 2
-            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
-            A = tl.where(first, be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
+        if HDLA:
+            Kt, A = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
             A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
