@@ -1,8 +1,9 @@
 """Backward kernels under launch knobs: per-kernel GPU time of one case's forward+backward.
 
     python benchmarks/bwd_variants.py gdn gla [--set grad=8 grad_bk=16 state_stages=2 ...] [--matmul-precision medium]
+        [--shape B T H K V]
 
-Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16) with the default knobs of
+Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16 unless ``--shape``) with the default knobs of
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
 state kernels' warps, stages and value block; ``fwd_*``: ``chunk_fwd._KNOBS``, the forward's,
 e.g. ``fwd_intra_warps=8``; ``ch_*``: ``channel._CHANNEL``, the per-channel products' kernels', e.g.
@@ -41,11 +42,12 @@ def main() -> None:
     parser.add_argument("cases", nargs="+", choices=list(CASES))
     parser.add_argument("--set", nargs="*", default=[], help="overrides, e.g. grad=8 grad_bk=16")
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
+    parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[8, 2048, 16, 128, 128])
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     for name in args.cases:
         case = CASES[name]
-        inputs = case.make(8, 2048, 16, 128, 128, "cuda", torch.bfloat16)
+        inputs = case.make(*args.shape, "cuda", torch.bfloat16)
         default, state_default, ch_default = dict(cb._CONFIG), dict(cs._LAUNCH), dict(ch._CHANNEL)
         for label in ["default"] + args.set:
             cb._CONFIG.update(default)

@@ -582,21 +582,66 @@ def test_tensors_between_kernels_16bit_only_where_products_are():
 
 
 def test_state_kernel_pipelined_only_where_measured():
-    """The forward state kernel's chunk loop on two pipeline stages only for the delta rule's fused forward
-    at the bf16 products' precision with 16-bit k and v and K <= 128 (``chunk_fwd.state_stages``): elsewhere
-    it was slower (HDLA, HH-GDN) or ran out of shared memory (fp32 tiles) on the H100."""
+    """The forward state kernel's chunk loop on two pipeline stages only at the bf16 products' precision with
+    16-bit k and v and K <= 128 (``chunk_fwd.state_stages``), for the delta rule's fused forward and a per-channel
+    gate's state kernel without the outputs: elsewhere it was slower (HDLA fused, HH-GDN) or ran out of shared
+    memory (fp32 tiles) on the H100. The backward's on two stages at the bf16 precision with 16-bit tiles and
+    K <= 128 (``chunk_state.bwd_stages``)."""
     from rankdecay.ops.triton.chunk_fwd import state_stages
+    from rankdecay.ops.triton.chunk_state import _LAUNCH, bwd_stages
 
     bf, f32 = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 128)
     assert state_stages(True, True, "bf16", bf, bf) == 2
     assert state_stages(True, True, "bf16", bf.half(), bf.half()) == 2
     assert state_stages(False, True, "bf16", bf, bf) == 1  # the separate output kernel
     assert state_stages(True, False, "bf16", bf, bf) == 1  # not the delta rule
+    assert state_stages(False, False, "bf16", bf, bf, per_channel=True) == 2  # HDLA before its backward
+    assert state_stages(True, False, "bf16", bf, bf, per_channel=True) == 1  # HDLA's fused forward
+    assert state_stages(False, False, "bf16", bf, bf) == 1  # HH-GDN, Gated DeltaProduct
+    assert state_stages(False, False, "bf16", f32, bf, per_channel=True) == 1
     assert state_stages(True, True, "tf32", bf, bf) == 1
-    assert state_stages(True, True, "bf16", f32, bf) == 1
-    assert state_stages(True, True, "bf16", bf, f32) == 1
+    assert state_stages(False, False, "tf32", bf, bf, per_channel=True) == 1
     wide = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert state_stages(True, True, "bf16", wide, bf) == 1
+    assert state_stages(False, False, "bf16", wide, bf, per_channel=True) == 1
+    assert _LAUNCH["bwd_stages"] == 0  # the rule below, not a knob
+    assert bwd_stages("bf16", 128, True) == 2 and bwd_stages("bf16", 64, True) == 2
+    assert bwd_stages("bf16", 256, True) == 1  # wider tiles
+    assert bwd_stages("bf16", 128, False) == 1  # fp32 do
+    assert bwd_stages("bf16_ieee", 128, True) == 1 and bwd_stages("tf32", 128, True) == 1  # fp32 stored tiles
+
+
+def test_intra_kernel_width_by_mechanism(monkeypatch):
+    """The intra kernel on 2 warps for HDLA's rows formed in the kernel alone (``chunk_fwd.intra_warps``), where it
+    was measured faster; GDN and Gated DeltaProduct were slower on 2 (BENCHMARKS.md session 31). Checked on the
+    launch itself: HDLA's at the bf16 precision, GDN's, and HDLA's at fp32 accuracy (its rows as given)."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    warps = {}
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: warps.__setitem__(self.name, kw["num_warps"])
+
+    for name in ("_intra_kernel", "_state_fwd_kernel", "_output_kernel"):
+        monkeypatch.setattr(chunk_fwd, name, Capture(name))
+    monkeypatch.setattr(chunk_fwd, "hdla_products", lambda *args, **kw: None)
+    B, T, H, K = 1, 40, 2, 16
+    q, k, v, g = (torch.randn(B, T, H, K) for _ in range(4))
+    beta = torch.rand(B, T, H)
+    a, b = torch.randn(B, T, H, 2, K), torch.randn(B, T, H, 2, K)
+    for prec in ("bf16", "ieee"):
+        warps.clear()
+        chunk_fwd.chunk_dplr_fwd(q, k[..., None, :], v[..., None, :], a, b, g, 0.1, None, hdla_beta=beta,
+                                 _config=dict(precision=prec))
+        assert warps["_intra_kernel"] == (2 if prec == "bf16" else 4), prec
+    warps.clear()
+    k1 = k[..., None, :]
+    chunk_fwd.chunk_dplr_fwd(q, k1, v[..., None, :], k1, k1, g[..., :1], 0.1, None)
+    assert warps["_intra_kernel"] == 4
 
 
 @pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])

@@ -40,7 +40,7 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
                         ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
-from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel
+from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel, bwd_stages
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
@@ -639,7 +639,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
     raw_v = not raw and vf is None  # v as given (the forward's RAW_V)
     # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
-    blocks = _blocks(K, V, NK, NA, backward=True, precision=prec)
+    blocks = dict(_blocks(K, V, NK, NA, backward=True, precision=prec), num_stages=bwd_stages(prec, K, e_do))
     dhn = torch.empty_like(s0)
     du = torch.empty_like(u)
     dh0 = torch.empty(B, H, K, V, **f32)

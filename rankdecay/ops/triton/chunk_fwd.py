@@ -619,14 +619,24 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor) -> int:
+def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor,
+                 per_channel: bool = False) -> int:
     """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
-    products) only for the delta rule's (``tied``) fused forward (``fuse``) at the bf16 products'
-    precision with 16-bit k and v and K <= 128, the tiles on which it was measured faster (H100 GDN:
-    231 -> 197 µs without the backward, 316 -> 291 µs storing S_n and U_n for it); else 1. Elsewhere it
-    slowed HDLA and HH-GDN and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24)."""
-    ok = fuse and tied and precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
+    products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
+    (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
+    S_n and U_n for it) and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
+    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN (0.970 ->
+    1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31)."""
+    tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
+    ok = tiles and ((fuse and tied) or (not fuse and per_channel))
     return 2 if ok else _LAUNCH["stages"]
+
+
+def intra_warps(hdla: bool) -> int:
+    """The intra kernel's warps: 2 for HDLA's rows formed in the kernel (``hdla_fused_products``; H100 HDLA, B8
+    T2048 H16 K=V=128: 0.872 -> 0.812 ms), else 4, which GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09
+    against 2.81) and HH-GDN (1.70 either way) keep (BENCHMARKS.md session 31)."""
+    return 2 if hdla else 4
 
 
 def _maxnreg(n) -> dict:
@@ -701,7 +711,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     prec = _precision(q)
     # the output kernel's value block: 128 with bf16 products (H100 GDN: 150 against 165 µs at 64;
     # BENCHMARKS.md session 15), 64 with fp32 tiles, twice the registers
-    cfg = dict(intra_warps=4, precision=prec, state_precision=prec, output_bv=128 if prec.startswith("bf16") else 64,
+    cfg = dict(intra_warps=None, precision=prec, state_precision=prec, output_bv=128 if prec.startswith("bf16") else 64,
                output_warps=4)
     cfg.update(_KNOBS, **(_config or {}))  # benchmarking knobs
     prec = cfg["precision"]
@@ -791,12 +801,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused,
-            num_warps=cfg["intra_warps"], num_stages=1,
+            num_warps=cfg["intra_warps"] or intra_warps(fused), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, cfg["state_precision"], k, v))
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, cfg["state_precision"], k, v,
+                                                                            per_channel=gate == 2))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None

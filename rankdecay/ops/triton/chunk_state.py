@@ -344,8 +344,9 @@ def _state_bwd_kernel(
 
 
 # launch knobs of the state kernels (benchmarks/bwd_variants.py sweeps them: --set state_stages=2 ...);
-# bv / bwd_bv: the forward's / backward's value block, 0 for _blocks' choice
-_LAUNCH = dict(warps=4, stages=1, bv=0, bwd_bv=0)
+# bv / bwd_bv: the forward's / backward's value block, 0 for _blocks' choice; stages / bwd_stages: the forward's /
+# backward's num_stages (bwd_stages 0: ``bwd_stages``' choice)
+_LAUNCH = dict(warps=4, stages=1, bwd_stages=0, bv=0, bwd_bv=0)
 
 
 def _blocks(K: int, V: int, CR: int, CA: int, backward: bool = False, precision: str = "") -> dict:
@@ -361,6 +362,17 @@ def _blocks(K: int, V: int, CR: int, CA: int, backward: bool = False, precision:
     BV = _LAUNCH["bwd_bv" if backward else "bv"] or max(16, min(triton.next_power_of_2(V), wide))
     rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
     return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
+
+
+def bwd_stages(precision: str, K: int, e_do: bool) -> int:
+    """The backward state kernel's ``num_stages``: ``_LAUNCH["bwd_stages"]`` where set, else 2 (the previous chunk's
+    tiles load during this chunk's products) at the bf16 products' precision with 16-bit tiles (the stored ones
+    and do) and K <= 128, where it was faster for every mechanism (H100, B8 T2048 H16 K=V=128, ms: GDN 0.263 ->
+    0.244, GLA 0.129 -> 0.118, Gated DeltaProduct 0.503 -> 0.446, HH-GDN 0.819 -> 0.663, HDLA 0.433 -> 0.374;
+    BENCHMARKS.md session 31); else 1, as fp32 tiles twice the size would press on shared memory."""
+    if _LAUNCH["bwd_stages"]:
+        return _LAUNCH["bwd_stages"]
+    return 2 if precision == "bf16" and K <= 128 and e_do else 1
 
 
 def _is16(x) -> bool:
