@@ -398,8 +398,9 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
 
 
+@pytest.mark.parametrize("pairs", [0, 1], ids=["levels", "pairs"])
 @pytest.mark.parametrize("K", [16, 37])
-def test_hdla_products_match_the_four_products(K, monkeypatch):
+def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
     M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
     chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
@@ -423,6 +424,7 @@ def test_hdla_products_match_the_four_products(K, monkeypatch):
     NC = gc.shape[2]
     full = lambda m, n: torch.full((B, H, NC, m, n), float("nan"), device=DEVICE)  # noqa: E731 (NaN: unwritten)
     ours = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+    monkeypatch.setitem(_CHANNEL, "hdla_pairs", pairs)  # adjacent tokens as row sums, not the last level
     hdla_products(q, k, a, gc, beta, *ours, T=T, TC=C, precision="ieee", scale=0.3)
     ref = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
     prod = dict(T=T, TC=C, precision="ieee", lowp=False)

@@ -46,8 +46,10 @@ from .fused_recurrent import _pow2
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
 # hdla_bwd_bk, hdla_bwd_warps: ``hdla_products_bwd``'s (H100 HDLA: 2.45 ms on 2 warps and 32 channels, 1.95 on
 # 4 and 64, 2.14 on 8 and 128; BENCHMARKS.md session 29).
+# hdla_pairs: ``hdla_products``' last level (adjacent tokens) as row sums (H100: 0.964 -> 0.915 ms; right under the
+# interpreter, its bf16 compile not yet checked on the GPU, so off by default; BENCHMARKS.md session 31).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
-                hdla_bwd_warps=4)
+                hdla_bwd_warps=4, hdla_pairs=0)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -319,7 +321,7 @@ def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.co
 @triton.jit
 def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
                           H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
-                          KP: tl.constexpr, PRECISION: tl.constexpr):
+                          KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False):
     # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
     # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
     # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
@@ -340,6 +342,14 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
     P6 = tl.zeros([TB, TB], dtype=tl.float32)
     d1 = tl.zeros([TB], dtype=tl.float32)  # a token against itself (M_QK, M_QA: j <= i)
     d2 = tl.zeros([TB], dtype=tl.float32)
+    # PAIRS: the last level (S = 2: an odd token against the one before it) as row sums, through e^{G_t - G_{t-1}}
+    odd = vx & (tok % 2 == 1)
+    e1 = tl.zeros([TB], dtype=tl.float32)
+    e2 = tl.zeros([TB], dtype=tl.float32)
+    e3 = tl.zeros([TB], dtype=tl.float32)
+    e4 = tl.zeros([TB], dtype=tl.float32)
+    e5 = tl.zeros([TB], dtype=tl.float32)
+    e6 = tl.zeros([TB], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -350,7 +360,7 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         d2 += tl.sum(Q * A2, axis=1)
         G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
         G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
-        for lvl in tl.static_range(LEVELS):
+        for lvl in tl.static_range(LEVELS - 1 if PAIRS else LEVELS):
             L1, L2, L3, L4, L5, L6 = _hdla_level(Q, Kr, A2, G0, G1, g, tok, o_k, m_k, K, TB >> lvl, PRECISION)
             P1 += L1
             P2 += L2
@@ -358,9 +368,29 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
             P4 += L4
             P5 += L5
             P6 += L6
+        if PAIRS:  # x_t against y_{t-1}: q and b1 through e^{G_t - G_{t-1}}, b2 as it is
+            Kp = _load_rows(k, fx - H, odd, o_k, m_k, K)
+            Ap = _load_rows(a, 2 * (fx - H) + 1, odd, o_k, m_k, K)
+            E = tl.exp(tl.where(odd[:, None], G0 - G1, 0.0).to(tl.float32))
+            Qx = Q * E
+            B1 = Kr * E
+            e1 += tl.sum(Qx * Kp, axis=1)
+            e2 += tl.sum(Qx * Ap, axis=1)
+            e3 += tl.sum(B1 * Kp, axis=1)
+            e4 += tl.sum(B1 * Ap, axis=1)
+            e5 += tl.sum(Kr * Kp, axis=1)
+            e6 += tl.sum(Kr * Ap, axis=1)
     diag = tok[:, None] == tok[None, :]
     P1 += tl.where(diag, d1[:, None], 0.0)
     P2 += tl.where(diag, d2[:, None], 0.0)
+    if PAIRS:
+        sub = tok[:, None] - 1 == tok[None, :]  # the odd rows' only nonzero e
+        P1 += tl.where(sub, e1[:, None], 0.0)
+        P2 += tl.where(sub, e2[:, None], 0.0)
+        P3 += tl.where(sub, e3[:, None], 0.0)
+        P4 += tl.where(sub, e4[:, None], 0.0)
+        P5 += tl.where(sub, e5[:, None], 0.0)
+        P6 += tl.where(sub, e6[:, None], 0.0)
     _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC)
     zero = tl.zeros([TB, TB], dtype=tl.float32)
     for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
@@ -392,7 +422,9 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     M_QA = P(q, a), L_BA = P(b, a) and L_BK = P(b, k) (strict) with a = [β k, a2] and b = [λ ⊙ k, k]
     (``triton.factors.hdla_factors``), written into mqk [B, H, NC, TC, TC], mqa [.., TC, 2 TC], lba
     [.., 2 TC, 2 TC] and lbk [.., 2 TC, TC]. Since λ_t ⊙ k_t e^{G_{t-1}} = k_t e^{G_t} and a1 = β k, they
-    are six products of token rows rather than nine (H100 HDLA: BENCHMARKS.md session 28).
+    are six products of token rows rather than nine (H100 HDLA: BENCHMARKS.md session 28). With
+    ``_CHANNEL["hdla_pairs"]``, the diagonal blocks' last level (an odd token against the one before it) is taken as
+    row sums through e^{G_t - G_{t-1}} rather than as masked [TB, TB] products.
 
     q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); beta [B, T, H]."""
@@ -402,7 +434,7 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     _hdla_products_kernel[(TC // TB, NC, B * H)](
         q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC, H=H, K=K, TC=TC, TB=TB,
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
-        PRECISION=precision, num_warps=_knob("warps", TC), num_stages=1,
+        PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), num_warps=_knob("warps", TC), num_stages=1,
     )
 
 
