@@ -425,6 +425,7 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     full = lambda m, n: torch.full((B, H, NC, m, n), float("nan"), device=DEVICE)  # noqa: E731 (NaN: unwritten)
     ours = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
     monkeypatch.setitem(_CHANNEL, "hdla_pairs", pairs)  # adjacent tokens as row sums, not the last level
+    monkeypatch.setitem(_CHANNEL, "hdla_bwd_pairs", pairs)
     hdla_products(q, k, a, gc, beta, *ours, T=T, TC=C, precision="ieee", scale=0.3)
     ref = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
     prod = dict(T=T, TC=C, precision="ieee", lowp=False)

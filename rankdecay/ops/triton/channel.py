@@ -46,10 +46,12 @@ from .fused_recurrent import _pow2
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
 # hdla_bwd_bk, hdla_bwd_warps: ``hdla_products_bwd``'s (H100 HDLA: 2.45 ms on 2 warps and 32 channels, 1.95 on
 # 4 and 64, 2.14 on 8 and 128; BENCHMARKS.md session 29).
-# hdla_pairs: ``hdla_products``' last level (adjacent tokens) as row sums (H100: 0.964 -> 0.915 ms; right under the
-# interpreter, its bf16 compile not yet checked on the GPU, so off by default; BENCHMARKS.md session 31).
+# hdla_pairs / hdla_bwd_pairs: ``hdla_products``' / ``hdla_products_bwd``'s last level (adjacent tokens) as row sums
+# (H100 forward kernel: 0.964 -> 0.915 ms; the backward's untimed: on sm_90 it trades 24 of 144 HMMA for row sums and
+# their shuffles, 4272 -> 4552 instructions). Right under the interpreter; their bf16 compiles not yet checked on the
+# GPU, so off by default (BENCHMARKS.md session 31).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
-                hdla_bwd_warps=4, hdla_pairs=0)
+                hdla_bwd_warps=4, hdla_pairs=0, hdla_bwd_pairs=0)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -605,7 +607,7 @@ def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_
 @triton.jit
 def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta,
                               inv_scale, T, NC, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
-                              TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                              TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False):
     # One program per (key block and row block, chunk, sequence x head), as ``_channel_product_bwd_kernel``:
     # x's rows of its block (q; b1 and b2, both through G_{t-1}) against the columns up to them, y's rows (k, a2)
     # against the rows from them on. pq [B, H, NC, TC, K], pk, pa and pb as ``channel_product_bwd`` leaves them
@@ -637,7 +639,7 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
     dA = dqa * Q
     dB1 = tl.zeros([TB, BK], dtype=tl.float32)
     dB2 = tl.zeros([TB, BK], dtype=tl.float32)
-    for lvl in tl.static_range(LEVELS):
+    for lvl in tl.static_range(LEVELS - 1 if PAIRS else LEVELS):
         lq, l1, l2, lk, la = _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, g, tok, o_k, m_k, K,
                                              TB >> lvl, PRECISION)
         dQ += lq
@@ -645,6 +647,34 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
         dB2 += l2
         dK += lk
         dA += la
+    if PAIRS:  # the last level (S = 2) as row sums (``_hdla_products_kernel``'s PAIRS): odd t against t - 1
+        odd = tok % 2 == 1
+        sub = (tok[:, None] - 1 == tok[None, :]) & odd[:, None]  # entry [t, t - 1], t odd
+        vo = vx & odd
+        tokn, vn, fn = _tok_rows(i_r * TB + tl.arange(0, TB) + 1, i_b, i_h, i_c, T, H, TC, 1, 1)
+        ve = vn & (tok % 2 == 0)  # an even token whose next one is there
+        # one exp for both sides: e^{G_t - G_{t-1}} on the odd rows, e^{G_{s+1} - G_s} on the even ones
+        Gn = _gc_at(g, tokn, ve, o_k, m_k, K)
+        E = tl.exp(tl.where(odd[:, None], G0 - G1, tl.where(ve[:, None], Gn - G0, 0.0)).to(tl.float32))
+        # x's side, the odd rows: D[t, t - 1] times y's rows at t - 1 (b1 and b2 through G_{t-1}: no decay)
+        Kp = _load_rows(k, fx - H, vo, o_k, m_k, K)
+        Ap = _load_rows(a, 2 * (fx - H) + 1, vo, o_k, m_k, K)
+        dQ += (tl.sum(tl.where(sub, Dqk, 0.0), axis=1)[:, None] * Kp
+               + tl.sum(tl.where(sub, Dqa, 0.0), axis=1)[:, None] * Ap) * E
+        dB1 += (tl.sum(tl.where(sub, D1k, 0.0), axis=1)[:, None] * Kp
+                + tl.sum(tl.where(sub, D1a, 0.0), axis=1)[:, None] * Ap)
+        dB2 += (tl.sum(tl.where(sub, D2k, 0.0), axis=1)[:, None] * Kp
+                + tl.sum(tl.where(sub, D2a, 0.0), axis=1)[:, None] * Ap)
+        # y's side, the even rows s: D[s + 1, s] (a column of sub) times x's rows at s + 1
+        Qn = _load_rows(q, fn, ve, o_k, m_k, K) * E
+        Kn = _load_rows(k, fn, ve, o_k, m_k, K)
+        KnE = Kn * E
+        dK += (tl.sum(tl.where(sub, Dqk, 0.0), axis=0)[:, None] * Qn
+               + tl.sum(tl.where(sub, D1k, 0.0), axis=0)[:, None] * KnE
+               + tl.sum(tl.where(sub, D2k, 0.0), axis=0)[:, None] * Kn)
+        dA += (tl.sum(tl.where(sub, Dqa, 0.0), axis=0)[:, None] * Qn
+               + tl.sum(tl.where(sub, D1a, 0.0), axis=0)[:, None] * KnE
+               + tl.sum(tl.where(sub, D2a, 0.0), axis=0)[:, None] * Kn)
     o_c = tl.arange(0, TC)  # every token of the chunk
     tokc, vc, fc = _tok_rows(o_c, i_b, i_h, i_c, T, H, TC, 1, 1)
     if i_r > 0:  # x's rows against the columns before the block, through the token just before it
@@ -707,7 +737,7 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a and b,
     except that a1 = β k's share is taken into k's (pa's a1 rows are 0) and β's, which it returns ([B, T, H]
     fp32). Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md session
-    29)."""
+    29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
@@ -715,6 +745,7 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     dbeta = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
     _hdla_products_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
         q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC, H=H, K=K,
-        TC=TC, TB=TB, BK=BK, PRECISION=precision, num_warps=_CHANNEL["hdla_bwd_warps"], num_stages=1,
+        TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
+        num_warps=_CHANNEL["hdla_bwd_warps"], num_stages=1,
     )
     return dbeta
