@@ -48,7 +48,7 @@ from .fused_recurrent import _pow2
 # 4 and 64, 2.14 on 8 and 128; BENCHMARKS.md session 29).
 # hdla_pairs / hdla_bwd_pairs: ``hdla_products``' / ``hdla_products_bwd``'s last level (adjacent tokens) as row sums
 # (H100 forward kernel: 0.964 -> 0.915 ms; the backward's untimed: on sm_90 it trades 24 of 144 HMMA for row sums and
-# their shuffles, 4272 -> 4552 instructions). Right under the interpreter; their bf16 compiles not yet checked on the
+# their shuffles, 4272 -> 4520 instructions). Right under the interpreter; their bf16 compiles not yet checked on the
 # GPU, so off by default (BENCHMARKS.md session 31).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=0, hdla_bwd_pairs=0)
@@ -656,25 +656,27 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
         # one exp for both sides: e^{G_t - G_{t-1}} on the odd rows, e^{G_{s+1} - G_s} on the even ones
         Gn = _gc_at(g, tokn, ve, o_k, m_k, K)
         E = tl.exp(tl.where(odd[:, None], G0 - G1, tl.where(ve[:, None], Gn - G0, 0.0)).to(tl.float32))
+        # the six gradients' entries [t, t - 1], each read by rows (x's side) and by columns (y's side)
+        Sqk = tl.where(sub, Dqk, 0.0)
+        Sqa = tl.where(sub, Dqa, 0.0)
+        S1k = tl.where(sub, D1k, 0.0)
+        S1a = tl.where(sub, D1a, 0.0)
+        S2k = tl.where(sub, D2k, 0.0)
+        S2a = tl.where(sub, D2a, 0.0)
         # x's side, the odd rows: D[t, t - 1] times y's rows at t - 1 (b1 and b2 through G_{t-1}: no decay)
         Kp = _load_rows(k, fx - H, vo, o_k, m_k, K)
         Ap = _load_rows(a, 2 * (fx - H) + 1, vo, o_k, m_k, K)
-        dQ += (tl.sum(tl.where(sub, Dqk, 0.0), axis=1)[:, None] * Kp
-               + tl.sum(tl.where(sub, Dqa, 0.0), axis=1)[:, None] * Ap) * E
-        dB1 += (tl.sum(tl.where(sub, D1k, 0.0), axis=1)[:, None] * Kp
-                + tl.sum(tl.where(sub, D1a, 0.0), axis=1)[:, None] * Ap)
-        dB2 += (tl.sum(tl.where(sub, D2k, 0.0), axis=1)[:, None] * Kp
-                + tl.sum(tl.where(sub, D2a, 0.0), axis=1)[:, None] * Ap)
+        dQ += (tl.sum(Sqk, axis=1)[:, None] * Kp + tl.sum(Sqa, axis=1)[:, None] * Ap) * E
+        dB1 += tl.sum(S1k, axis=1)[:, None] * Kp + tl.sum(S1a, axis=1)[:, None] * Ap
+        dB2 += tl.sum(S2k, axis=1)[:, None] * Kp + tl.sum(S2a, axis=1)[:, None] * Ap
         # y's side, the even rows s: D[s + 1, s] (a column of sub) times x's rows at s + 1
         Qn = _load_rows(q, fn, ve, o_k, m_k, K) * E
         Kn = _load_rows(k, fn, ve, o_k, m_k, K)
         KnE = Kn * E
-        dK += (tl.sum(tl.where(sub, Dqk, 0.0), axis=0)[:, None] * Qn
-               + tl.sum(tl.where(sub, D1k, 0.0), axis=0)[:, None] * KnE
-               + tl.sum(tl.where(sub, D2k, 0.0), axis=0)[:, None] * Kn)
-        dA += (tl.sum(tl.where(sub, Dqa, 0.0), axis=0)[:, None] * Qn
-               + tl.sum(tl.where(sub, D1a, 0.0), axis=0)[:, None] * KnE
-               + tl.sum(tl.where(sub, D2a, 0.0), axis=0)[:, None] * Kn)
+        dK += (tl.sum(Sqk, axis=0)[:, None] * Qn + tl.sum(S1k, axis=0)[:, None] * KnE
+               + tl.sum(S2k, axis=0)[:, None] * Kn)
+        dA += (tl.sum(Sqa, axis=0)[:, None] * Qn + tl.sum(S1a, axis=0)[:, None] * KnE
+               + tl.sum(S2a, axis=0)[:, None] * Kn)
     o_c = tl.arange(0, TC)  # every token of the chunk
     tokc, vc, fc = _tok_rows(o_c, i_b, i_h, i_c, T, H, TC, 1, 1)
     if i_r > 0:  # x's rows against the columns before the block, through the token just before it
