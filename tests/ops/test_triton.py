@@ -647,6 +647,31 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
     assert warps["_intra_kernel"] == 4
 
 
+def test_log_cumsum_launch_by_chunk_size(monkeypatch):
+    """The log-cumsum kernel's key block and warps by tokens per chunk (``chunk_fwd.log_cumsum_launch``): HDLA's
+    32-token chunks on their own launch, measured faster there (BENCHMARKS.md session 32); 64-token chunks, and
+    sizes without a measurement of their own, on 64's. Checked on the launch itself: its grid over key blocks and
+    its warps."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    seen = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid[0], kw["num_warps"], kw["PREP"]))
+
+    monkeypatch.setattr(chunk_fwd, "_chunk_log_cumsum_kernel", Capture())
+    B, T, H, K = 1, 40, 2, 128
+    g, q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, 1, K)
+    for C in (32, 64, 16):
+        NC = -(-T // C)
+        qd, kd, dch = torch.empty(B, H, NC, C, K), torch.empty(B, H, NC, C, K), torch.empty(B, H, NC, K)
+        chunk_fwd.chunk_log_cumsum(g, C, torch.float32)
+        chunk_fwd.chunk_log_cumsum(g, C, torch.float32, prep=(q, k, qd, kd, dch, 0.1))
+    # K = 128 over the key block: (plain, PREP) at 32 tokens, then at 64, then 16 (64's launch)
+    assert seen == [(2, 2, False), (4, 1, True), (8, 2, False), (8, 8, True), (8, 2, False), (8, 8, True)]
+
+
 @pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])
 @pytest.mark.parametrize("matmul_precision", ["medium"], indirect=True)
 @pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel")])

@@ -46,12 +46,12 @@ from .fused_recurrent import _pow2
 # bk is the forward's diagonal blocks' key block; its off-diagonal part takes all of K at once.
 # hdla_bwd_bk, hdla_bwd_warps: ``hdla_products_bwd``'s (H100 HDLA: 2.45 ms on 2 warps and 32 channels, 1.95 on
 # 4 and 64, 2.14 on 8 and 128; BENCHMARKS.md session 29).
-# hdla_pairs / hdla_bwd_pairs: ``hdla_products``' / ``hdla_products_bwd``'s last level (adjacent tokens) as row sums
-# (H100 forward kernel: 0.964 -> 0.915 ms; the backward's untimed: on sm_90 it trades 24 of 144 HMMA for row sums and
-# their shuffles, 4272 -> 4520 instructions). Right under the interpreter; their bf16 compiles not yet checked on the
-# GPU, so off by default (BENCHMARKS.md session 31).
+# hdla_pairs / hdla_bwd_pairs: ``hdla_products``' / ``hdla_products_bwd``'s last level (adjacent tokens) as row sums.
+# H100, HDLA at bf16 (BENCHMARKS.md session 32): the forward kernel 0.963 -> 0.904 ms, so on; the backward's
+# 1.852 -> 2.075 ms (it trades 24 of 144 HMMA for row sums and their shuffles, 4272 -> 4520 instructions on sm_90),
+# so off. Both pass the GPU's HDLA tests (bf16 at K = 128 and the one-node cases).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
-                hdla_bwd_warps=4, hdla_pairs=0, hdla_bwd_pairs=0)
+                hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward

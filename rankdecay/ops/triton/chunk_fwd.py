@@ -265,8 +265,15 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
         return none, none
 
 
-# the log-cumsum kernel's (key block, warps), alone and with PREP (benchmarks/prep_variants.py)
-_LOG_CUMSUM = dict(plain=(16, 2), prep=(16, 8))
+# the log-cumsum kernel's (key block, warps), alone and with PREP, by tokens per chunk (other sizes take 64's;
+# benchmarks/prep_variants.py). H100, bf16, B8 T2048 H16 K128 (BENCHMARKS.md session 32): at 32-token chunks
+# (HDLA) PREP took 248 µs on 64's launch and 190 on (32, 1), the plain kernel 83 µs and 76 on (64, 2).
+_LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8)), 32: dict(plain=(64, 2), prep=(32, 1))}
+
+
+def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
+    """The log-cumsum kernel's (key block, warps) at ``chunk_size`` tokens per chunk, with or without PREP."""
+    return _LOG_CUMSUM.get(chunk_size, _LOG_CUMSUM[64])["prep" if prep else "plain"]
 
 
 @triton.jit
@@ -318,7 +325,7 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
-    knob = _LOG_CUMSUM["prep" if prep is not None else "plain"]
+    knob = log_cumsum_launch(chunk_size, prep is not None)
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
     q, k, qd, kd, dch, scale = prep if prep is not None else (gc, gc[..., None, :], gc, gc, gc, 1.0)
     _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
