@@ -360,9 +360,11 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None). ``stored``: the
     tensors between the kernels in 16 bits, as on a GPU at the bf16 products' precision (the products' gradients
     of q, k, a and b among them), within eight units of fp16's rounding (as bf16's in
-    ``test_bf16_products_under_medium_matmul_precision``)."""
+    ``test_bf16_products_under_medium_matmul_precision``). Step 4 on 16 key channels: K = 20 in two blocks, the
+    second partial, whose sums the rows' backward adds up (``factors.hdla_factors_finish``)."""
     knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
     monkeypatch.setitem(knobs, "hdla_products", True)
+    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_bwd")._CONFIG, "grad_bk", 16)
     if stored is not None:
         monkeypatch.setitem(knobs, "stored", stored)
     gen = torch.Generator().manual_seed(12)

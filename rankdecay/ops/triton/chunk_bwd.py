@@ -38,7 +38,7 @@ from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
                         _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
                         ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_fwd
+from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel, bwd_stages
 
@@ -65,9 +65,33 @@ _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk"
 
 
 @triton.jit
+def _hdla_rows_bwd(dA, dB, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, K: tl.constexpr, TC: tl.constexpr,
+                   BK: tl.constexpr):
+    """HDLA's rows' gradients da, db [2 TC, BK] (rows token-major, rank minor) carried on to k and g, a block of key
+    channels at a time: a1 = β k, a2 = β (λk - β c k), b1 = λk, b2 = k with c = kᵀ(λk) (hc [B, T, H]) held fixed
+    here. Returns (dk, dg) [TC, BK] of the chunk's tokens (Kr: k's rows, fq / vq: their flat index and validity) and
+    stores this block's Σ da1 k + da2 λk and Σ da2 k to hpart, from which ``factors.hdla_factors_finish`` forms
+    c's share (dc = -β² Σ_k da2 k) and dβ."""
+    first = (rka == 0)[:, None]
+    da1 = tl.sum(tl.reshape(tl.where(first, dA, 0.0), (TC, 2, BK)), axis=1)
+    da2 = tl.sum(tl.reshape(tl.where(first, 0.0, dA), (TC, 2, BK)), axis=1)
+    db1 = tl.sum(tl.reshape(tl.where(first, dB, 0.0), (TC, 2, BK)), axis=1)
+    db2 = tl.sum(tl.reshape(tl.where(first, 0.0, dB), (TC, 2, BK)), axis=1)
+    lam = tl.exp(_load_rows(graw, fq, vq, o_k, m_k, K))
+    lk = lam * Kr
+    be = tl.load(hb + fq, mask=vq, other=0.0).to(tl.float32)[:, None]
+    c = tl.load(hc + fq, mask=vq, other=0.0)[:, None]
+    dlk = be * da2 + db1  # d(λk), c's share aside
+    part = hpart + (fq * tl.num_programs(0) + i_k) * 2
+    tl.store(part, tl.sum(da1 * Kr + da2 * lk, axis=1), mask=vq)
+    tl.store(part + 1, tl.sum(da2 * Kr, axis=1), mask=vq)
+    return be * da1 - be * be * c * da2 + db2 + dlk * lam, dlk * lk
+
+
+@triton.jit
 def _grad_kernel(
     q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
-    pq, pk, pa, pb, graw, hb, T, NC,
+    pq, pk, pa, pb, graw, hb, hc, hpart, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
@@ -89,7 +113,9 @@ def _grad_kernel(
 
     HDLA (``_HDLA``'s products in one kernel): a1 = β k, b1 = λ ⊙ k (λ = e^g, graw the gate as given [B, T, H, K])
     and b2 = k are formed from k and β (hb [B, T, H]), as the factor kernel forms them, and only a2 is read: b may
-    be absent.
+    be absent. The rows' gradients da and db are not stored but carried on to k and g here (``_hdla_rows_bwd``,
+    with c = kᵀ(λ⊙k) from hc [B, T, H]), all but the share through c, which needs the whole K: this block's sums
+    for it go to hpart [B, T, H, key blocks, 2] (``factors.hdla_factors_finish`` adds it and forms dβ).
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -185,7 +211,9 @@ def _grad_kernel(
         dG = Q * dQ - tl.sum(tl.reshape(Kr * dK, (TC, RKVP, BK)), axis=1)
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
-    tl.store(dk + fk[:, None] * K + o_k[None, :], dK + Dk, mask=vk[:, None] & m_k[None, :])
+    dK += Dk
+    if not HDLA:
+        tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
         Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -205,8 +233,14 @@ def _grad_kernel(
         if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
             tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
             dA = dA * fac_a[:, None]
-        tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
-        tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
+        if HDLA:  # on to k and g here (k's rows are q's: one rank)
+            dk_rows, dg_rows = _hdla_rows_bwd(dA, dB + Db, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, K,
+                                              TC, BK)
+            dK += dk_rows
+            tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
+        else:
+            tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
+            tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
     if GATE == 1:  # this block's share (the products' share: _grad_products_kernel)
         row = (c * tl.num_programs(0) + i_k) * (3 * TC + 1)
         tl.store(pdg + row + r_q, sQ)
@@ -218,6 +252,8 @@ def _grad_kernel(
         dgt = (tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex
                + tl.cumsum(sQ, axis=0, reverse=True) + tl.cumsum(sKA, axis=0) - sKA
                + tl.cumsum(sB, axis=0, reverse=True) - sB + eC[None, :])
+        if HDLA:  # b1 = λ ⊙ k's own share
+            dgt += dg_rows
         tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
                  mask=(tq < T)[:, None] & m_k[None, :])
 
@@ -613,14 +649,16 @@ class _ChunkDPLR(torch.autograd.Function):
         return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht)
 
 
-def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None):
+def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
     kernel: ``_scalar_dg_kernel``'s FOLD), and the result is (dq, dk, dv, dg, dh0, dβ). ``hdla_beta`` (``_HDLA``):
     HDLA's β [B, T, H]; where its products were taken as token rows (``hdla_fused_products``) so is their
     gradient (``channel.hdla_products_bwd``), with a1 = β k's share in dk and in one more result, β's share
-    ([B, T, H] fp32; None where the products were taken apart)."""
+    ([B, T, H] fp32; None where the products were taken apart). There, with ``hdla_c`` (c = kᵀ(λ⊙k) [B, T, H]
+    fp32), step 4 also carries the rows' gradients on to dk and dg, da and db come back None, and a last result
+    holds the sums ``factors.hdla_factors_finish`` needs for the rest (None where the products were taken apart)."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -704,7 +742,10 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # dq, dk, da, db, dg
     # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
     dq, dk = like(q), like(k)
-    da, db = (like(a), like(a if b is None else b)) if Rab and not tied else (None, None)
+    one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
+    # HDLA's rows' gradients go on to k and g inside step 4, all but c's share: its sums per key block to hpart
+    hpart = torch.empty(B, T, H, NKB, 2, **f32) if one else None
+    da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one else (None, None)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if tied:
@@ -717,7 +758,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         # per channel: the decays' log-cumsums
         gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
         pq = pk = pa = pb = dbeta_rows = None
-        one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
         if b is None and Rab and not one:
             raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do "
                              "without it")
@@ -743,7 +783,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
-            opt(pa), opt(pb), g if one else dummy, hdla_beta if one else dummy, T, NC, H=H, K=K,
+            opt(pa), opt(pb), g if one else dummy, hdla_beta if one else dummy, hdla_c if one else dummy, opt(hpart),
+            T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one,
@@ -759,7 +800,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         else:
             _scalar_dg_kernel[(NC, B * H)](dgp, pdg, dg, dgp, dgp, dgp, dgp, dgp, T, NC, H=H, TC=C, NKB=NKB,
                                            NVB=1, FOLD=False, num_warps=1)
-    cast = lambda x, ref: None if ref is None else x.to(ref.dtype)  # noqa: E731
+    cast = lambda x, ref: None if ref is None or x is None else x.to(ref.dtype)  # noqa: E731
     if fold is not None:  # (dq, dk, dv, dg, dh0, dβ) of the delta rule: a = b = k, a_scale = β e^g, v_scale = β
         if dbeta is None:  # no gate: a_scale = v_scale = β
             dbeta = dsa.sum(-1).add_(dsv.sum(-1))
@@ -769,7 +810,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     grads = (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, a if b is None else b), cast(dg, g),
              cast(dh0, h0), None,
              cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
-    return grads if hdla_beta is None else grads + (dbeta_rows,)
+    return grads if hdla_beta is None else grads + (dbeta_rows, hpart)
 
 
 class _GatedDeltaRule(torch.autograd.Function):
@@ -816,37 +857,44 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, initial_state, a_scale=sa, v_scale=sv)
 
 
-def _hdla_factors(q, k, g, beta):
+def _hdla_factors(q, k, g, beta, with_c=False):
     """HDLA's rows (a, b) for ``chunk_dplr_fwd``: where the products take one kernel (the precision ``chunk_dplr_fwd``
-    takes, ``_KNOBS``'s if set), the kernels form a1 and b from k themselves, so a2 alone and b None."""
-    return hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))))
+    takes, ``_KNOBS``'s if set), the kernels form a1 and b from k themselves, so a2 alone and b None. ``with_c``:
+    (a, b, c) with c = kᵀ(λ⊙k) [B, T, H] fp32 (the backward's ``hdla_factors_finish``)."""
+    return hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))),
+                            with_c=with_c)
 
 
 class _HDLA(torch.autograd.Function):
     """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``;
     with the products in one kernel, a2 alone: the intra kernel and step 4 form a1 and b from k), its products
-    taken as six of token rows (``channel.hdla_products``), and the rows' gradients carried on to k, g and β by
-    the factors' backward kernel, added into the chunked kernels' dk and dg."""
+    taken as six of token rows (``channel.hdla_products``), and the rows' gradients carried on to k, g and β:
+    with the products in one kernel, by step 4 itself and ``factors.hdla_factors_finish`` (the share through
+    c = kᵀ(λ⊙k), which needs the whole K); else by the factors' backward kernel, added into the chunked kernels'
+    dk and dg."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
         ctx.set_materialize_grads(False)
-        a, b = _hdla_factors(q, k, g, beta)
+        a, b, c = _hdla_factors(q, k, g, beta, with_c=True)
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
-        ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta)
+        ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta, c)
         ctx.scale, ctx.C = scale, saved["TC"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        *tensors, k, beta = ctx.saved_tensors
-        dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows = _backward(tensors, ctx.scale, ctx.C, False, do, dht,
-                                                               hdla_beta=beta)
+        *tensors, k, beta, c = ctx.saved_tensors
+        dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows, part = _backward(tensors, ctx.scale, ctx.C, False, do, dht,
+                                                                     hdla_beta=beta, hdla_c=c)
         dk = dk.view(k.shape)
-        _, _, dbeta = hdla_factors_bwd(k, tensors[5], beta, da, db, dk, dg)  # adds the rows' share to dk and dg
-        if dbeta_rows is not None:  # a1 = β k's share through the products (``channel.hdla_products_bwd``)
-            dbeta = dbeta + dbeta_rows
+        if part is not None:  # step 4 took the rows' gradients but c's share, added here with dβ
+            dbeta = hdla_factors_finish(k, tensors[5], beta, c, part, dk, dg, dbeta_rows)
+        else:
+            _, _, dbeta = hdla_factors_bwd(k, tensors[5], beta, da, db, dk, dg)  # adds the rows' share to dk, dg
+            if dbeta_rows is not None:  # a1 = β k's share through the products (``channel.hdla_products_bwd``)
+                dbeta = dbeta + dbeta_rows
         return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
 
 

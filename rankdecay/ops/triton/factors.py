@@ -24,9 +24,10 @@ _ELEMS = 4096
 
 
 @triton.jit
-def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                             A2_ONLY: tl.constexpr = False):
-    # A2_ONLY: only a's second rows are written (a's first rows and b are left as they are)
+def _hdla_factors_fwd_kernel(k, g, beta, a, b, cs, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                             A2_ONLY: tl.constexpr = False, STORE_C: tl.constexpr = False):
+    # A2_ONLY: only a's second rows are written (a's first rows and b are left as they are). STORE_C: c = kᵀ(λ⊙k)
+    # per token to cs [N] too (``hdla_factors_finish``'s)
     o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     o_k = tl.arange(0, BK)
     m = (o_n < N)[:, None] & (o_k < K)[None, :]
@@ -37,6 +38,8 @@ def _hdla_factors_fwd_kernel(k, g, beta, a, b, N, K: tl.constexpr, BK: tl.conste
     c = tl.sum(k_ * lk, axis=1)[:, None]
     p2 = o_n[:, None] * 2 * K + o_k[None, :]  # row r of token n: (2 n + r) K
     tl.store(a + p2 + K, be * (lk - be * c * k_), mask=m)
+    if STORE_C:
+        tl.store(cs + o_n, tl.sum(c, axis=1), mask=o_n < N)
     if not A2_ONLY:
         tl.store(a + p2, be * k_, mask=m)
         tl.store(b + p2, lk, mask=m)
@@ -82,19 +85,21 @@ def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
     return BK, rows, (triton.cdiv(N, rows),)
 
 
-def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     a2_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a2_only: bool = False,
+                     with_c: bool = False) -> tuple[torch.Tensor, ...]:
     """``hdla_factors``' (a, b) without autograd (inputs contiguous). ``a2_only``: a [B, T, H, 2, K] with only its
     second rows a2 written and b None, for kernels that form a1 = β k and b = [λ ⊙ k, k] from k themselves (HDLA
     with its products in one kernel: ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_beta``, ``chunk_bwd._HDLA``): a quarter
-    of the writes."""
+    of the writes. ``with_c``: (a, b, c), c = kᵀ(λ⊙k) [B, T, H] fp32 as well, for ``hdla_factors_finish``."""
     K = k.shape[-1]
     N = k.numel() // K
     a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
     b = None if a2_only else torch.empty_like(a)
+    c = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device) if with_c else None
     BK, rows, grid = _grid(N, K)
-    _hdla_factors_fwd_kernel[grid](k, g, beta, a, a if a2_only else b, N, K=K, BK=BK, ROWS=rows, A2_ONLY=a2_only)
-    return a, b
+    _hdla_factors_fwd_kernel[grid](k, g, beta, a, a if a2_only else b, a if c is None else c, N, K=K, BK=BK,
+                                   ROWS=rows, A2_ONLY=a2_only, STORE_C=with_c)
+    return (a, b, c) if with_c else (a, b)
 
 
 def hdla_factors_bwd(k, g, beta, da, db, dk=None, dg=None):
@@ -111,6 +116,49 @@ def hdla_factors_bwd(k, g, beta, da, db, dk=None, dg=None):
     BK, rows, grid = _grid(N, K)
     _hdla_factors_bwd_kernel[grid](k, g, beta, da, db, dk, dg, dbeta, N, K=K, BK=BK, ROWS=rows, ACC=acc)
     return dk, dg, dbeta
+
+
+@triton.jit
+def _hdla_factors_finish_kernel(k, g, beta, cs, part, dk, dg, dbeta, dbr, N, NKB, K: tl.constexpr, BK: tl.constexpr,
+                                ROWS: tl.constexpr, HAS_DBR: tl.constexpr):
+    # the share of the rows' gradient that needs their whole K: dc = -β² Σ_k da2 k (c = kᵀ(λ⊙k)) into dk and dg,
+    # and dβ, from the key blocks' sums s1 = Σ da1 k + da2 λk and s2 = Σ da2 k (part [N, NKB, 2])
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    m = m_n[:, None] & (o_k < K)[None, :]
+    p = o_n[:, None] * K + o_k[None, :]
+    s1 = tl.zeros([ROWS], dtype=tl.float32)
+    s2 = tl.zeros([ROWS], dtype=tl.float32)
+    for j in range(NKB):
+        s1 += tl.load(part + (o_n * NKB + j) * 2, mask=m_n, other=0.0)
+        s2 += tl.load(part + (o_n * NKB + j) * 2 + 1, mask=m_n, other=0.0)
+    be = tl.load(beta + o_n, mask=m_n, other=0.0).to(tl.float32)
+    d_beta = s1 - 2.0 * be * tl.load(cs + o_n, mask=m_n, other=0.0) * s2
+    if HAS_DBR:
+        d_beta += tl.load(dbr + o_n, mask=m_n, other=0.0)
+    tl.store(dbeta + o_n, d_beta, mask=m_n)
+    dc = (-be * be * s2)[:, None]
+    k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    lk = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32)) * k_
+    # dk: dc ⊙ λk through c's k and again through its λk; dg: dc ⊙ k ⊙ λk
+    tl.store(dk + p, tl.load(dk + p, mask=m, other=0.0).to(tl.float32) + 2.0 * dc * lk, mask=m)
+    tl.store(dg + p, tl.load(dg + p, mask=m, other=0.0).to(tl.float32) + dc * k_ * lk, mask=m)
+
+
+def hdla_factors_finish(k, g, beta, c, part, dk, dg, dbeta_rows=None) -> torch.Tensor:
+    """The end of HDLA's rows' backward where step 4 (``chunk_bwd._grad_kernel``'s HDLA) took the rest: k, g
+    [B, T, H, K], β [B, T, H], c = kᵀ(λ⊙k) [B, T, H] fp32 (``hdla_factors_fwd``'s ``with_c``), part
+    [B, T, H, NKB, 2] fp32 (each key block's Σ da1 k + da2 λk and Σ da2 k), dk and dg [B, T, H, K] (added to in
+    place, in fp32, stored in their dtypes), dbeta_rows [B, T, H] fp32 or None (β's share from elsewhere, added).
+    Returns dβ [B, T, H] fp32."""
+    K = k.shape[-1]
+    N = k.numel() // K
+    dbeta = torch.empty(beta.shape, dtype=torch.float32, device=k.device)
+    BK, rows, grid = _grid(N, K)
+    _hdla_factors_finish_kernel[grid](k, g, beta, c, part, dk, dg, dbeta, dbeta if dbeta_rows is None else dbeta_rows,
+                                      N, part.shape[-2], K=K, BK=BK, ROWS=rows, HAS_DBR=dbeta_rows is not None)
+    return dbeta
 
 
 class _HDLAFactors(torch.autograd.Function):
