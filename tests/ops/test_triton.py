@@ -421,7 +421,9 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     g, beta = g.to(DEVICE), (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
     a, b = hdla_factors_fwd(k, g, beta)
     a2_only, none = hdla_factors_fwd(k, g, beta, a2_only=True)  # what the products read: a2, the same
-    assert none is None and torch.equal(a2_only[..., 1, :], a[..., 1, :])
+    assert none is None
+    # the same formula in two compiles: equal on the CPU, within fp32's rounding on a GPU (FMA contraction may differ)
+    assert_matches(a2_only[..., 1, :], a[..., 1, :], 1e-6, "a2 alone")
     gc = chunk_log_cumsum(g, C, torch.float64)
     NC = gc.shape[2]
     full = lambda m, n: torch.full((B, H, NC, m, n), float("nan"), device=DEVICE)  # noqa: E731 (NaN: unwritten)
@@ -443,10 +445,10 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     dps = [torch.randn(x.shape, generator=gen).to(DEVICE) for x in ref]
     monkeypatch.setitem(_CHANNEL, "hdla_bwd_bk", 16)  # K = 37: three key blocks, β's share from the first alone
     grad = lambda m: torch.full((B, H, NC, m, K), float("nan"), device=DEVICE)  # noqa: E731
-    mine = [grad(C), grad(C), grad(2 * C), grad(2 * C)]
+    mine = [grad(C), grad(C), grad(C), grad(2 * C)]  # pa: a2's rows alone
     dbeta = hdla_products_bwd(q, k, a, gc, beta, *dps, ours[0], ours[3], *mine, T=T, TC=C, precision="ieee",
                               scale=0.3)
-    rq, rk, ra, rb = (torch.zeros_like(x) for x in mine)
+    rq, rk, ra, rb = (torch.zeros_like(x) for x in (mine[0], mine[1], mine[3], mine[3]))  # ra: a's 2 C rows
     prod = dict(T=T, TC=C, precision="ieee")
     channel_product_bwd(q, k, gc, dps[0], rq, rk, strict=False, acc_x=False, acc_y=False, **prod)
     channel_product_bwd(q, a, gc, dps[1], rq, ra, strict=False, acc_x=True, acc_y=False, **prod)
@@ -458,7 +460,7 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
 
     da1 = ra[..., 0::2, :].clone()  # a1 = β k: its share goes to k (times β) and to β (times k)
     rk += chunks(beta.unsqueeze(-1)) * da1
-    ra[..., 0::2, :] = 0.0
+    ra = ra[..., 1::2, :]
     ref_dbeta = (da1 * chunks(k)).sum(-1).flatten(2, 3)[..., :T].transpose(1, 2)
     for name, x, y in zip(["dq", "dk", "da", "db"], mine, (rq, rk, ra, rb)):
         assert torch.isfinite(x).all(), f"{name}: entries not written"

@@ -610,9 +610,9 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
                               TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False):
     # One program per (key block and row block, chunk, sequence x head), as ``_channel_product_bwd_kernel``:
     # x's rows of its block (q; b1 and b2, both through G_{t-1}) against the columns up to them, y's rows (k, a2)
-    # against the rows from them on. pq [B, H, NC, TC, K], pk, pa and pb as ``channel_product_bwd`` leaves them
-    # (chunk layout, any float dtype) but with a1's share folded into k's and β's (pa's a1 rows 0); dbeta [B, T, H]
-    # fp32: β's share through a1 (from the programs of the first key block).
+    # against the rows from them on. pq [B, H, NC, TC, K], pk and pb as ``channel_product_bwd`` leaves them (chunk
+    # layout, any float dtype), pa a2's rows alone [B, H, NC, TC, K]: a1's share is folded into k's and β's; dbeta
+    # [B, T, H] fp32: β's share through a1 (from the programs of the first key block).
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -711,9 +711,8 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
     rows = (c * TC + tok)[:, None] * K + o_k[None, :]
     tl.store(pq + rows, dQ, mask=m_k[None, :])
     tl.store(pk + rows, dK, mask=m_k[None, :])
+    tl.store(pa + rows, dA, mask=m_k[None, :])  # a2's rows alone
     rows = (c * 2 * TC + 2 * tok)[:, None] * K + o_k[None, :]
-    tl.store(pa + rows, tl.zeros([TB, BK], dtype=tl.float32), mask=m_k[None, :])
-    tl.store(pa + rows + K, dA, mask=m_k[None, :])
     tl.store(pb + rows, dB1, mask=m_k[None, :])
     tl.store(pb + rows + K, dB2, mask=m_k[None, :])
     if i_k == 0:  # β's share through a1 = β k: Σ_i dM_QA[i, a1_j] P1[i, j] + Σ_i,r dL_BA[b_ri, a1_j] L_BK[b_ri, j]
@@ -737,8 +736,8 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     dL/dP of the products without their scale, ``channel_product_bwd``'s dp) and the products themselves (mqk
     with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa and pb [.., 2 TC, K] (any float
     dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a and b,
-    except that a1 = β k's share is taken into k's (pa's a1 rows are 0) and β's, which it returns ([B, T, H]
-    fp32). Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md session
+    except that a1 = β k's share is taken into k's and β's, which it returns ([B, T, H] fp32), so pa holds a2's
+    rows alone ([B, H, NC, TC, K]). Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md session
     29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'."""
     B, _, H, K = q.shape
     NC = gc.shape[2]

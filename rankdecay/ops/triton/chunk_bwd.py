@@ -181,7 +181,12 @@ def _grad_kernel(
         dQ = tl.load(pq + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         dK = tl.load(pk + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         if RAB > 0:
-            dA = tl.load(pa + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+            if HDLA:  # a2's rows alone (a1's share went to k's and β's)
+                dA = tl.load(pa + (c * TC + r_a[:, None] // 2) * K + o_k[None, :],
+                             mask=(rka == 1)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            else:
+                dA = tl.load(pa + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :],
+                             other=0.0).to(tl.float32)
             dB = tl.load(pb + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
     # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
     # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
@@ -768,7 +773,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             # time the same (8.51 / 8.48 ms; BENCHMARKS.md session 30)
             mk = stc if one else f32c
             pq, pk = mk(C, K), mk(NK, K)
-            pa, pb = (mk(NA, K), mk(NA, K)) if Rab else (None, None)
+            pa, pb = (mk(C if one else NA, K), mk(NA, K)) if Rab else (None, None)  # HDLA's pa: a2's rows alone
             if one:
                 dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta, dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
