@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("cases", nargs="+", choices=list(CASES))
     parser.add_argument("--set", nargs="*", default=[], help="overrides, e.g. grad=8 grad_bk=16")
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
-    parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[8, 2048, 16, 128, 128])
+    parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"),
+                        default=[8, 2048, 16, 128, 128])
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     for name in args.cases:

@@ -577,6 +577,13 @@ def _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, ti, tj, TC: tl.constexpr):
 
 
 @triton.jit
+def _hdla_dp_where(keep, Dqk, Dqa, D1k, D1a, D2k, D2a):
+    """The six products' gradient tiles (``_hdla_dp``) where keep, 0 elsewhere."""
+    return (tl.where(keep, Dqk, 0.0), tl.where(keep, Dqa, 0.0), tl.where(keep, D1k, 0.0), tl.where(keep, D1a, 0.0),
+            tl.where(keep, D2k, 0.0), tl.where(keep, D2a, 0.0))
+
+
+@triton.jit
 def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_k, m_k, K: tl.constexpr,
                     S: tl.constexpr, PRECISION: tl.constexpr):
     """One level of ``_hdla_products_bwd_kernel``'s diagonal block (``_hdla_level``'s pairs): the shares of dq,
@@ -585,12 +592,7 @@ def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_
     same = _same_block(tok, tok, S)
     Ky = Kr * y0
     Ay = A2 * y0
-    Eqk = tl.where(same, Dqk, 0.0)
-    Eqa = tl.where(same, Dqa, 0.0)
-    E1k = tl.where(same, D1k, 0.0)
-    E1a = tl.where(same, D1a, 0.0)
-    E2k = tl.where(same, D2k, 0.0)
-    E2a = tl.where(same, D2a, 0.0)
+    Eqk, Eqa, E1k, E1a, E2k, E2a = _hdla_dp_where(same, Dqk, Dqa, D1k, D1a, D2k, D2a)
     dQ = (_dot(Eqk, Ky, PRECISION) + _dot(Eqa, Ay, PRECISION)) * x0
     dB1 = (_dot(E1k, Ky, PRECISION) + _dot(E1a, Ay, PRECISION)) * x1  # b1's own exponent is G_{t-1}
     dB2 = (_dot(E2k, Ky, PRECISION) + _dot(E2a, Ay, PRECISION)) * x1
@@ -657,12 +659,7 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
         Gn = _gc_at(g, tokn, ve, o_k, m_k, K)
         E = tl.exp(tl.where(odd[:, None], G0 - G1, tl.where(ve[:, None], Gn - G0, 0.0)).to(tl.float32))
         # the six gradients' entries [t, t - 1], each read by rows (x's side) and by columns (y's side)
-        Sqk = tl.where(sub, Dqk, 0.0)
-        Sqa = tl.where(sub, Dqa, 0.0)
-        S1k = tl.where(sub, D1k, 0.0)
-        S1a = tl.where(sub, D1a, 0.0)
-        S2k = tl.where(sub, D2k, 0.0)
-        S2a = tl.where(sub, D2a, 0.0)
+        Sqk, Sqa, S1k, S1a, S2k, S2a = _hdla_dp_where(sub, Dqk, Dqa, D1k, D1a, D2k, D2a)
         # x's side, the odd rows: D[t, t - 1] times y's rows at t - 1 (b1 and b2 through G_{t-1}: no decay)
         Kp = _load_rows(k, fx - H, vo, o_k, m_k, K)
         Ap = _load_rows(a, 2 * (fx - H) + 1, vo, o_k, m_k, K)
@@ -734,11 +731,11 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
                       precision: str, scale: float) -> torch.Tensor:
     """The gradients through ``hdla_products``' four products in one kernel, given theirs (dmqk, dmqa, dlba, dlbk:
     dL/dP of the products without their scale, ``channel_product_bwd``'s dp) and the products themselves (mqk
-    with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa and pb [.., 2 TC, K] (any float
-    dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a and b,
-    except that a1 = β k's share is taken into k's and β's, which it returns ([B, T, H] fp32), so pa holds a2's
-    rows alone ([B, H, NC, TC, K]). Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md session
-    29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'."""
+    with its scale, lbk). Writes into pq [B, H, NC, TC, K], pk [.., TC, K], pa [.., TC, K] and pb [.., 2 TC, K]
+    (any float dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a
+    and b, except that a1 = β k's share is taken into k's and β's, which it returns ([B, T, H] fp32), so pa holds
+    a2's rows alone. Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md
+    session 29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
