@@ -58,6 +58,14 @@ def make_hdla(B, T, H, K, V, device, dtype):
     return x
 
 
+def make_kda(B, T, H, K, V, device, dtype):
+    """Kimi Delta Attention: HDLA's nearest peer in fla, a diagonal plus rank-1 decay where HDLA's is diagonal
+    plus rank 2."""
+    x = make_gdn(B, T, H, K, V, device, dtype)
+    x["g"] = F.logsigmoid(torch.randn(B, T, H, K, device=device) + 3)
+    return x
+
+
 def make_hh(B, T, H, K, V, device, dtype):
     x = make_gdn(B, T, H, K, V, device, dtype)
     x["mask"] = ops.head_in_head_mask(torch.rand(H, 4, 4, device=device))
@@ -110,6 +118,9 @@ CASES = {
                 {"fla": _fla("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "sdpa": _sdpa}),
     "hdla": Case("HDLA", make_hdla, lambda x: ops.hdla(**x)[0], lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 2, 1),
                  {"sdpa": _sdpa}),
+    "kda": Case("KDA", make_kda, lambda x: ops.kda(**x)[0],
+                lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 1, 1),
+                {"fla": _fla("fla.ops.kda", "chunk_kda")}),
     "hh-gdn": Case("HH-GDN r=4", make_hh, lambda x: ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"])[0],
                    lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 4, 1), {"sdpa": _sdpa}),
     "gla": Case("GLA", make_gla, lambda x: ops.gla(**x)[0], lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 0, 1),

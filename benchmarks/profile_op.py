@@ -1,7 +1,9 @@
 """Where an op's GPU time goes: torch.profiler's table for one case of benchmarks/kernels.py.
 
     python benchmarks/profile_op.py gdn [--backward] [--shape B T H K V] [--rows 25] [--matmul-precision medium]
-                                        [--resources]
+                                        [--resources] [--peer fla]
+
+``--peer`` profiles that peer's call of the case (``kernels.py``'s ``peers``) instead of ours.
 
 ``--resources`` also prints, for every compiled variant of our Triton kernels, its registers per
 thread, spilled registers, shared memory and warps (what limits how many programs share an SM).
@@ -24,13 +26,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     parser.add_argument("--resources", action="store_true", help="registers / shared memory per kernel")
+    parser.add_argument("--peer", default=None, help="profile this peer's call (e.g. fla) instead of ours")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
     inputs = case.make(*args.shape, "cuda", torch.bfloat16)
-    measure(case.ours, inputs, args.backward)  # warm up, compile
+    if args.peer is not None and args.peer not in case.peers:
+        raise SystemExit(f"--peer {args.peer}: case {args.case} has peers {sorted(case.peers)}")
+    call = case.peers[args.peer] if args.peer else case.ours
+    measure(call, inputs, args.backward)  # warm up, compile
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        measure(case.ours, inputs, args.backward)
+        measure(call, inputs, args.backward)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
     if args.resources:
         print_resources()

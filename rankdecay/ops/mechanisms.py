@@ -151,7 +151,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
     g: ``[B, T, H]`` with ``α_t = e^{g_t}``, or ``[B, T, H, K]`` for a per-channel
-    gate ``Diag(e^{g_t})(I - β k kᵀ)`` (Kimi Delta Attention), or None (DeltaNet);
+    gate ``Diag(e^{g_t})(I - β k kᵀ)``, or None (DeltaNet). A per-channel gate here decays after the
+    delta step; Kimi Delta Attention (fla's ``chunk_kda``) decays before it: that is :func:`kda`;
     beta: ``[B, T, H]``.
 
     ``use_qk_l2norm_in_kernel`` (fla's argument): q and k are L2-normalised first, in fp32
@@ -191,6 +192,35 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """L2 normalisation over the last dim in at least fp32 (``x / max(||x||, 1e-6)``), back in x's dtype."""
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
+    r"""Kimi Delta Attention: Gated DeltaNet with a per-channel gate applied before the delta step (fla's
+    ``chunk_kda``, same arguments and order).
+
+    .. math:: S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(e^{g_t})\,S_{t-1} + \beta_t k_t v_t^\top
+
+    q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays
+    (``[B, T, H]`` also accepted: then it is :func:`gated_delta_rule`); beta: ``[B, T, H]``.
+    ``use_qk_l2norm_in_kernel``: q and k L2-normalised first, as in :func:`gated_delta_rule`.
+
+    As DPLR: ``a = β k`` (``a = k``, ``a_scale = β``), ``b = e^{g} ⊙ k``, writes ``k (β v)ᵀ``. With ``a`` the keys
+    themselves, the fused forward takes each of the decay's intra-chunk products with its write's product
+    (``q a`` with ``q k``, ``b a`` with ``b k``): two per-channel products instead of four.
+    """
+    _check_qkv(q, k, v)
+    _check_beta(beta, q)
+    _check_gate(g, q)
+    if g is None:
+        raise ValueError("g must be a log-decay of shape [B, T, H, K] (kda), got None: use delta_rule")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    k1 = k[..., None, :]
+    b = _up(k1) * _gate_factor(g)  # kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
+    return dplr(q, k1, v[..., None, :], k1, b, g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
+                inplace_final_state=inplace_final_state, a_scale=beta, v_scale=beta)
 
 
 def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,

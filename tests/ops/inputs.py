@@ -12,7 +12,7 @@ from . import reference as ref
 
 MECHANISMS = [
     "linear_attn", "retention", "simple_gla", "gla", "delta_rule", "gated_delta_rule",
-    "gated_delta_product", "hdla", "hh_delta_rule", "hh_gated_delta_rule",
+    "kda", "gated_delta_product", "hdla", "hh_delta_rule", "hh_gated_delta_rule",
 ]
 
 
@@ -37,7 +37,7 @@ def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=No
     q = rnd(B, T, H, K)
     if name != "gated_delta_product":  # it has n_h keys and values per token
         k, v = F.normalize(rnd(B, T, H, K), dim=-1), rnd(B, T, H, V)
-    uses_beta = name in ("delta_rule", "gated_delta_rule", "hdla", "hh_delta_rule", "hh_gated_delta_rule")
+    uses_beta = name in ("delta_rule", "gated_delta_rule", "kda", "hdla", "hh_delta_rule", "hh_gated_delta_rule")
     beta = beta_max * (track(torch.rand(B, T, H, dtype=dtype)) if uses_beta else torch.rand(B, T, H, dtype=dtype))
     scale = K ** -0.5
     if name == "linear_attn":
@@ -56,6 +56,9 @@ def make_case(name, B, T, H, K, V, dtype=torch.float64, *, beta_max=1.0, gate=No
     if name == "gated_delta_rule":
         g = log_decay(B, T, H)
         return (lambda **kw: ops.gated_delta_rule(q, k, v, g, beta, **kw)), (lambda h0: ref.gated_delta_rule(q, k, v, g, beta, scale, h0))
+    if name == "kda":
+        g = log_decay(B, T, H, K)
+        return (lambda **kw: ops.kda(q, k, v, g, beta, **kw)), (lambda h0: ref.kda(q, k, v, g, beta, scale, h0))
     if name == "gated_delta_product":
         kp, vp = F.normalize(rnd(B, T * nh, H, K), dim=-1), rnd(B, T * nh, H, V)
         bp = beta_max * track(torch.rand(B, T * nh, H, dtype=dtype))

@@ -67,6 +67,12 @@ def gated_delta_rule(q, k, v, g, beta, scale, h0):
     return run(q, P, lambda t: beta[:, t].to(f64)[..., None, None] * outer(k[:, t], v[:, t]), scale, h0)
 
 
+def kda(q, k, v, g, beta, scale, h0):
+    """Kimi Delta Attention: (I - b k k^T) Diag(alpha), the decay before the delta step."""
+    return run(q, lambda t: householder(k[:, t], beta[:, t]) @ torch.diag_embed(g[:, t].to(f64).exp()),
+               lambda t: beta[:, t].to(f64)[..., None, None] * outer(k[:, t], v[:, t]), scale, h0)
+
+
 def gated_delta_product(q, k, v, g, beta, nh, scale, h0):
     """n_h delta-rule sub-steps per token on the interleaved sequence, gate at the first."""
     B, T, H, K = q.shape

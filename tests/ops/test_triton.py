@@ -750,11 +750,49 @@ def test_mechanisms_route_through_triton():
         "hdla": lambda m: ops.hdla(q, k, v, lam, 2 * beta, mode=m, chunk_size=16),
         "hh_delta_rule": lambda m: ops.hh_delta_rule(q, k, v, beta, mask, g, mode=m, chunk_size=16),
         "gla": lambda m: ops.gla(q, k, v, lam, mode=m, chunk_size=16),
+        "kda": lambda m: ops.kda(q, k, v, lam, beta, mode=m, chunk_size=16),
     }
     for name, call in calls.items():
         assert_matches(call("triton")[0], call("chunk")[0], 1e-5, name)
         with torch.no_grad():
             assert_matches(call("fused_recurrent")[0], call("naive")[0], 1e-5, name)
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_kda_matches_pytorch_chunk(strong, monkeypatch):
+    """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
+    partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
+    forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
+    their gradients in two passes (``dp_scaled``): checked."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    dual, dual_bwd = [], []
+    product, product_bwd = chunk_fwd.channel_product, chunk_bwd.channel_product_bwd
+    monkeypatch.setattr(chunk_fwd, "channel_product",
+                        lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
+    monkeypatch.setattr(chunk_bwd, "channel_product_bwd",
+                        lambda *a, **kw: dual_bwd.append(kw.get("dp_scaled") is not None) or product_bwd(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 70, 2, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = -30 * torch.rand(B, T, H, K, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
+    if strong:
+        g[:, 40], beta[0, 0] = -1e4, 2.0
+    h0 = torch.randn(B, H, K, V, generator=gen)
+
+    def grads(mode):
+        xs = [x.to(DEVICE).clone().requires_grad_() for x in (q, k, v, g, beta, h0)]  # a leaf per call
+        o, s = ops.kda(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
+        ((o * torch.linspace(-1, 1, V, device=o.device)).sum() + s.sin().sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad for x in xs]
+
+    got, ref = grads("triton"), grads("chunk")
+    assert dual == [True, True] and dual_bwd == [True, True]
+    for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-5, f"kda strong={strong}: {name}")
 
 
 @pytest.mark.parametrize("K,dtype,strong,scalar_gate", [(16, torch.float32, False, False),
@@ -963,6 +1001,39 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
     if grads:
         assert type(got[0].grad_fn).__name__ == "_HDLABackward"
     _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact, matmul_precision)
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+def test_gpu_kda_realistic_size(matmul_precision):
+    """Kimi Delta Attention (a = k with β as its factors: two per-channel products in the forward), bf16 inputs
+    at B2 T1000 H4 K=V=128 with a per-channel gate and β up to 2, against fp64 on the same inputs: the bounds of
+    ``_assert_near_fp64`` for the output, final state and every gradient. Where fla is installed, its
+    ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision)."""
+    gen = torch.Generator().manual_seed(8)
+    inputs = _gdn_realistic_inputs(seed=8)
+    B, T, H, D = inputs[0].shape
+    inputs[3] = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) + 3).to(DEVICE, torch.bfloat16)
+
+    def call(fn, exact=False):
+        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
+        o, s = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    names = ["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    exact = call(lambda *x, **kw: ops.kda(*x, mode="chunk", **kw), exact=True)
+    got = call(lambda *x, **kw: ops.kda(*x, mode="triton", **kw))
+    _assert_near_fp64(names, got, call(lambda *x, **kw: ops.kda(*x, mode="chunk", **kw)), exact, matmul_precision)
+    if importlib.util.find_spec("fla") is None or matmul_precision != "medium":
+        return
+    from fla.ops.kda import chunk_kda  # the recurrence fla calls KDA, with fla's own kernels
+
+    fla = call(lambda *x, **kw: chunk_kda(*x, **kw))
+    for name, x, y, e in zip(names, got, fla, exact):
+        assert rel_rms(y.float(), e) < 2 ** -5, f"fla {name}: {rel_rms(y.float(), e):.2e}: not the same recurrence"
+        assert rel_rms(x, e) <= 2 * rel_rms(y.float(), e) + 1e-4, f"{name}: ours {rel_rms(x, e):.2e}"
 
 
 def _gdn_realistic_inputs(seed):

@@ -172,13 +172,15 @@ def _x_exponent(gc, tok, o_k, m_k, KG: tl.constexpr, STRICT: tl.constexpr):
 
 @triton.jit
 def _channel_product_kernel(
-    x, y, gc, sy, p, scale, T, NC,
+    x, y, gc, sy, p, p2, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, KP: tl.constexpr,
+    DUAL: tl.constexpr,
 ):
     # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
-    # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale.
+    # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale. DUAL (with YSC):
+    # p takes P times scale and p2 (p's shape) P ⊙ sy times scale, from one product.
     # Off the diagonal, x's side is scaled once over all of K (KP = pow2 >= K), then meets y's earlier
     # sub-blocks one at a time: half the exps and loads of one product against every y row with the
     # later ones masked (H100: GLA 0.75 -> 0.44 ms; BENCHMARKS.md session 20).
@@ -218,9 +220,13 @@ def _channel_product_kernel(
     # the diagonal block in its own columns and zeros after it (the earlier columns come below)
     blk = (tl.arange(0, NB) == i_r).to(tl.float32)
     out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
-    if YSC:
-        out = out * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
     p_x = p + (c * NX + o_x[:, None]) * NY
+    if YSC:
+        sc_y = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)
+        if DUAL:
+            tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
+            p_x = p2 + (c * NX + o_x[:, None]) * NY
+        out = out * sc_y[None, :]
     tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
     if i_r > 0:  # each earlier block of y, through the token just before this row block
         ref = i_r * TB - 1
@@ -236,6 +242,8 @@ def _channel_product_kernel(
                 (Gr[None, :] - _gc_at(g, tokj, tokj >= 0, o_kf, m_kf, KG)).to(tl.float32))
             blk_j = _dot(Xs, tl.trans(Ys), PRECISION)
             if YSC:
+                if DUAL:
+                    tl.store(p + (c * NX + o_x[:, None]) * NY + o_j[None, :], blk_j * scale)
                 blk_j = blk_j * tl.load(sy + fj, mask=vj, other=0.0).to(tl.float32)[None, :]
             tl.store(p_x + o_j[None, :], blk_j * scale)
 
@@ -246,22 +254,27 @@ def _sub_block(TC: int, rx: int, ry: int) -> int:
 
 
 def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str, lowp: bool,
-                    scale: float = 1.0, y_scale=None) -> torch.Tensor:
+                    scale: float = 1.0, y_scale=None, out_scaled=None) -> torch.Tensor:
     """Writes P ⊙ y_scale (columns) times ``scale`` into ``out`` [B, H, NC, TC*Rxp, TC*Ryp] (any float dtype).
 
     x [B, T, H, Rx, K], y [B, T, H, Ry, K] (contiguous, as given; [B, T, H, K]: rank 1); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); y_scale [B, T, H, Ry] fp32 or None; lowp: x and y are 16-bit of one
-    dtype (a token against itself is then taken in that dtype, exactly)."""
+    dtype (a token against itself is then taken in that dtype, exactly). ``out_scaled`` (out's shape, with
+    y_scale): ``out`` then takes P times ``scale`` and ``out_scaled`` P ⊙ y_scale times ``scale``, both from one
+    product (the products of a row set with y and with y's scaled rows, as a = k with a_scale: ``kda``)."""
     x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
     B, _, H, RX, K = x.shape
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
     BK = min(_knob("bk", TC), max(16, triton.next_power_of_2(K)))
+    if out_scaled is not None and (y_scale is None or out_scaled.shape != out.shape):
+        raise ValueError("out_scaled takes y_scale and out's shape")
     _channel_product_kernel[(TC // TB, NC, B * H)](
-        x, y, gc, out if y_scale is None else y_scale, out, scale, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
-        RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision, LP=lowp,
-        YSC=y_scale is not None, KP=triton.next_power_of_2(K), num_warps=_knob("warps", TC), num_stages=1,
+        x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled, scale, T, NC,
+        H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK,
+        PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
+        DUAL=out_scaled is not None, num_warps=_knob("warps", TC), num_stages=1,
     )
     return out
 
@@ -442,14 +455,18 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
 
 @triton.jit
 def _channel_product_bwd_kernel(
-    x, y, gc, sy, dp, dx, dy, T, NC,
+    x, y, gc, sy, dp, dx, dy, dp2, dy2, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, YSC: tl.constexpr, ACC_X: tl.constexpr, ACC_Y: tl.constexpr,
+    DUAL: tl.constexpr, ACC_Y2: tl.constexpr,
 ):
     # dp [B, H, NC, NX, NY]: dL/dP for P = P(x, sy ⊙ y) (``_channel_product_kernel``'s without its scale);
     # entries outside the causal pattern are ignored. dx [B, H, NC, NX, K] and dy [B, H, NC, NY, K]
     # fp32: dL/dx and dL/d(sy ⊙ y) through P, added to what they hold with ACC_X / ACC_Y.
+    # DUAL (with YSC): two products of the same rows, P = P(x, y) with dp and P2 = P(x, sy ⊙ y) with dp2
+    # (``channel_product``'s out_scaled): dx takes both shares (dp + dp2 ⊙ sy against y), dy dL/dy through P
+    # and dy2 [dy's shape] dL/d(sy ⊙ y) through P2 (ACC_Y2: added), from one pass over the decays.
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -469,17 +486,25 @@ def _channel_product_bwd_kernel(
     tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
     X = _load_rows(x, fx, vx, o_k, m_k, K)
     Yd = _load_rows(y, fd, vd, o_k, m_k, K)
-    if YSC:
-        Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
     dP = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)  # the diagonal block
+    if DUAL:  # x's share of both products; dP stays P's for dy, dP2 is P2's for dy2
+        dP2 = tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)
+        dPx = dP + dP2 * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[None, :]
+    else:
+        if YSC:
+            Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
+        dPx = dP
     # the diagonal block, level by level (and a token against itself)
+    dY2 = tl.zeros([YR, BK], dtype=tl.float32)
     if STRICT:
         dX = tl.zeros([XR, BK], dtype=tl.float32)
         dY = tl.zeros([YR, BK], dtype=tl.float32)
     else:
-        P = tl.where(tokx[:, None] == tokd[None, :], dP, 0.0)
-        dX = _dot(P, Yd, PRECISION)
-        dY = _dot(tl.trans(P), X, PRECISION)
+        same = tokx[:, None] == tokd[None, :]
+        dX = _dot(tl.where(same, dPx, 0.0), Yd, PRECISION)
+        dY = _dot(tl.trans(tl.where(same, dP, 0.0)), X, PRECISION)
+        if DUAL:
+            dY2 = _dot(tl.trans(tl.where(same, dP2, 0.0)), X, PRECISION)
     if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
         Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
     for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
@@ -488,9 +513,12 @@ def _channel_product_bwd_kernel(
         else:
             lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
             ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
-        P = tl.where(_same_block(tokx, tokd, TB >> lvl), dP, 0.0)
-        dX += _dot(P, Yd * ly, PRECISION) * lx
-        dY += _dot(tl.trans(P), X * lx, PRECISION) * ly
+        blk = _same_block(tokx, tokd, TB >> lvl)
+        Xl = X * lx
+        dX += _dot(tl.where(blk, dPx, 0.0), Yd * ly, PRECISION) * lx
+        dY += _dot(tl.trans(tl.where(blk, dP, 0.0)), Xl, PRECISION) * ly
+        if DUAL:
+            dY2 += _dot(tl.trans(tl.where(blk, dP2, 0.0)), Xl, PRECISION) * ly
     # x's rows of this block against y's rows before it, through the token just before the block
     if i_r > 0:
         ref = i_r * TB - 1
@@ -499,10 +527,13 @@ def _channel_product_bwd_kernel(
         before = toky <= ref
         Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)
         Y = _load_rows(y, fy, vy & before, o_k, m_k, K)
-        if YSC:
-            Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
         eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
         Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+        if DUAL:
+            Pb += (tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+                   * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :])
+        elif YSC:
+            Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
         if RXP == RYP:
             xb = Gx - Gr[None, :]
         else:
@@ -522,7 +553,12 @@ def _channel_product_bwd_kernel(
             ya = Gf[None, :] - Gy
         else:
             ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
-        dY += _dot(tl.trans(Pa), Xa * tl.exp(xa.to(tl.float32)), PRECISION) * tl.exp(ya.to(tl.float32))
+        Xa = Xa * tl.exp(xa.to(tl.float32))
+        ey = tl.exp(ya.to(tl.float32))
+        dY += _dot(tl.trans(Pa), Xa, PRECISION) * ey
+        if DUAL:
+            Pa2 = tl.load(dp2 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+            dY2 += _dot(tl.trans(Pa2), Xa, PRECISION) * ey
     px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
     py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]
     if ACC_X:
@@ -531,23 +567,37 @@ def _channel_product_bwd_kernel(
         dY += tl.load(py, mask=m_k[None, :], other=0.0)
     tl.store(px, dX, mask=m_k[None, :])
     tl.store(py, dY, mask=m_k[None, :])
+    if DUAL:
+        py2 = dy2 + (c * NY + o_d[:, None]) * K + o_k[None, :]
+        if ACC_Y2:
+            dY2 += tl.load(py2, mask=m_k[None, :], other=0.0)
+        tl.store(py2, dY2, mask=m_k[None, :])
 
 
 def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, precision: str, acc_x: bool,
-                        acc_y: bool, y_scale=None):
+                        acc_y: bool, y_scale=None, dp_scaled=None, dy_scaled=None, acc_y_scaled: bool = False):
     """dL/dx into dx [B, H, NC, TC*Rxp, K] and dL/d(y_scale ⊙ y) into dy [B, H, NC, TC*Ryp, K] (fp32,
     chunk layout), given dp = dL/dP [B, H, NC, TC*Rxp, TC*Ryp] for P = ``channel_product``'s without its
-    scale, that is P(x, y_scale ⊙ y); with acc_x / acc_y added to what dx / dy hold."""
+    scale, that is P(x, y_scale ⊙ y); with acc_x / acc_y added to what dx / dy hold.
+
+    With ``dp_scaled`` (and y_scale, ``dy_scaled``): the gradients of the two products ``channel_product``
+    writes with ``out_scaled``, P = P(x, y) (dp) and P2 = P(x, y_scale ⊙ y) (dp_scaled), in one pass: dx takes
+    both shares, dy dL/dy through P, dy_scaled dL/d(y_scale ⊙ y) through P2 (added with acc_y_scaled)."""
     x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
     B, _, H, RX, K = x.shape
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
     BK = min(_knob("bwd_bk", TC), max(16, triton.next_power_of_2(K)))
+    dual = dp_scaled is not None
+    if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
+        raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
     _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
-        x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
+        x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
+        dy if not dual else dy_scaled, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
-        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, num_warps=_knob("bwd_warps", TC), num_stages=1,
+        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled,
+        num_warps=_knob("bwd_warps", TC), num_stages=1,
     )
 
 

@@ -768,6 +768,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                              "without it")
         if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
             prod = dict(T=T, TC=C, precision=prec)
+            # a is k with factors (the forward's a_is_k; saved tensors are new objects: compared by storage)
+            a_is_k = (Rab == Rkv and asc and a.data_ptr() == k.data_ptr() and a.shape == k.shape
+                      and a.stride() == k.stride() and a.dtype == k.dtype and _KNOBS.get("tie_a_k", 1))
             # HDLA's one kernel writes each entry once: the stored dtype, as the tiles between the other kernels
             # (the four products' kernels add into theirs: fp32). H100 HDLA fwd+bwd: peak memory 4561 -> 4177 MB,
             # time the same (8.51 / 8.48 ms; BENCHMARKS.md session 30)
@@ -777,6 +780,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             if one:
                 dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta, dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
+            elif Rab and a_is_k:  # a = sa ⊙ k (``kda``): each pair of products in one pass, as the forward took them
+                channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, y_scale=sa32,
+                                    dp_scaled=dmqa, dy_scaled=pa, **prod)
+                channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
+                                    dp_scaled=dlba, dy_scaled=pa, acc_y_scaled=True, **prod)
             else:
                 channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, **prod)
                 if Rab:

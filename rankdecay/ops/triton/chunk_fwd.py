@@ -570,7 +570,8 @@ def _output_kernel(
 # num_stages; None, the default: ``state_stages``'s choice), "scaled" (False: not ``scaled_update``'s form),
 # "intra_maxnreg" (the intra kernel's register cap; 0: the compiler's; absent: ``intra_registers``'s choice),
 # "state_bv" (the forward state kernel's value block; None: ``state_value_block``'s choice),
-# "merge" ("ieee", the default, or "tf32": the UT inverse's block merges).
+# "merge" ("ieee", the default, or "tf32": the UT inverse's block merges), "tie_a_k" (0: a = k with factors
+# (``kda``) takes its four per-channel products apart, forward and backward, as before they were paired).
 _KNOBS: dict = {}
 
 
@@ -715,6 +716,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
+    # a is k with its rows' factors (a = a_scale ⊙ k: ``kda``) under a per-channel gate: Q A's product is
+    # Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product
+    a_is_k = (a is k and a_scale is not None and g is not None and g.shape[-1] > 1 and Rab == Rkv
+              and {**_KNOBS, **(_config or {})}.get("tie_a_k", 1))
     prec = _precision(q)
     # the output kernel's value block: 128 with bf16 products (H100 GDN: 150 against 165 µs at 64;
     # BENCHMARKS.md session 15), 64 with fp32 tiles, twice the registers
@@ -791,9 +796,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, **prod)
+        elif a_is_k and mqa is not None:  # H100, B8 T2048 H16 K=V=128 bf16: 4 products, 1.39 ms
+            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
+                            **prod)
+            channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), y_scale=sa, out_scaled=lba, **prod)
         else:
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
-        if Rab and not fused:
+        if Rab and not fused and not (a_is_k and mqa is not None):
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
