@@ -202,7 +202,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     .. math:: S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(e^{g_t})\,S_{t-1} + \beta_t k_t v_t^\top
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decays
-    (``[B, T, H]`` also accepted: then it is :func:`gated_delta_rule`); beta: ``[B, T, H]``.
+    (``[B, T, H]`` also accepted: then the order does not matter and this is :func:`gated_delta_rule`, which it
+    calls); beta: ``[B, T, H]``.
     ``use_qk_l2norm_in_kernel``: q and k L2-normalised first, as in :func:`gated_delta_rule`.
 
     As DPLR: ``a = β k`` (``a = k``, ``a_scale = β``), ``b = e^{g} ⊙ k``, writes ``k (β v)ᵀ``. With ``a`` the keys
@@ -214,6 +215,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     _check_gate(g, q)
     if g is None:
         raise ValueError("g must be a log-decay of shape [B, T, H, K] (kda), got None: use delta_rule")
+    if g.dim() == 3:  # one decay per head commutes with the delta step
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                mode=mode, inplace_final_state=inplace_final_state,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]

@@ -81,6 +81,22 @@ def test_gated_delta_product_num_householder(nh):
     assert_matches(s, s_ref, 1e-10, "final state")
 
 
+def test_kda_with_one_decay_per_head_is_gated_delta_rule():
+    """A per-head gate commutes with the delta step: kda's [B, T, H] gate (routed to gated_delta_rule) and the same
+    gate expanded over K (kda's own DPLR form) give one result; a per-channel gate does not commute, and there kda
+    and gated_delta_rule differ."""
+    from rankdecay import ops
+
+    q, k, v = torch.randn(1, 20, 2, 8), torch.nn.functional.normalize(torch.randn(1, 20, 2, 8), dim=-1), torch.randn(1, 20, 2, 4)
+    g, beta = -torch.rand(1, 20, 2), torch.rand(1, 20, 2)
+    o1, s1 = ops.kda(q, k, v, g, beta, output_final_state=True)
+    o2, s2 = ops.kda(q, k, v, g[..., None].expand(q.shape), beta, output_final_state=True)
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(s1, s2)
+    gk = -torch.rand(1, 20, 2, 8)
+    assert not torch.allclose(ops.kda(q, k, v, gk, beta)[0], ops.gated_delta_rule(q, k, v, gk, beta)[0], atol=1e-3)
+
+
 def test_gated_delta_product_with_one_householder_is_gated_delta_rule():
     from rankdecay import ops
 

@@ -43,6 +43,8 @@ beta, g = torch.rand(B, T, H), -torch.rand(B, T, H)
     (lambda: ops.gated_delta_rule(q, k, v, g, beta[:, :, :1]), ValueError, r"beta must have shape \[B, T, H\]"),
     (lambda: ops.gated_delta_rule(q, k, v, g[..., None], beta), ValueError, r"g must have shape \[B, T, H, K\] = \[2, 10, 3, 8\], got \[2, 10, 3, 1\]"),
     (lambda: ops.gla(q, k, v, g), ValueError, r"g must have shape \[B, T, H, K\]"),
+    (lambda: ops.kda(q, k, v, None, beta), ValueError, r"g must be a log-decay of shape \[B, T, H, K\]"),
+    (lambda: ops.kda(q, k, v, x(B, T, H, K), beta[..., None]), ValueError, r"beta must have shape \[B, T, H\]"),
     (lambda: ops.simple_gla(q, k, v, x(B, T, H, K)), ValueError, r"g must have shape \[B, T, H\]"),
     (lambda: ops.retention(q, k, v, torch.zeros(H + 1)), ValueError, r"log_gamma must have shape \[H\]"),
     (lambda: ops.hdla(q, k, v, x(B, T, H, K), beta.int()), TypeError, "beta must be a floating-point tensor"),
