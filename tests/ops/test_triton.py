@@ -519,7 +519,7 @@ def test_products_precision_follows_pytorch_setting():
 def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     """``chunk_fwd.fuse_output``: the state kernel forms the outputs on a GPU where its grid fills every SM, and
     for the delta rule's scaled forward (``scalable``) at any grid; not before the backward (``save``) with chunks
-    under 64 tokens; never under the interpreter."""
+    under 64 tokens, nor with a per-channel gate and a low-rank decay at 64; never under the interpreter."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setattr(chunk_fwd, "_sm_count", lambda device: 132)
@@ -532,6 +532,10 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert not chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=32)
     assert not chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=16)
     assert chunk_fwd.fuse_output(256, cuda, save=False, chunk_size=32)  # HDLA's forward alone
+    # a per-channel gate with a low-rank decay at 64-token chunks (KDA): the output kernel, with or without save
+    assert not chunk_fwd.fuse_output(256, cuda, save=False, chunk_size=64, channel_rank=True)
+    assert not chunk_fwd.fuse_output(256, cuda, save=True, chunk_size=64, channel_rank=True)
+    assert chunk_fwd.fuse_output(256, cuda, save=False, chunk_size=32, channel_rank=True)  # HDLA's forward alone
     # the scaled form: tied keys, the chunk's rows one row block, fused, nothing saved, not turned off
     assert chunk_fwd.scaled_update(True, True, True, False)
     assert not chunk_fwd.scaled_update(False, True, True, False)

@@ -50,8 +50,10 @@ from .fused_recurrent import _pow2
 # H100, HDLA at bf16 (BENCHMARKS.md session 32): the forward kernel 0.963 -> 0.904 ms, so on; the backward's
 # 1.852 -> 2.075 ms (it trades 24 of 144 HMMA for row sums and their shuffles, 4272 -> 4520 instructions on sm_90),
 # so off. Both pass the GPU's HDLA tests (bf16 at K = 128 and the one-node cases).
+# dual_bwd_bk, dual_bwd_warps: ``channel_product_bwd``'s with a pair of products (``dp_scaled``; None: bwd_bk's, and 2
+# warps). H100 KDA, B8 T2048 H16 K=V=128 bf16: 1.618 ms on 4 warps, 1.293 on 2 (BENCHMARKS.md session 33).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
-                hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0)
+                hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -588,16 +590,18 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
-    BK = min(_knob("bwd_bk", TC), max(16, triton.next_power_of_2(K)))
     dual = dp_scaled is not None
+    BK = min(_CHANNEL["dual_bwd_bk"] or _knob("bwd_bk", TC) if dual else _knob("bwd_bk", TC),
+             max(16, triton.next_power_of_2(K)))
+    warps = _CHANNEL["dual_bwd_warps"] or _knob("bwd_warps", TC) if dual else _knob("bwd_warps", TC)
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
     _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
         x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
         dy if not dual else dy_scaled, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
-        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled,
-        num_warps=_knob("bwd_warps", TC), num_stages=1,
+        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled, num_warps=warps,
+        num_stages=1,
     )
 
 

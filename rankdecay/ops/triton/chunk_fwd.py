@@ -590,7 +590,7 @@ def stored_dtype(precision: str, K: int, device: torch.device) -> torch.dtype:
 
 
 def fuse_output(programs: int, device: torch.device, scalable: bool = False, save: bool = False,
-                chunk_size: int = 64) -> bool:
+                chunk_size: int = 64, channel_rank: bool = False) -> bool:
     """Whether the state kernel forms the outputs itself (``_state_fwd_kernel``'s FUSE_O) rather than a
     separate output kernel, one program per chunk: where its ``programs`` (value blocks x sequences x
     heads) alone fill every SM of the GPU. Fused, S_n and U_n need not be written out (without the
@@ -603,9 +603,11 @@ def fuse_output(programs: int, device: torch.device, scalable: bool = False, sav
     the outputs' products would lengthen a walk over twice as many chunks or more. H100 forward+backward, ms:
     HDLA (32-token chunks) 8.71 -> 8.55, its state kernel 0.87 -> 0.47 plus 0.22 for the output kernel; HH-GDN
     (16) 9.92 -> 9.88; at 64 tokens fused stays faster (GDN 2.25 against 2.35, GLA 2.31 against 2.35), and so
-    does HDLA's forward alone (3.06 against 3.10; BENCHMARKS.md session 30). Off on the CPU (the interpreter:
-    the tests force each form, ``_KNOBS["fuse_output"]``)."""
-    if device.type != "cuda" or (save and chunk_size < 64):
+    does HDLA's forward alone (3.06 against 3.10; BENCHMARKS.md session 30). Nor with a per-channel gate and a
+    low-rank decay (``channel_rank``) at 64-token chunks (KDA: the state kernel with the outputs took 566 µs, without
+    them 242 plus 166 for the output kernel; BENCHMARKS.md session 33). Off on the CPU (the interpreter: the tests
+    force each form, ``_KNOBS["fuse_output"]``)."""
+    if device.type != "cuda" or (save and chunk_size < 64) or (channel_rank and chunk_size >= 64):
         return False
     return scalable or programs >= _sm_count(device)
 
@@ -750,7 +752,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     scalable = scaled_update(tied, blocks["BCA"] == NA, True, save, cfg.get("scaled"))  # where fused
     fuse = cfg.get("fuse_output")
     if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable, save, TC)
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable, save, TC,
+                           channel_rank=gate == 2 and Rab > 0)
     scaled = scalable and fuse
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
