@@ -8,6 +8,7 @@ from .mixers import (
     GatedDeltaNet,
     GatedDeltaProduct,
     HeadInHead,
+    KDA,
     LinearAttention,
     LinearMixer,
     SimpleGLA,
@@ -15,6 +16,6 @@ from .mixers import (
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
 
 __all__ = [
-    "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "GLA", "SimpleGLA", "LinearAttention",
+    "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "KDA", "GLA", "SimpleGLA", "LinearAttention",
     "HDLA", "HeadInHead", "SlidingWindowAttention", "RMSNorm", "GatedRMSNorm", "ShortConvolution",
 ]

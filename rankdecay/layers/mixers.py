@@ -291,6 +291,33 @@ class GatedDeltaNet(DeltaNet):
                                     **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
 
 
+class KDA(DeltaNet):
+    """Kimi Delta Attention (``ops.kda``): S_t = (I - β k kᵀ) Diag(α_t) S_{t-1} + β k vᵀ, β = sigmoid(W_β x), with
+    Kimi Linear's per-channel decay log α = -exp(A_log) softplus(W_up W_down x + dt_bias): ``A_log`` per head,
+    ``dt_bias`` per key channel, W_down of rank ``head_v_dim`` (as fla's ``KimiDeltaAttention``, so that pruning
+    key channels leaves it whole). The block around it is the shared one (SiLU output gate, as every linear mixer
+    here; Kimi Linear's is a sigmoid)."""
+
+    decode_kernel = False  # the decode kernel takes one gate per head: decoding runs ops.kda's recurrence
+
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, **kwargs):
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False),
+                                    nn.Linear(self.head_v_dim, num_heads * self.head_k_dim, bias=False))
+        _mamba2_decay_params(self, num_heads)
+        self.dt_bias = nn.Parameter(self.dt_bias.detach().repeat_interleave(self.head_k_dim))  # per key channel
+        self.dt_bias._no_weight_decay = True
+
+    def gates(self, x, mask):
+        B, T = x.shape[:2]
+        f = self.f_proj(x).float().view(B, T, self.num_heads, self.head_k_dim)
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f + self.dt_bias.float().view(self.num_heads, -1))
+        return {**super().gates(x, mask), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
+
+    def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
+        return ops.kda(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
+
+
 class GatedDeltaProduct(GatedDeltaNet):
     """Gated DeltaProduct: ``num_householder`` keys, values and betas per token (``use_forget_gate=False``: DeltaProduct)."""
 

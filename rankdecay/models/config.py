@@ -7,7 +7,7 @@ from ..ops import _inputs
 
 # the decoding cache's recurrent state (``state_dtype``): the names of the dtypes the kernels update in place
 STATE_DTYPES = tuple(str(d).removeprefix("torch.") for d in _inputs.STATE_DTYPES)
-MIXERS = ("gdn", "deltanet", "gdp", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
+MIXERS = ("gdn", "deltanet", "gdp", "kda", "gla", "simple_gla", "linear_attn", "hdla", "hh-gdn", "hh-dn", "swa")
 
 # Shapes of the papers. Head-in-Head Table 9: 340M = 24 layers, d 1024, 4 heads, tied
 # embeddings; 1.3B = 24 layers, d 2048, 8 heads, untied; the "standard 4d² mixer" (HH
@@ -32,7 +32,7 @@ class RankDecayConfig(PretrainedConfig):
     Args:
         vocab_size, hidden_size, num_hidden_layers: the usual.
         mixer: the token mixer of every layer, one of ``MIXERS``: "gdn" (Gated
-            DeltaNet), "deltanet", "gdp" (Gated DeltaProduct), "gla", "simple_gla",
+            DeltaNet), "deltanet", "gdp" (Gated DeltaProduct), "kda" (Kimi Delta Attention), "gla", "simple_gla",
             "linear_attn", "hdla", "hh-gdn" / "hh-dn" (Head-in-Head over GDN /
             DeltaNet), "swa" (sliding-window attention).
         layer_mixers: optional per-layer list overriding ``mixer`` (hybrid stacks),

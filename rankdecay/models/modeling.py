@@ -11,8 +11,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .. import ops
 from ..layers import (
-    GLA, HDLA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer, RMSNorm,
-    SimpleGLA, SlidingWindowAttention,
+    GLA, HDLA, KDA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer,
+    RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
 from .config import RankDecayConfig
 
@@ -42,7 +42,7 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
                   mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx,
                   scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv,
                   state_dtype=getattr(config, "state_dtype", "float32"))
-    if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "hdla", "hh-gdn", "hh-dn"):
+    if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "kda", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
     if getattr(config, "gate_logit_normalizer", None) is not None and name in ("gla", "hdla"):
         common["gate_logit_normalizer"] = config.gate_logit_normalizer
@@ -50,6 +50,7 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
         "gdn": (GatedDeltaNet, {}),
         "deltanet": (DeltaNet, {}),
         "gdp": (GatedDeltaProduct, {"num_householder": config.num_householder}),
+        "kda": (KDA, {}),
         "gla": (GLA, {}),
         "simple_gla": (SimpleGLA, {}),
         "linear_attn": (LinearAttention, {}),
@@ -227,7 +228,7 @@ def mixer_flops_per_token(mixer: nn.Module, seq_len: int) -> float:
     assert isinstance(mixer, LinearMixer)
     H, K, V, C = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.chunk_size
     r_kv = mixer.kv_per_token
-    r_ab = {DeltaNet: r_kv, GatedDeltaNet: r_kv, GatedDeltaProduct: r_kv, HDLA: 2}.get(type(mixer), 0)
+    r_ab = {DeltaNet: r_kv, GatedDeltaNet: r_kv, GatedDeltaProduct: r_kv, KDA: r_kv, HDLA: 2}.get(type(mixer), 0)
     if isinstance(mixer, HeadInHead):
         r_ab = mixer.rank
     return H * ops.chunk_flops_per_token(K, V, C, r_ab, r_kv)

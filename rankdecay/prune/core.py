@@ -2,8 +2,8 @@
 
 For each linear-mixer layer and head a set of key/query channels is kept; the rows of
 ``W_q`` and ``W_k`` (every key of Gated DeltaProduct), the short-convolution filters of
-those channels (Proposition 3.2), HDLA's ``lambda`` projection and GLA's gate projection
-are sliced, and a smaller model (``head_k_dim' < head_k_dim``) is written. The query
+those channels (Proposition 3.2), HDLA's ``lambda`` projection, GLA's gate projection and KDA's (with its
+``dt_bias``) are sliced, and a smaller model (``head_k_dim' < head_k_dim``) is written. The query
 scale stays the original ``head_k_dim ** -0.5`` (config ``attn_scale``), so pruning is
 exactly "zero the dropped q/k channels" of the original model.
 
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..layers import GLA, HDLA, HeadInHead, LinearMixer
+from ..layers import GLA, HDLA, KDA, HeadInHead, LinearMixer
 
 METHODS = ("rand", "l1", "s-wanda", "grad", "drrqr", "pca")
 SELECT = ("kq", "k", "q")
@@ -170,7 +170,7 @@ def transform_model(model, transforms: dict[int, torch.Tensor], info: dict | Non
         if tuple(T.shape) != (m.num_heads, width, K):
             raise ValueError(f"layer {i}: transform must be [H, K', K] = [{m.num_heads}, {width}, {K}]")
         selection = _is_selection(T)
-        if not selection and (isinstance(m, (HDLA, GLA, HeadInHead))):
+        if not selection and (isinstance(m, (HDLA, GLA, KDA, HeadInHead))):
             raise ValueError(f"layer {i}: {type(m).__name__} has per-channel parameters on the key dimension "
                              "(decays, groups) that do not survive a rotation; use a channel selection method")
         prefix = f"model.layers.{i}.mixer."
@@ -216,6 +216,8 @@ def _key_params(m: LinearMixer) -> list[tuple[str, int]]:
         names += [("lambda_proj.weight", 1), ("lambda_proj.bias", 1)]
     if isinstance(m, GLA):
         names += [("gk_proj.1.weight", 1), ("gk_proj.1.bias", 1)]
+    if isinstance(m, KDA):
+        names += [("f_proj.1.weight", 1), ("dt_bias", 1)]
     return names
 
 

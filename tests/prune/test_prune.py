@@ -12,7 +12,7 @@ from rankdecay.prune import (
 )
 from rankdecay.prune.scorers import calibrate, pca_transforms
 
-MIXERS = ["gdn", "deltanet", "hdla", "hh-gdn", "gla", "gdp", "simple_gla"]
+MIXERS = ["gdn", "deltanet", "kda", "hdla", "hh-gdn", "gla", "gdp", "simple_gla"]
 
 
 def tiny(mixer, **kw):
