@@ -223,7 +223,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
-    b = _up(k1) * _gate_factor(g)  # kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
+    # b = e^g ⊙ k, i.e. bᵀ = kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
+    if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
+        from .triton.factors import kda_factor  # one kernel each way, no fp32 copy of k kept for autograd
+
+        b = kda_factor(k1, g[..., None, :])
+    else:
+        b = _up(k1) * _gate_factor(g)
     return dplr(q, k1, v[..., None, :], k1, b, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
                 inplace_final_state=inplace_final_state, a_scale=beta, v_scale=beta)

@@ -799,6 +799,30 @@ def test_kda_matches_pytorch_chunk(strong, monkeypatch):
         assert_matches(x, y, 1e-5, f"kda strong={strong}: {name}")
 
 
+@pytest.mark.parametrize("K,dtype", [(16, torch.float32), (20, torch.bfloat16)])
+def test_kda_factor_kernel_matches_pytorch(K, dtype):
+    """kda's b = e^g ⊙ k from its Triton kernel, forward (fp32) and backward (dk, dg in their dtypes), against fp64;
+    log-gates down to -30 and one of -1e4 (e^g = 0 exactly)."""
+    from rankdecay.ops.triton.factors import kda_factor
+
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 7, 3, 1, K, generator=gen).to(dtype)
+    g = -30 * torch.rand(2, 7, 3, 1, K, generator=gen)
+    g[0, 0] = -1e4
+    w = torch.randn(k.shape, generator=gen)
+    kd, gd = (x.to(DEVICE).clone().requires_grad_() for x in (k, g))  # leaves of their own
+    b = kda_factor(kd, gd)
+    (b * w.to(DEVICE)).sum().backward()
+    k64, g64 = (x.double().requires_grad_() for x in (k, g))
+    b64 = g64.exp() * k64
+    (b64 * w.double()).sum().backward()
+    assert b.dtype == torch.float32 and kd.grad.dtype == dtype and gd.grad.dtype == torch.float32
+    assert torch.isfinite(gd.grad).all() and (b.cpu()[0, 0] == 0).all()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, x, y in (("b", b, b64), ("dk", kd.grad, k64.grad), ("dg", gd.grad, g64.grad)):
+        assert_matches(x.double().cpu(), y.detach(), tol, name)
+
+
 @pytest.mark.parametrize("K,dtype,strong,scalar_gate", [(16, torch.float32, False, False),
                                                        (37, torch.bfloat16, True, False),
                                                        (20, torch.float32, False, True)])

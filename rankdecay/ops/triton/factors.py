@@ -9,6 +9,9 @@ pass over ``[B, T, H, 2, K]`` fp32 tensors: 4.5 ms of HDLA's 16.7 ms forward+bac
 B8 T2048 H16 K128 on the H100 (BENCHMARKS.md session 20). Here one program takes a block of
 rows (tokens x heads) whole along K, forward and backward, in fp32.
 
+Kimi Delta Attention (``mechanisms.kda``) needs ``b = e^g ⊙ k`` in fp32: in PyTorch an fp32 copy of k, the exp and
+the product forward, four more passes backward (``kda_factor``: one each way).
+
 Head-in-Head (``mechanisms.hh_delta_rule``) builds ``a_j = k ⊙ 1[group j]`` and
 ``b_j = k ⊙ M[j, group(·)]`` for r groups of key channels: PyTorch's gather of the mask and its
 backward (a scatter-add) cost about 3 ms of HH-GDN's forward+backward at the same size.
@@ -194,6 +197,57 @@ def hdla_factors(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[
         raise ValueError(f"hdla_factors expects k and g [B, T, H, K] and beta [B, T, H]; got k {list(k.shape)}, "
                          f"g {list(g.shape)}, beta {list(beta.shape)}")
     return _HDLAFactors.apply(k.contiguous(), g.contiguous(), beta.contiguous())
+
+
+@triton.jit
+def _kda_factor_kernel(k, g, b, db, dk, dg, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                       BACKWARD: tl.constexpr):
+    # b = e^g ⊙ k (fp32); BACKWARD: dk = db ⊙ e^g and dg = db ⊙ b, each in its tensor's dtype
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    o_k = tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    p = o_n[:, None] * K + o_k[None, :]
+    e = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32))
+    k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        db_ = tl.load(db + p, mask=m, other=0.0).to(tl.float32)
+        tl.store(dk + p, (db_ * e).to(dk.dtype.element_ty), mask=m)
+        tl.store(dg + p, (db_ * e * k_).to(dg.dtype.element_ty), mask=m)
+    else:
+        tl.store(b + p, e * k_, mask=m)
+
+
+class _KDAFactor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, g):
+        N, K = k.numel() // k.shape[-1], k.shape[-1]
+        b = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        BK, rows, grid = _grid(N, K)
+        _kda_factor_kernel[grid](k, g, b, b, b, b, N, K=K, BK=BK, ROWS=rows, BACKWARD=False)
+        ctx.save_for_backward(k, g)
+        return b
+
+    @staticmethod
+    def backward(ctx, db):
+        k, g = ctx.saved_tensors
+        N, K = k.numel() // k.shape[-1], k.shape[-1]
+        dk, dg = torch.empty_like(k), torch.empty_like(g)
+        BK, rows, grid = _grid(N, K)
+        _kda_factor_kernel[grid](k, g, k, db.contiguous(), dk, dg, N, K=K, BK=BK, ROWS=rows, BACKWARD=True)
+        return dk, dg
+
+
+def kda_factor(k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r"""Kimi Delta Attention's decay row ``b = e^{g} ⊙ k`` (fp32, ``k``'s shape), differentiable in ``k`` and ``g``:
+    one Triton kernel forward and one backward (dk and dg in their inputs' dtypes).
+
+    Args:
+        k: keys ``[..., K]``, any float dtype.
+        g: per-channel log-decays of ``k``'s shape.
+    """
+    if g.shape != k.shape:
+        raise ValueError(f"kda_factor expects g of k's shape {list(k.shape)}, got {list(g.shape)}")
+    return _KDAFactor.apply(k.contiguous(), g.contiguous())
 
 
 @triton.jit
