@@ -30,6 +30,10 @@ HDLA's rows have structure the general products do not use: b1 = λ ⊙ k throug
 b2 = k, and a1 = β k. ``hdla_products`` forms its four products from six products of token rows (q, b1 and b2
 against k and a2) in one kernel, the same sub-blocks and levels, instead of nine [C, C] products in four;
 ``hdla_products_bwd`` their gradients from twelve, instead of sixteen in four launches.
+
+Where a is k with per-row factors (``kda``: a = β ⊙ k), Q A is Q K with β on its columns and B A is B K:
+``channel_product(..., out_scaled=)`` writes each pair from one product and ``channel_product_bwd(...,
+dp_scaled=)`` takes its gradients in one pass (the kernels' DUAL), two products where there were four.
 """
 from __future__ import annotations
 
