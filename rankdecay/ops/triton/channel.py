@@ -595,9 +595,10 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
     dual = dp_scaled is not None
-    BK = min(_CHANNEL["dual_bwd_bk"] or _knob("bwd_bk", TC) if dual else _knob("bwd_bk", TC),
-             max(16, triton.next_power_of_2(K)))
-    warps = _CHANNEL["dual_bwd_warps"] or _knob("bwd_warps", TC) if dual else _knob("bwd_warps", TC)
+    bk, warps = _knob("bwd_bk", TC), _knob("bwd_warps", TC)
+    if dual:  # the pair's own launch where set
+        bk, warps = _CHANNEL["dual_bwd_bk"] or bk, _CHANNEL["dual_bwd_warps"] or warps
+    BK = min(bk, max(16, triton.next_power_of_2(K)))
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
     _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](

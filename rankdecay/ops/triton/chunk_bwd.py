@@ -646,15 +646,16 @@ class _ChunkDPLR(torch.autograd.Function):
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED))
-        ctx.scale, ctx.C, ctx.tied = scale, saved["TC"], tied
+        ctx.scale, ctx.C, ctx.tied, ctx.paired = scale, saved["TC"], tied, saved["paired"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht)
+        return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired)
 
 
-def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None):
+def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
+              paired: bool = False):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
@@ -663,7 +664,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     gradient (``channel.hdla_products_bwd``), with a1 = β k's share in dk and in one more result, β's share
     ([B, T, H] fp32; None where the products were taken apart). There, with ``hdla_c`` (c = kᵀ(λ⊙k) [B, T, H]
     fp32), step 4 also carries the rows' gradients on to dk and dg, da and db come back None, and a last result
-    holds the sums ``factors.hdla_factors_finish`` needs for the rest (None where the products were taken apart)."""
+    holds the sums ``factors.hdla_factors_finish`` needs for the rest (None where the products were taken apart).
+    ``paired``: the forward took a's products with k's (``chunk_dplr_fwd``'s saved "paired"), and so do their
+    gradients here."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -768,9 +771,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                              "without it")
         if gate == 2:  # the products' share of dq, dk, da, db (d(sa ⊙ a)), in the chunk layout
             prod = dict(T=T, TC=C, precision=prec)
-            # a is k with factors (the forward's a_is_k; saved tensors are new objects: compared by storage)
-            a_is_k = (Rab == Rkv and asc and a.data_ptr() == k.data_ptr() and a.shape == k.shape
-                      and a.stride() == k.stride() and a.dtype == k.dtype and _KNOBS.get("tie_a_k", 1))
             # HDLA's one kernel writes each entry once: the stored dtype, as the tiles between the other kernels
             # (the four products' kernels add into theirs: fp32). H100 HDLA fwd+bwd: peak memory 4561 -> 4177 MB,
             # time the same (8.51 / 8.48 ms; BENCHMARKS.md session 30)
@@ -780,7 +780,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             if one:
                 dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta, dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
-            elif Rab and a_is_k:  # a = sa ⊙ k (``kda``): each pair of products in one pass, as the forward took them
+            elif paired:  # a = sa ⊙ k (``kda``): each pair of products in one pass, as the forward took them
                 channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, y_scale=sa32,
                                     dp_scaled=dmqa, dy_scaled=pa, **prod)
                 channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=False, acc_y=True, y_scale=sa32,

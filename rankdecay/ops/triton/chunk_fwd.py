@@ -719,9 +719,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     KG = 1 if g is None else g.shape[-1]
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
     # a is k with its rows' factors (a = a_scale ⊙ k: ``kda``) under a per-channel gate: Q A's product is
-    # Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product
-    a_is_k = (a is k and a_scale is not None and g is not None and g.shape[-1] > 1 and Rab == Rkv
-              and {**_KNOBS, **(_config or {})}.get("tie_a_k", 1))
+    # Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product, forward and
+    # backward (saved as "paired"). A per-channel gate never takes the scaled form, so mqa is always there.
+    paired = bool(a is k and a_scale is not None and g is not None and g.shape[-1] > 1 and Rab == Rkv
+                  and {**_KNOBS, **(_config or {})}.get("tie_a_k", 1))
     prec = _precision(q)
     # the output kernel's value block: 128 with bf16 products (H100 GDN: 150 against 165 µs at 64;
     # BENCHMARKS.md session 15), 64 with fp32 tiles, twice the registers
@@ -799,13 +800,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, **prod)
-        elif a_is_k and mqa is not None:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
+        elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
                             **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), y_scale=sa, out_scaled=lba, **prod)
         else:
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
-        if Rab and not fused and not (a_is_k and mqa is not None):
+        if Rab and not fused and not paired:
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
@@ -855,5 +856,5 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if not save:
         return o, ht
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, qf=qf, af=af, kdec=kdec, TC=TC)  # Ũ is not needed: dL_BA = -dX Uᵀ
+                 u=u, qf=qf, af=af, kdec=kdec, TC=TC, paired=paired)  # Ũ is not needed: dL_BA = -dX Uᵀ
     return o, ht, saved
