@@ -261,10 +261,19 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     ``[B, T * n_h, H]`` (fla's interleaved layout: row ``t * n_h + j`` is sub-step j of
     token t); g: ``[B, T, H]`` or None (DeltaProduct); ``cu_seqlens`` counts tokens of q.
 
-    Mapped onto the rank machinery (``Rab = Rkv = n_h``), not onto a sequence n_h
-    times longer: :math:`H_{n_h} \cdots H_1 = I - \sum_j (H_{n_h} \cdots H_{j+1}) \beta_j k_j k_j^\top`,
-    so ``a_j = α β_j H_{n_h}⋯H_{j+1} k_j``, ``b_j = k_j``, writes ``(β_j H_{n_h}⋯H_{j+1} k_j) v_jᵀ``.
-    Queries then cost nothing at the inner sub-steps.
+    Two exact forms, chosen by where it runs:
+
+    - On the Triton kernels, with a scalar gate or none: the interleaved sequence (fla's form), Gated DeltaNet
+      over ``T * n_h`` sub-steps, the gate on each token's first sub-step and the query on its last (zero
+      queries elsewhere, their outputs dropped). Gated DeltaNet's one-node kernels at 64-token chunks beat the
+      rank machinery's 32-token chunks of [64, 64] row tiles: on the H100 (B8 T2048 H16 K=V=128, bf16, n_h = 2)
+      3.51 -> 0.88 ms forward (fla's ``chunk_gated_delta_product`` 1.14) and 12.95 -> 4.72 ms forward+backward
+      (BENCHMARKS.md, session 34).
+    - Elsewhere (the PyTorch paths, a per-channel gate): the rank machinery (``Rab = Rkv = n_h``):
+      :math:`H_{n_h} \cdots H_1 = I - \sum_j (H_{n_h} \cdots H_{j+1}) \beta_j k_j k_j^\top`,
+      so ``a_j = α β_j H_{n_h}⋯H_{j+1} k_j``, ``b_j = k_j``, writes ``(β_j H_{n_h}⋯H_{j+1} k_j) v_jᵀ``, and the
+      queries cost nothing at the inner sub-steps. (A per-channel gate applied once per token does not commute
+      with the sub-steps, so it has no interleaved Gated DeltaNet form.)
     """
     if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
@@ -273,6 +282,13 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     _check_beta(beta, q, rows=nh)
     _check_gate(g, q)
     B, T, H, K = q.shape
+    if (g is None or g.dim() == 3) and _runs_triton(mode, q, (q, k, v, g, beta, initial_state)):
+        o, state = gated_delta_rule(
+            _interleave(q, nh, at_last=True), k, v, None if g is None else _interleave(g, nh, at_last=False), beta,
+            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens * nh, chunk_size=chunk_size, mode=mode,
+            inplace_final_state=inplace_final_state)
+        return o.unflatten(1, (T, nh))[:, :, -1], state
     ks = _up(k).unflatten(1, (T, nh)).transpose(2, 3)  # [B, T, nh, H, K] -> [B, T, H, nh, K]
     vs = _up(v).unflatten(1, (T, nh)).transpose(2, 3)
     betas = _up(beta).unflatten(1, (T, nh)).transpose(2, 3)  # [B, T, H, nh]
@@ -288,6 +304,13 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     return dplr(q, k_w, vs, a, ks, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state,
                 a_scale=a_scale)
+
+
+def _interleave(x: torch.Tensor, nh: int, at_last: bool) -> torch.Tensor:
+    """[B, T, ...] -> [B, T * nh, ...]: token t's x at sub-step nh - 1 (``at_last``) or 0 of its nh, zeros at the
+    others (differentiable)."""
+    zeros = [torch.zeros_like(x)] * (nh - 1)
+    return torch.stack(zeros + [x] if at_last else [x] + zeros, dim=2).flatten(1, 2)
 
 
 def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

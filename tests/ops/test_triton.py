@@ -755,6 +755,8 @@ def test_mechanisms_route_through_triton():
         "hh_delta_rule": lambda m: ops.hh_delta_rule(q, k, v, beta, mask, g, mode=m, chunk_size=16),
         "gla": lambda m: ops.gla(q, k, v, lam, mode=m, chunk_size=16),
         "kda": lambda m: ops.kda(q, k, v, lam, beta, mode=m, chunk_size=16),
+        "gated_delta_product": lambda m: ops.gated_delta_product(q[:, :10], k, v, g[:, :10], beta, 2, mode=m,
+                                                                 chunk_size=16),
     }
     for name, call in calls.items():
         assert_matches(call("triton")[0], call("chunk")[0], 1e-5, name)
@@ -797,6 +799,54 @@ def test_kda_matches_pytorch_chunk(strong, monkeypatch):
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
         assert_matches(x, y, 1e-5, f"kda strong={strong}: {name}")
+
+
+@pytest.mark.parametrize("nh,gated,strong,varlen", [(2, True, True, False), (3, False, False, False),
+                                                     (2, True, False, True)])
+def test_gated_delta_product_interleaved_matches_rank_machinery(nh, gated, strong, varlen, monkeypatch):
+    """gated_delta_product on the kernels takes the interleaved sequence (Gated DeltaNet over T * n_h sub-steps,
+    the gate on each token's first, the query on its last); mode="chunk" takes the rank machinery (Rab = Rkv = n_h).
+    Outputs, final state and every gradient agree; T = 37 leaves partial chunks; strong: log-gates of -30, one of
+    -1e4, β up to 2; varlen: cu_seqlens (an empty sequence too) with a state per sequence. Checked: the kernels'
+    call saw T * n_h rows."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    rows = []
+    one_node, dplr_call = chunk_bwd.chunk_gated_delta_rule, dplr_module.dplr
+    monkeypatch.setattr(chunk_bwd, "chunk_gated_delta_rule",
+                        lambda q, *a, **kw: rows.append(q.shape[1]) or one_node(q, *a, **kw))
+    monkeypatch.setattr(ops.mechanisms, "dplr",
+                        lambda q, *a, **kw: rows.append(q.shape[1]) or dplr_call(q, *a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 1, 37, 2, 16, 8
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T * nh, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T * nh, H, V, generator=gen)
+    beta = (2 if strong else 1) * torch.rand(B, T * nh, H, generator=gen)
+    g = (-30 * torch.rand(B, T, H, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, generator=gen)))
+    if strong:
+        g[:, 20], beta[0, 0] = -1e4, 2.0
+    cu = torch.tensor([0, 11, 11, T]) if varlen else None
+    h0 = torch.randn(3 if varlen else B, H, K, V, generator=gen)
+    inputs = (q, k, v, g, beta, h0) if gated else (q, k, v, beta, h0)
+
+    def grads(mode):
+        xs = [x.to(DEVICE).clone().requires_grad_() for x in inputs]  # a leaf per call
+        *qkv, beta_, h0_ = xs
+        g_ = qkv.pop() if gated else None
+        o, s = ops.gated_delta_product(*qkv, g_, beta_, nh, initial_state=h0_, output_final_state=True, mode=mode,
+                                       cu_seqlens=None if cu is None else cu.to(DEVICE))
+        ((o * torch.linspace(-1, 1, V, device=o.device)).sum() + s.sin().sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad for x in xs]
+
+    got = grads("triton")
+    assert rows == [T * nh], rows
+    ref = grads("chunk")
+    assert rows == [T * nh, T], rows  # the rank machinery: T tokens of n_h rows
+    names_ = ["o", "final_state", "dq", "dk", "dv"] + (["dg"] if gated else []) + ["dbeta", "dh0"]
+    for name, x, y in zip(names_, got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-5, f"gated_delta_product nh={nh} gated={gated} strong={strong}: {name}")
 
 
 @pytest.mark.parametrize("K,dtype", [(16, torch.float32), (20, torch.bfloat16)])
@@ -996,6 +1046,28 @@ def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_fo
         got = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
         ref = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
     _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+def test_gpu_gated_delta_product_realistic_size(matmul_precision):
+    """Gated DeltaProduct, n_h = 2, on the kernels (the interleaved sequence through Gated DeltaNet's one node),
+    bf16 inputs at B2 T500 (1000 sub-steps) H4 K=V=128, β up to 2, against fp64 through the rank machinery
+    (mode="chunk"): the bounds of ``_assert_near_fp64`` for the output, final state and every gradient."""
+    q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=7)
+    inputs = [q[:, :500], k, v, g[:, :500], beta, h0]
+    D = q.shape[-1]
+
+    def call(mode, exact=False):
+        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
+        o, s = ops.gated_delta_product(*xs[:5], 2, initial_state=xs[5], output_final_state=True, mode=mode)
+        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    exact = call("chunk", exact=True)
+    got, ref = call("triton"), call("chunk")
+    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref, exact, matmul_precision)
 
 
 @GPU
