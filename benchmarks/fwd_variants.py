@@ -60,7 +60,9 @@ def main() -> None:
         captured["call"] = (a, k)
         return orig(*a, **k)
 
-    rt.chunk_dplr_fwd = grab
+    import rankdecay.ops.triton.chunk_bwd as cb  # the one-node paths (Gated DeltaNet, HDLA) call it from there
+
+    rt.chunk_dplr_fwd = cb.chunk_dplr_fwd = grab
     results = {}
     for case in args.cases:
         c = CASES[case]

@@ -388,9 +388,13 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
+        from .triton.chunk_state import _precision
         from .triton.factors import hh_factors  # one kernel each way: no gather of the mask, no scatter-add
 
-        a, b = hh_factors(k, mask)
+        # b in bf16 where the kernels round it to bf16 for its products anyway: half of b's traffic (H100 HH-GDN r=4,
+        # B8 T2048 H16 K=V=128: 3.01 -> 2.75 ms forward, 9.67 -> 9.01 forward+backward; BENCHMARKS.md session 34)
+        lowp = _precision(q).startswith("bf16") and k.dtype in (torch.bfloat16, torch.float16)
+        a, b = hh_factors(k, mask, b_dtype=torch.bfloat16 if lowp else torch.float32)
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]

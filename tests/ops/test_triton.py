@@ -706,6 +706,35 @@ def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_prec
         assert 2 ** -12 < err <= 2 ** -5, f"Rab={Rab} gate={gate} {name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("matmul_precision", ["medium", "highest"], indirect=True)
+def test_hh_rows_16bit_only_under_bf16_products(matmul_precision, monkeypatch):
+    """hh_delta_rule with bf16 inputs keeps b = k ⊙ M in bf16 where the kernels round it to bf16 for its products
+    anyway ("medium"), fp32 elsewhere; every result and gradient against fp64 as ``_assert_near_fp64`` bounds it
+    (at "medium" within 2^-5, at "highest" no worse than the PyTorch path on the same bf16 inputs)."""
+    seen = []
+    dplr_call = dplr_module.dplr
+    monkeypatch.setattr(ops.mechanisms, "dplr", lambda *a, **kw: seen.append(a[4].dtype) or dplr_call(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K, V = 1, 37, 2, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta, g = 2 * torch.rand(B, T, H, generator=gen), F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2)
+    mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen))
+    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, mask, g]
+
+    def call(mode, dtype=None):
+        xs = [(x.to(dtype) if dtype else x).to(DEVICE).clone().requires_grad_() for x in inputs]
+        o, s = ops.hh_delta_rule(*xs[:5], xs[5], mode=mode, output_final_state=True, chunk_size=16)
+        ((o.double() * torch.linspace(-1, 1, V, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    got = call("triton")
+    assert seen == [torch.bfloat16 if matmul_precision == "medium" else torch.float32]
+    exact, ref = call("chunk", torch.float64), call("chunk")
+    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg"], got, ref, exact, matmul_precision)
+
+
 @pytest.mark.parametrize("Rab", [0, 1])
 def test_output_kernel_value_blocks(Rab, monkeypatch, output_form):
     """The output kernel's value block (``output_bv``: 128 with bf16 products, else 64) over

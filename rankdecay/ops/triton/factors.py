@@ -291,12 +291,12 @@ def _hh_factors_bwd_kernel(k, mask, da, db, dk, dmask, N, H, K: tl.constexpr, BK
 
 class _HHFactors(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, mask):
+    def forward(ctx, k, mask, b_dtype):
         B, T, H, K = k.shape
         R = mask.shape[-1]
         N = k.numel() // K
         a = k.new_empty(B, T, H, R, K)
-        b = torch.empty(B, T, H, R, K, dtype=torch.float32, device=k.device)
+        b = torch.empty(B, T, H, R, K, dtype=b_dtype, device=k.device)
         BK, rows, grid = _grid(N, K)
         _hh_factors_fwd_kernel[grid](k, mask, a, b, N, H, K=K, BK=BK, ROWS=rows, R=R, STATIC=mask.dim() == 3)
         ctx.save_for_backward(k, mask)
@@ -317,19 +317,22 @@ class _HHFactors(torch.autograd.Function):
                                      STATIC=mask.dim() == 3)
         if mask.dim() == 3:
             dmask = dmask.sum((0, 1))
-        return dk.to(k.dtype), dmask.to(mask.dtype)
+        return dk.to(k.dtype), dmask.to(mask.dtype), None
 
 
-def hh_factors(k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hh_factors(k: torch.Tensor, mask: torch.Tensor,
+               b_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Head-in-Head's decay rows (Head-in-Head App. B), differentiable in ``k`` and ``mask``.
 
     Args:
         k: ``[B, T, H, K]`` keys.
         mask: ``[H, r, r]`` (static) or ``[B, T, H, r, r]`` (per token), r dividing K.
+        b_dtype: b's dtype: fp32, or 16-bit where the kernels take b's products in bf16 anyway (then its
+            gradient comes back in that dtype too).
 
     Returns:
         ``(a, b)``, each ``[B, T, H, r, K]``: ``a_j = k ⊙ 1[group j]`` in ``k``'s dtype (exact),
-        ``b_j = k ⊙ M[j, group(·)]`` in fp32, with channel l in group ``l // (K / r)``; then
+        ``b_j = k ⊙ M[j, group(·)]`` in ``b_dtype``, with channel l in group ``l // (K / r)``; then
         :math:`\sum_j a_j b_jᵀ = k kᵀ ⊙ \mathrm{expand}(M)`.
     """
     B, T, H, K = k.shape
@@ -337,4 +340,4 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch
     if mask.shape not in ((H, R, R), (B, T, H, R, R)) or K % R:
         raise ValueError(f"hh_factors expects mask [H, r, r] or [B, T, H, r, r] with r dividing K = {K}; "
                          f"got {list(mask.shape)}")
-    return _HHFactors.apply(k.contiguous(), mask.contiguous())
+    return _HHFactors.apply(k.contiguous(), mask.contiguous(), b_dtype)
