@@ -706,33 +706,54 @@ def test_bf16_products_under_medium_matmul_precision(Rab, Rkv, gate, matmul_prec
         assert 2 ** -12 < err <= 2 ** -5, f"Rab={Rab} gate={gate} {name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["hh_gated_delta_rule", "kda", "hdla"])
 @pytest.mark.parametrize("matmul_precision", ["medium", "highest"], indirect=True)
-def test_hh_rows_16bit_only_under_bf16_products(matmul_precision, monkeypatch):
-    """hh_delta_rule with bf16 inputs keeps b = k ⊙ M in bf16 where the kernels round it to bf16 for its products
-    anyway ("medium"), fp32 elsewhere; every result and gradient against fp64 as ``_assert_near_fp64`` bounds it
-    (at "medium" within 2^-5, at "highest" no worse than the PyTorch path on the same bf16 inputs)."""
+def test_decay_rows_16bit_only_under_bf16_products(name, matmul_precision, monkeypatch):
+    """The mechanisms' decay rows formed in a kernel (Head-in-Head's b = k ⊙ M, KDA's b = e^g ⊙ k, HDLA's a2) keep
+    bf16 k's 16 bits where the kernels round them to bf16 for their products anyway ("medium": bf16 inputs, every
+    result and gradient within 2^-5 of fp64), and stay fp32 elsewhere ("highest": fp32 inputs, within 1e-5 of the
+    PyTorch path). Strong decays (log-gates to -30), β up to 2, T = 37."""
+    from rankdecay.ops.triton import chunk_bwd
+
     seen = []
-    dplr_call = dplr_module.dplr
+    dplr_call, hdla_rows = dplr_module.dplr, chunk_bwd.hdla_factors_fwd
     monkeypatch.setattr(ops.mechanisms, "dplr", lambda *a, **kw: seen.append(a[4].dtype) or dplr_call(*a, **kw))
+    monkeypatch.setattr(chunk_bwd, "hdla_factors_fwd",
+                        lambda *a, **kw: (lambda r: seen.append(r[0].dtype) or r)(hdla_rows(*a, **kw)))
     gen = torch.Generator().manual_seed(4)
     B, T, H, K, V = 1, 37, 2, 16, 8
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    beta, g = 2 * torch.rand(B, T, H, generator=gen), F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2)
-    mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen))
-    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, mask, g]
+    beta = 2 * torch.rand(B, T, H, generator=gen)
+    if name == "hh_gated_delta_rule":
+        g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2)
+        extra = [ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen)), g]
+        op, names_ = ops.hh_delta_rule, ["dbeta", "dmask", "dg"]
+    else:
+        extra = [-30 * torch.rand(B, T, H, K, generator=gen) ** 3, beta]  # k, v's gate then β
+        op, names_ = (ops.kda if name == "kda" else ops.hdla), ["dg", "dbeta"]
+    low = matmul_precision == "medium"
+    inputs = [x.bfloat16() if low else x for x in (q, k, v)] + ([beta] if name == "hh_gated_delta_rule" else []) + extra
 
     def call(mode, dtype=None):
         xs = [(x.to(dtype) if dtype else x).to(DEVICE).clone().requires_grad_() for x in inputs]
-        o, s = ops.hh_delta_rule(*xs[:5], xs[5], mode=mode, output_final_state=True, chunk_size=16)
+        o, s = op(*xs, mode=mode, output_final_state=True, chunk_size=16)
         ((o.double() * torch.linspace(-1, 1, V, device=o.device, dtype=torch.float64)).sum()
          + s.double().sin().sum()).backward()
         return [o, s] + [x.grad for x in xs]
 
     got = call("triton")
-    assert seen == [torch.bfloat16 if matmul_precision == "medium" else torch.float32]
-    exact, ref = call("chunk", torch.float64), call("chunk")
-    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg"], got, ref, exact, matmul_precision)
+    assert seen[:1] == [torch.bfloat16 if low else torch.float32], seen
+    names_ = ["o", "s", "dq", "dk", "dv"] + names_
+    if low:
+        exact = call("chunk", torch.float64)
+        _assert_near_fp64(names_, got, exact, exact, matmul_precision)  # at "medium" the bound is 2^-5 alone
+    else:
+        for n, x, y in zip(names_, got, call("chunk")):
+            assert_matches(x, y, 1e-5, f"{name} {n}")
+        seen.clear()  # and bf16 keys at "highest" still get fp32 rows
+        call("triton", torch.bfloat16)
+        assert seen[:1] == [torch.float32], seen
 
 
 @pytest.mark.parametrize("Rab", [0, 1])

@@ -874,8 +874,10 @@ def _hdla_factors(q, k, g, beta, with_c=False):
     """HDLA's rows (a, b) for ``chunk_dplr_fwd``: where the products take one kernel (the precision ``chunk_dplr_fwd``
     takes, ``_KNOBS``'s if set), the kernels form a1 and b from k themselves, so a2 alone and b None. ``with_c``:
     (a, b, c) with c = kᵀ(λ⊙k) [B, T, H] fp32 (the backward's ``hdla_factors_finish``)."""
-    return hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(_KNOBS.get("precision", _precision(q))),
-                            with_c=with_c)
+    fused = hdla_fused_products(_KNOBS.get("precision", _precision(q)))
+    # a2 in k's 16 bits there: the products round it to bf16 anyway (H100 HDLA: BENCHMARKS.md session 34)
+    return hdla_factors_fwd(k, g, beta, a2_only=fused, with_c=with_c,
+                            a2_dtype=k.dtype if fused and _is16(k) else torch.float32)
 
 
 class _HDLA(torch.autograd.Function):

@@ -89,14 +89,15 @@ def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
 
 
 def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a2_only: bool = False,
-                     with_c: bool = False) -> tuple[torch.Tensor, ...]:
+                     with_c: bool = False, a2_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """``hdla_factors``' (a, b) without autograd (inputs contiguous). ``a2_only``: a [B, T, H, 2, K] with only its
     second rows a2 written and b None, for kernels that form a1 = β k and b = [λ ⊙ k, k] from k themselves (HDLA
     with its products in one kernel: ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_beta``, ``chunk_bwd._HDLA``): a quarter
-    of the writes. ``with_c``: (a, b, c), c = kᵀ(λ⊙k) [B, T, H] fp32 as well, for ``hdla_factors_finish``."""
+    of the writes, in ``a2_dtype`` (16 bits where the kernels take a2's products in bf16 anyway). ``with_c``:
+    (a, b, c), c = kᵀ(λ⊙k) [B, T, H] fp32 as well, for ``hdla_factors_finish``."""
     K = k.shape[-1]
     N = k.numel() // K
-    a = k.new_empty(*k.shape[:-1], 2, K, dtype=torch.float32)
+    a = k.new_empty(*k.shape[:-1], 2, K, dtype=a2_dtype if a2_only else torch.float32)
     b = None if a2_only else torch.empty_like(a)
     c = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device) if with_c else None
     BK, rows, grid = _grid(N, K)
@@ -219,9 +220,9 @@ def _kda_factor_kernel(k, g, b, db, dk, dg, N, K: tl.constexpr, BK: tl.constexpr
 
 class _KDAFactor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, g):
+    def forward(ctx, k, g, dtype):
         N, K = k.numel() // k.shape[-1], k.shape[-1]
-        b = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        b = torch.empty(k.shape, dtype=dtype, device=k.device)
         BK, rows, grid = _grid(N, K)
         _kda_factor_kernel[grid](k, g, b, b, b, b, N, K=K, BK=BK, ROWS=rows, BACKWARD=False)
         ctx.save_for_backward(k, g)
@@ -234,20 +235,22 @@ class _KDAFactor(torch.autograd.Function):
         dk, dg = torch.empty_like(k), torch.empty_like(g)
         BK, rows, grid = _grid(N, K)
         _kda_factor_kernel[grid](k, g, k, db.contiguous(), dk, dg, N, K=K, BK=BK, ROWS=rows, BACKWARD=True)
-        return dk, dg
+        return dk, dg, None
 
 
-def kda_factor(k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    r"""Kimi Delta Attention's decay row ``b = e^{g} ⊙ k`` (fp32, ``k``'s shape), differentiable in ``k`` and ``g``:
-    one Triton kernel forward and one backward (dk and dg in their inputs' dtypes).
+def kda_factor(k: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    r"""Kimi Delta Attention's decay row ``b = e^{g} ⊙ k`` (``k``'s shape, in ``dtype``: fp32, or 16 bits where
+    its products are taken in bf16 anyway), differentiable in ``k`` and ``g``: one Triton kernel forward and one
+    backward (dk and dg in their inputs' dtypes).
 
     Args:
         k: keys ``[..., K]``, any float dtype.
         g: per-channel log-decays of ``k``'s shape.
+        dtype: b's dtype (its gradient comes back in it).
     """
     if g.shape != k.shape:
         raise ValueError(f"kda_factor expects g of k's shape {list(k.shape)}, got {list(g.shape)}")
-    return _KDAFactor.apply(k.contiguous(), g.contiguous())
+    return _KDAFactor.apply(k.contiguous(), g.contiguous(), dtype)
 
 
 @triton.jit
