@@ -899,6 +899,38 @@ def test_gated_delta_product_interleaved_matches_rank_machinery(nh, gated, stron
         assert_matches(x, y, 1e-5, f"gated_delta_product nh={nh} gated={gated} strong={strong}: {name}")
 
 
+@pytest.mark.parametrize("strong", [False, True])
+def test_kda_forward_scaled_matches_pytorch_chunk(strong, output_form, monkeypatch):
+    """kda's forward without the backward takes the scaled form (``chunk_fwd``'s channel_scaled): M_QK and L_BK
+    alone from the products (no scaled twins), T' = (I + D L_BK)^{-1} from the intra kernel, the value update
+    Y = T' (β ⊙ v - D (k ⊙ e^G) S_n) in the state kernel, the outputs from it or from the output kernel (VALUES).
+    Outputs and final state against mode="chunk"; T = 70 leaves a partial chunk; strong: log-gates of -30 per step,
+    one of -1e4, β up to 2. Checked: the products ran unpaired."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    dual = []
+    product = chunk_fwd.channel_product
+    monkeypatch.setattr(chunk_fwd, "channel_product",
+                        lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
+    gen = torch.Generator().manual_seed(6)
+    B, T, H, K, V = 1, 70, 2, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = -30 * torch.rand(B, T, H, K, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
+    if strong:
+        g[:, 40], beta[0, 0] = -1e4, 2.0
+    x = [t.to(DEVICE) for t in (q, k, v, g, beta)]
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        got = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
+        assert dual == [False, False]
+        ref = ops.kda(*x, initial_state=h0, output_final_state=True, mode="chunk")
+    for name, a, b in zip(["o", "final_state"], got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_matches(a, b, 1e-5, f"kda forward strong={strong} {output_form}: {name}")
+
+
 @pytest.mark.parametrize("K,dtype", [(16, torch.float32), (20, torch.bfloat16)])
 def test_kda_factor_kernel_matches_pytorch(K, dtype):
     """kda's b = e^g ⊙ k from its Triton kernel, forward (fp32) and backward (dk, dg in their dtypes), against fp64;
@@ -1176,12 +1208,17 @@ def test_gpu_kda_realistic_size(matmul_precision):
     exact = call(lambda *x, **kw: ops.kda(*x, mode="chunk", **kw), exact=True)
     got = call(lambda *x, **kw: ops.kda(*x, mode="triton", **kw))
     _assert_near_fp64(names, got, call(lambda *x, **kw: ops.kda(*x, mode="chunk", **kw)), exact, matmul_precision)
+    with torch.no_grad():  # the forward alone takes the scaled form (``chunk_fwd``'s channel_scaled)
+        fwd = ops.kda(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
+        ref = ops.kda(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
+    _assert_near_fp64(["o (forward alone)", "s (forward alone)"], fwd, ref, exact[:2], matmul_precision)
     if importlib.util.find_spec("fla") is None or matmul_precision != "medium":
         return
     from fla.ops.kda import chunk_kda  # the recurrence fla calls KDA, with fla's own kernels
 
     fla = call(lambda *x, **kw: chunk_kda(*x, **kw))
-    for name, x, y, e in zip(names, got, fla, exact):
+    for name, x, y, e in zip(names + ["o (forward alone)", "s (forward alone)"], got + list(fwd), fla + fla[:2],
+                             exact + exact[:2]):
         assert rel_rms(y.float(), e) < 2 ** -5, f"fla {name}: {rel_rms(y.float(), e):.2e}: not the same recurrence"
         assert rel_rms(x, e) <= 2 * rel_rms(y.float(), e) + 1e-4, f"{name}: ours {rel_rms(x, e):.2e}"
 

@@ -279,9 +279,10 @@ def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
 @triton.jit
 def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
-                             RKVP: tl.constexpr = 1):
+                             RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
-    # rows per token, padded to RKVP with zero rows) and e^{G_C}, from the log-cumsums in registers
+    # rows per token, padded to RKVP with zero rows) and e^{G_C}, from the log-cumsums in registers; KGO: also
+    # b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows of B)
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -292,7 +293,8 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     rows = ((i_b * T + t[:, None]) * H + i_h) * K + o_k[None, :]
     x = tl.load(g + rows, mask=m_t, other=0.0)
     c = i_bh * tl.num_programs(1) + i_c
-    G = tl.cumsum(x.to(tl.float64), axis=0).to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
+    G64 = tl.cumsum(x.to(tl.float64), axis=0)
+    G = G64.to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
     block = (c * TC + r[:, None]) * K + o_k[None, :]
     tl.store(gc + block, G, mask=m_k[None, :])
     if PREP:
@@ -307,6 +309,14 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
             else:  # a padding row
                 Kr = tl.zeros([TC, BK], dtype=tl.float32)
             tl.store(kd + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Kr * dk, mask=m_k[None, :])
+            if KGO:
+                if rk < RKV:
+                    Br = tl.load(b + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
+                                 other=0.0).to(tl.float32)
+                else:
+                    Br = tl.zeros([TC, BK], dtype=tl.float32)
+                tl.store(kg + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :],
+                         Br * tl.exp((G64 - x.to(tl.float64)).to(tl.float32)), mask=m_k[None, :])
         tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
 
 
@@ -318,19 +328,21 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     over tokens n*C .. n*C + t; past T the gates count as 0. Every per-channel decay inside a
     chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``).
 
-    prep: None, or (q, k, qd, kd, dch, scale) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
+    prep: None, or (q, k, qd, kd, dch, scale[, kg, b]) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
     tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K], dch [B, H, NC, K] to fill with
     scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
-    in the same pass."""
+    in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape)."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
     knob = log_cumsum_launch(chunk_size, prep is not None)
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
-    q, k, qd, kd, dch, scale = prep if prep is not None else (gc, gc[..., None, :], gc, gc, gc, 1.0)
+    q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
+                                       else (gc, gc[..., None, :], gc, gc, gc, 1.0, None, None))
     _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
         g.contiguous(), gc, T, q, k, qd, kd, dch, scale, H=H, K=K, TC=chunk_size, BK=BK, PREP=prep is not None,
-        RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), num_warps=knob[1])
+        RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg, b=gc if kg is None else b,
+        KGO=kg is not None, num_warps=knob[1])
     return gc
 
 
@@ -369,7 +381,9 @@ def _intra_kernel(
     # SCALED (TIED, no SAVE; ``scaled_update``): the rows' update comes scaled by a's factors D = diag(sa),
     # with D T = T' D for T' = (I + D L_BK)^{-1} and T' D L_BK = I - T': sv ⊙ v - D U = T' (sv ⊙ v - D e^{G_{i-1}}
     # ⊙ K S_0). Only T' (in uv, [NA, NA]) and the rows' factors D e^{G_{i-1}} (in af) are stored; the state
-    # kernel takes the rest, so no W, Ũ or L_BK V is formed here.
+    # kernel takes the rest, so no W, Ũ or L_BK V is formed here. With a per-channel gate (a = k with factors,
+    # ``kda``; not TIED) the same: T' from the products' L_BK, and af = D (the decays e^{G_{i-1}} of B are in the
+    # log-cumsum kernel's kg).
     # HDLA (a per-channel gate, RAB 2, ``chunk_dplr_fwd``'s ``hdla_beta``: hb [B, T, H]): a1 = β k, b1 = λ ⊙ k
     # and b2 = k are formed from k, and only a's second rows a2 are read (b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -421,6 +435,11 @@ def _intra_kernel(
             # without SAVE the 16 x 16 blocks above it (zeros) are not written
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
+        elif SCALED:  # a per-channel gate, a = k with factors (``kda``): D L_BK from the products' L_BK
+            L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * fac_a[:, None]
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
+                     mask=r_a[:, None] // 16 >= r_a[None, :] // 16)
+            tl.store(af + c * NA + r_a, fac_a)  # D: B's decays are in kg's rows (``chunk_log_cumsum``'s)
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE)
         if TIED:  # L_BK is L_BA before a's factors (unused in the scaled form)
             L = P
@@ -521,12 +540,13 @@ def _output_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     RKV: tl.constexpr, RKVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
     RAW: tl.constexpr, VSC: tl.constexpr, E_Q: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
-    ASC: tl.constexpr = False,
+    ASC: tl.constexpr = False, VALUES: tl.constexpr = False,
 ):
     # O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n, with v as given (its factors on M_QK's columns, so a
     # 16-bit v takes two TF32 passes, ``_dot_ex``). RAW: qd is q [B, T, H, K] as given and
     # Q̃ = qf ⊙ q, the factors applied to Q S_n's rows. TIED (the intra kernel's; M_QA = M_QK ⊙ sa):
-    # O = Q̃ S_n + M_QK (sv ⊙ v - sa ⊙ U_n), one product.
+    # O = Q̃ S_n + M_QK (sv ⊙ v - sa ⊙ U_n), one product. VALUES (the scaled form's, ``scaled_update``): u holds
+    # the chunk's whole value update Y = sv ⊙ v - sa ⊙ U_n from the state kernel, and O = Q̃ S_n + M_QK Y.
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -541,14 +561,18 @@ def _output_kernel(
         S = tl.load(s0 + (c * K + o_k[:, None]) * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                     other=0.0).to(tl.float32)
         acc += _query_state(qd, qf, S, c, i_bh, i_c, T, H, TC, K, o_k, m_k, RAW, E_Q, PRECISION)
-    Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
-    if TIED:  # U's rows are k's
-        U = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-    else:  # (unused)
-        U = Vr
-    acc += _values_out(mqk, c, r_q, r_k, r_k < NK, Vr, U, sv, sa, i_bh, i_c, T, H, TC, NK, RKV, RKVP, TIED, VSC, ASC,
-                       E_V, PRECISION)
-    if NA > 0 and not TIED:
+    if VALUES:  # Y's rows are k's
+        Y = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        acc += _dot(_chunk_cols(mqk, c, r_q, r_k, r_k < NK, TC, NK), Y, PRECISION)
+    else:
+        Vr = _raw_rows(v, r_k, i_bh, i_c, T, H, TC, RKV, RKVP, o_v, m_v, V)
+        if TIED:  # U's rows are k's
+            U = tl.load(u + (c * NK + r_k[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        else:  # (unused)
+            U = Vr
+        acc += _values_out(mqk, c, r_q, r_k, r_k < NK, Vr, U, sv, sa, i_bh, i_c, T, H, TC, NK, RKV, RKVP, TIED, VSC,
+                           ASC, E_V, PRECISION)
+    if NA > 0 and not TIED and not VALUES:
         r_a = tl.arange(0, NA)
         U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         acc -= _dot(_chunk_cols(mqa, c, r_q, r_a, r_a < NA, TC, NA), U, PRECISION)
@@ -605,9 +629,10 @@ def fuse_output(programs: int, device: torch.device, scalable: bool = False, sav
     (16) 9.92 -> 9.88; at 64 tokens fused stays faster (GDN 2.25 against 2.35, GLA 2.31 against 2.35), and so
     does HDLA's forward alone (3.06 against 3.10; BENCHMARKS.md session 30). Nor with a per-channel gate and a
     low-rank decay (``channel_rank``) at 64-token chunks (KDA: the state kernel with the outputs took 566 µs, without
-    them 242 plus 166 for the output kernel; BENCHMARKS.md session 33). Off on the CPU (the interpreter: the tests
-    force each form, ``_KNOBS["fuse_output"]``)."""
-    if device.type != "cuda" or (save and chunk_size < 64) or (channel_rank and chunk_size >= 64):
+    them 242 plus 166 for the output kernel; BENCHMARKS.md session 33), but for its scaled form (KDA's forward
+    alone, ``scalable``: 247 µs with the outputs against 189 plus 126; session 34). Off on the CPU (the
+    interpreter: the tests force each form, ``_KNOBS["fuse_output"]``)."""
+    if device.type != "cuda" or (save and chunk_size < 64) or (channel_rank and chunk_size >= 64 and not scalable):
         return False
     return scalable or programs >= _sm_count(device)
 
@@ -664,7 +689,10 @@ def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None
     Only for ``tied`` keys whose chunk rows are ``one_block`` of the state kernel's (``_blocks``' BCA = NA: K <=
     128), since each of its programs reads T' whole; with the outputs formed in the state kernel (``fuse``);
     and with nothing saved (``save``): the backward and the output kernel read T and U_n themselves.
-    ``knob`` (``_KNOBS["scaled"]``): False turns it off."""
+    ``knob`` (``_KNOBS["scaled"]``): False turns it off. ``chunk_dplr_fwd`` also takes this form for a per-channel
+    gate where a is k with factors (``kda``; its ``channel_scaled``): there T' comes from the products' L_BK, the
+    state kernel reads B ⊙ e^{G_{i-1}} from the log-cumsum kernel, and the output kernel can read S_n and the value
+    update instead (H100 KDA forward: intra kernel 508 -> 147 µs, 1.95 -> 1.39 ms; BENCHMARKS.md session 34)."""
     return tied and one_block and fuse and not save and (knob is None or bool(knob))
 
 
@@ -720,7 +748,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
     # a is k with its rows' factors (a = a_scale ⊙ k: ``kda``) under a per-channel gate: Q A's product is
     # Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product, forward and
-    # backward (saved as "paired"). A per-channel gate never takes the scaled form, so mqa is always there.
+    # backward (saved as "paired"). Without the backward it takes the scaled form instead (``channel_scaled``).
     paired = bool(a is k and a_scale is not None and g is not None and g.shape[-1] > 1 and Rab == Rkv
                   and {**_KNOBS, **(_config or {})}.get("tie_a_k", 1))
     prec = _precision(q)
@@ -751,23 +779,29 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     blocks = _blocks(K, V, NK, NA)
     # the state kernel forms the outputs itself where its grid alone fills the GPU (``fuse_output``)
     scalable = scaled_update(tied, blocks["BCA"] == NA, True, save, cfg.get("scaled"))  # where fused
+    # the same scaled form for a per-channel gate where a is k with factors (``kda``): paired, not saved, the rows
+    # one block of the state kernel's; its outputs from either kernel (the output kernel reads S_n and Y)
+    channel_scaled = paired and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
     fuse = cfg.get("fuse_output")
     if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable, save, TC,
+        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable or channel_scaled, save, TC,
                            channel_rank=gate == 2 and Rab > 0)
-    scaled = scalable and fuse
-    blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled, blocks["BV"], B * H, V, q.device)
+    scaled = (scalable and fuse) or channel_scaled
+    # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
+    # H100, as the 32-wide block with bf16 W tiles did in sessions 13 and 14; BENCHMARKS.md session 34)
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled and fuse and raw, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
-    af = torch.empty(B, H, NC, NA, **f32) if raw and Rab else None
+    af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled) and Rab else None
+    kg = torch.empty(B, H, NC, NK, K, **st) if channel_scaled else None  # B ⊙ e^{G_{i-1}}
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **st)
     kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
-    vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v) else None
+    vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v or channel_scaled) else None
     mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and not scaled else None
     w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
-    ad = torch.empty_like(w) if Rab and not raw else None
+    ad = torch.empty_like(w) if Rab and not (raw or scaled) else None
     # scaled: T' [NA, NA] in Ũ's place
     uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
@@ -792,7 +826,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if b is None and Rab and not fused:
         raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")
     if gate == 2:  # the kernels read per-channel decays as differences of these
-        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale))
+        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale, kg, b))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
         if fused:
@@ -800,6 +834,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, **prod)
+        elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
+            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
+            channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
         elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
                             **prod)
@@ -822,7 +859,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused,
             num_warps=cfg["intra_warps"] or intra_warps(fused), num_stages=1,
-            **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled, prec, k, v))),
+            **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled and raw, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
@@ -840,18 +877,19 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqk, mqa=opt(mqa), sv=opt(sv), sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v else vf, opt(w), opt(uv), opt(a if raw else ad), opt(s0),
+        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v or channel_scaled else vf, opt(w), opt(uv),
+        opt(a if raw else ad), opt(s0),
         opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
-        STORE=store, SCALED=scaled, **out, **blocks,
+        STORE=store, SCALED=scaled, kg=opt(kg), **out, **blocks,
     )
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))
         BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))
         _output_kernel[(triton.cdiv(V, BVo), NC, B * H)](
             s0, v, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BVo,
-            PRECISION=prec, RAW=raw, num_warps=cfg["output_warps"], num_stages=1, **out,
+            PRECISION=prec, RAW=raw, VALUES=scaled, num_warps=cfg["output_warps"], num_stages=1, **out,
         )
     if not save:
         return o, ht

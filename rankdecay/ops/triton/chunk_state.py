@@ -158,7 +158,7 @@ def _state_fwd_kernel(
     E_A: tl.constexpr = False, SAME_AK: tl.constexpr = False, RAW_V: tl.constexpr = False,
     qd=None, qf=None, mqk=None, mqa=None, sv=None, sa=None, o=None, FUSE_O: tl.constexpr = False,
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
-    E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False,
+    E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -171,9 +171,11 @@ def _state_fwd_kernel(
     # FUSE_O: the chunk's output O = Q̃ S_n + M_QK (sv ⊙ v) - M_QA U_n (``chunk_fwd._output_kernel``'s, same
     # arguments: qd, qf, mqk, mqa, sv, sa, TIED, VSC, ASC, E_Q, E_V) is formed here, from S_n and U_n in
     # registers, and stored in o; STORE: S_n and U_n are stored (the output kernel's or the backward's).
-    # SCALED (SAME_AK and TIED, FUSE_O, not STORE; ``chunk_fwd.scaled_update``): uv is T' [CA, CA] per chunk and
-    # af the rows' factors D e^{G_{i-1}}, and Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n) is the chunk's whole value
-    # update (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y, O = Q̃ S_n + M_QK Y; w is not read.
+    # SCALED (no backward to follow; ``chunk_fwd.scaled_update``): uv is T' [CA, CA] per chunk and af the rows'
+    # factors D e^{G_{i-1}}, and Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n) is the chunk's whole value update
+    # (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y and O = Q̃ S_n + M_QK Y (FUSE_O), or S_n and Y stored (STORE) for the output
+    # kernel (its VALUES); w is not read. A decay per row (SAME_AK and TIED): k and v as given (RAW). A per-channel
+    # gate (a = k with factors: ``kda``): vf is v as given, kg holds B ⊙ e^{G_{i-1}}, kd K̃, af D alone.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -190,7 +192,7 @@ def _state_fwd_kernel(
             r_q = tl.arange(0, TC)
             O = _query_state(qd, qf, S, c, i_bh, n, T, H, TC, K, o_k, m_k, RAW, E_Q, PRECISION)
         acc = tl.zeros([BK, BV], dtype=tl.float32)  # everything this chunk adds to d ⊙ S
-        if not SAME_AK:
+        if not SAME_AK and not SCALED:  # (scaled, Y holds v's share too)
             for r0 in tl.static_range(0, CR, BCR):
                 o_r = r0 + tl.arange(0, BCR)
                 m_r = o_r < CR
@@ -219,16 +221,28 @@ def _state_fwd_kernel(
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
             if SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
-                Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
                 R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                 if VSC:
                     R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
-                R -= _dot_xe(Kr, S, PRECISION, E_K) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
                 Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
-                Y = _dot(Tt, R, PRECISION)
-                fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
-                acc += _dot_xe(tl.trans(Kr), Y * fk[:, None], PRECISION, E_K)
-                O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
+                if GATE == 2:  # kg: B ⊙ e^{G_{i-1}} and kd: K̃ = k ⊙ e^{G_C - G}, in the chunk layout; af: D
+                    Kg = tl.load(kg + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak,
+                                 other=0.0).to(tl.float32)
+                    R -= _dot(Kg, S, PRECISION) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
+                    Y = _dot(Tt, R, PRECISION)
+                    Kd = tl.load(kd + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak,
+                                 other=0.0).to(tl.float32)
+                    acc += _dot(tl.trans(Kd), Y, PRECISION)
+                else:
+                    Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                    R -= _dot_xe(Kr, S, PRECISION, E_K) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
+                    Y = _dot(Tt, R, PRECISION)
+                    fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
+                    acc += _dot_xe(tl.trans(Kr), Y * fk[:, None], PRECISION, E_K)
+                if FUSE_O:
+                    O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
+                else:  # Y for the output kernel (its VALUES); S_n is stored above
+                    tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
             else:
                 W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 Uc = _dot(W, S, PRECISION)
