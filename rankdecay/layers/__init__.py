@@ -16,6 +16,7 @@ from .mixers import (
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
 
 __all__ = [
-    "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "KDA", "GLA", "SimpleGLA", "LinearAttention",
+    "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "KDA", "GLA", "SimpleGLA",
+    "LinearAttention",
     "HDLA", "HeadInHead", "SlidingWindowAttention", "RMSNorm", "GatedRMSNorm", "ShortConvolution",
 ]

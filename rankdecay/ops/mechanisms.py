@@ -226,11 +226,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     # b = e^g ⊙ k, i.e. bᵀ = kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
     if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
         from .triton.chunk_state import _precision
-        from .triton.factors import kda_factor  # one kernel each way, no fp32 copy of k kept for autograd
+        from .triton.factors import kda_factor, rows_dtype  # one kernel each way, no fp32 copy of k for autograd
 
-        # b in k's 16 bits where the kernels take its products in bf16 anyway (BENCHMARKS.md session 34)
-        lowp = _precision(q).startswith("bf16") and k.dtype in (torch.bfloat16, torch.float16)
-        b = kda_factor(k1, g[..., None, :], dtype=k.dtype if lowp else torch.float32)
+        b = kda_factor(k1, g[..., None, :], dtype=rows_dtype(k, _precision(q)))
     else:
         b = _up(k1) * _gate_factor(g)
     return dplr(q, k1, v[..., None, :], k1, b, g, scale=scale, initial_state=initial_state,
@@ -392,13 +390,9 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.chunk_state import _precision
-        from .triton.factors import hh_factors  # one kernel each way: no gather of the mask, no scatter-add
+        from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
 
-        # b in k's 16 bits where the kernels round it to bf16 for its products anyway: half of b's traffic (H100
-        # HH-GDN r=4, B8 T2048 H16 K=V=128: 3.01 -> 2.75 ms forward, 9.67 -> 9.01 forward+backward; BENCHMARKS.md
-        # session 34)
-        lowp = _precision(q).startswith("bf16") and k.dtype in (torch.bfloat16, torch.float16)
-        a, b = hh_factors(k, mask, b_dtype=k.dtype if lowp else torch.float32)
+        a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]

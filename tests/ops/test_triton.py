@@ -814,6 +814,20 @@ def test_mechanisms_route_through_triton():
             assert_matches(call("fused_recurrent")[0], call("naive")[0], 1e-5, name)
 
 
+def _kda_inputs(seed, strong):
+    """kda's (q, k, v, g, beta, h0) on the CPU at B1 T70 H2 K16 V8 (T = 70 leaves a partial 64-token chunk); strong:
+    log-gates of -30 per step and one of -1e4, β up to 2 (and one of 2)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, K, V = 1, 70, 2, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = -30 * torch.rand(B, T, H, K, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
+    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
+    if strong:
+        g[:, 40], beta[0, 0] = -1e4, 2.0
+    return q, k, v, g, beta, torch.randn(B, H, K, V, generator=gen)
+
+
 @pytest.mark.parametrize("strong", [False, True])
 def test_kda_matches_pytorch_chunk(strong, monkeypatch):
     """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
@@ -828,15 +842,8 @@ def test_kda_matches_pytorch_chunk(strong, monkeypatch):
                         lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
     monkeypatch.setattr(chunk_bwd, "channel_product_bwd",
                         lambda *a, **kw: dual_bwd.append(kw.get("dp_scaled") is not None) or product_bwd(*a, **kw))
-    gen = torch.Generator().manual_seed(3)
-    B, T, H, K, V = 1, 70, 2, 16, 8
-    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = -30 * torch.rand(B, T, H, K, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
-    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
-    if strong:
-        g[:, 40], beta[0, 0] = -1e4, 2.0
-    h0 = torch.randn(B, H, K, V, generator=gen)
+    q, k, v, g, beta, h0 = _kda_inputs(seed=3, strong=strong)
+    V = v.shape[-1]
 
     def grads(mode):
         xs = [x.to(DEVICE).clone().requires_grad_() for x in (q, k, v, g, beta, h0)]  # a leaf per call
@@ -903,25 +910,15 @@ def test_gated_delta_product_interleaved_matches_rank_machinery(nh, gated, stron
 def test_kda_forward_scaled_matches_pytorch_chunk(strong, output_form, monkeypatch):
     """kda's forward without the backward takes the scaled form (``chunk_fwd``'s channel_scaled): M_QK and L_BK
     alone from the products (no scaled twins), T' = (I + D L_BK)^{-1} from the intra kernel, the value update
-    Y = T' (β ⊙ v - D (k ⊙ e^G) S_n) in the state kernel, the outputs from it or from the output kernel (VALUES).
-    Outputs and final state against mode="chunk"; T = 70 leaves a partial chunk; strong: log-gates of -30 per step,
-    one of -1e4, β up to 2. Checked: the products ran unpaired."""
+    Y = T' (β ⊙ v - D (B ⊙ e^{G_{i-1}}) S_n) in the state kernel, the outputs from it or from the output kernel
+    (VALUES). Outputs and final state against mode="chunk" on ``_kda_inputs``. Checked: the products ran unpaired."""
     from rankdecay.ops.triton import chunk_fwd
 
     dual = []
     product = chunk_fwd.channel_product
     monkeypatch.setattr(chunk_fwd, "channel_product",
                         lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
-    gen = torch.Generator().manual_seed(6)
-    B, T, H, K, V = 1, 70, 2, 16, 8
-    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = -30 * torch.rand(B, T, H, K, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
-    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
-    if strong:
-        g[:, 40], beta[0, 0] = -1e4, 2.0
-    x = [t.to(DEVICE) for t in (q, k, v, g, beta)]
-    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    *x, h0 = [t.to(DEVICE) for t in _kda_inputs(seed=6, strong=strong)]
     with torch.no_grad():
         got = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
         assert dual == [False, False]

@@ -38,7 +38,7 @@ from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
                         _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
                         ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd
+from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel, bwd_stages
 
@@ -874,10 +874,9 @@ def _hdla_factors(q, k, g, beta, with_c=False):
     """HDLA's rows (a, b) for ``chunk_dplr_fwd``: where the products take one kernel (the precision ``chunk_dplr_fwd``
     takes, ``_KNOBS``'s if set), the kernels form a1 and b from k themselves, so a2 alone and b None. ``with_c``:
     (a, b, c) with c = kᵀ(λ⊙k) [B, T, H] fp32 (the backward's ``hdla_factors_finish``)."""
-    fused = hdla_fused_products(_KNOBS.get("precision", _precision(q)))
-    # a2 in k's 16 bits there: the products round it to bf16 anyway (H100 HDLA: BENCHMARKS.md session 34)
-    return hdla_factors_fwd(k, g, beta, a2_only=fused, with_c=with_c,
-                            a2_dtype=k.dtype if fused and _is16(k) else torch.float32)
+    precision = _KNOBS.get("precision", _precision(q))
+    return hdla_factors_fwd(k, g, beta, a2_only=hdla_fused_products(precision), with_c=with_c,
+                            a2_dtype=rows_dtype(k, precision))
 
 
 class _HDLA(torch.autograd.Function):

@@ -200,6 +200,14 @@ def hdla_factors(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[
     return _HDLAFactors.apply(k.contiguous(), g.contiguous(), beta.contiguous())
 
 
+def rows_dtype(k: torch.Tensor, precision: str) -> torch.dtype:
+    """The dtype of decay rows built from k (Head-in-Head's b, KDA's b, HDLA's a2): k's 16 bits where the kernels
+    take the rows' products in bf16 anyway (``precision``, ``chunk_state._precision``'s, "bf16…"), which halves
+    their traffic (H100 HH-GDN r=4: 9.67 -> 9.01 ms forward+backward; BENCHMARKS.md session 34); else fp32."""
+    low = precision.startswith("bf16") and k.dtype in (torch.float16, torch.bfloat16)
+    return k.dtype if low else torch.float32
+
+
 @triton.jit
 def _kda_factor_kernel(k, g, b, db, dk, dg, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                        BACKWARD: tl.constexpr):
