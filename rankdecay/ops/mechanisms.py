@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._inputs import (check_chunk_size, check_devices, check_float, check_inplace_state, check_shape, compute_dtype,
                       resolve_scale)
-from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
+from .backends import check_triton_mode, needs_grad, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import dplr
 
 
@@ -393,6 +393,20 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
 
         a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
+        scalar_gate = g is None or g.dim() == 3
+        if scalar_gate and cu_seqlens is None and not inplace_final_state and not needs_grad(
+                (q, k, v, beta, mask, g, initial_state)):
+            # a's rows sum to k: without the backward the forward takes its scaled form over them
+            # (``chunk_fwd.grouped_update``): no W, Ũ or L_BK V between the kernels
+            from .triton import chunk_dplr_fwd
+
+            check_chunk_size(chunk_size)  # not the kernels' own: checked as dplr checks it
+            _check_state_and_devices(q, k, v, g, beta, initial_state)
+            a, a_scale = _beta_alpha(a, beta, g)
+            o, state = chunk_dplr_fwd(q, k[..., None, :], v[..., None, :], a, b, None if g is None else g[..., None],
+                                      resolve_scale(scale, K), initial_state, grouped=True,
+                                      a_scale=a_scale[..., None].expand(a.shape[:-1]), v_scale=beta[..., None])
+            return o.to(q.dtype), (state if output_final_state else None)
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]

@@ -579,6 +579,24 @@ def test_fused_forward_with_tf32_merges(Rkv, monkeypatch):
         assert_matches(x, y, 1e-5, f"Rkv={Rkv}: {name}")
 
 
+@pytest.mark.parametrize("neumann", [True, False], ids=["neumann", "substitution"])
+@pytest.mark.parametrize("Rab", [1, 2, 3, 4])
+def test_ut_inverse_diagonal_blocks_both_ways(Rab, neumann, monkeypatch):
+    """The UT inverse's 16-row diagonal blocks as Neumann products (16 / padded Rab tokens per block, so two to
+    six batched products: ``chunk_fwd.neumann_blocks``) and by forward substitution: outputs, final state and
+    every gradient against mode="chunk", β up to 2, T = 70. The default takes the products but for HDLA's fused
+    rows, and the knob forces either way."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    assert chunk_fwd.neumann_blocks(False) and not chunk_fwd.neumann_blocks(True)
+    assert chunk_fwd.neumann_blocks(True, knob=True) and not chunk_fwd.neumann_blocks(False, knob=False)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "neumann", neumann)
+    inputs = random_inputs(1, 70, 2, 16, 8, Rab, 1, "scalar", beta_max=2.0, seed=Rab)
+    got, ref = run("triton", inputs), run("chunk", inputs, chunk_size=16)
+    for name, x, y in zip(names(inputs), got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} neumann={neumann}: {name}")
+
+
 def test_tensors_between_kernels_16bit_only_where_products_are():
     """bf16 between the fused kernels by default only on a GPU at the bf16 products' precision and
     K <= 128 (``chunk_fwd.stored_dtype``; at K > 128 the state kernel's 32-wide value block was
@@ -1048,6 +1066,50 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
+@pytest.mark.parametrize("K,r,gate,static,dtype,strong", [
+    (16, 4, "scalar", True, torch.float32, False),
+    (16, 4, "scalar", False, torch.float32, True),
+    (24, 3, None, True, torch.float32, True),  # r = 3: a padded rank; K = 24: a masked key block
+    (16, 2, "scalar", True, torch.float16, False),
+])
+def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, strong, monkeypatch):
+    """hh_delta_rule's forward without the backward takes the scaled form over a's rows, which sum to k
+    (``chunk_fwd.grouped_update``): the intra kernel forms M_QA and T' = (I + D L_BA)^{-1} alone, the state kernel
+    Y = T' (β ⊙ v - D e^{G_{i-1}} ⊙ B S_n), the state and the outputs, a's rows formed from k. Outputs and final
+    state against mode="chunk" from an initial state, T = 37 (a partial chunk); strong: log-gates of -30 per step
+    and one of -1e4, β up to 2. Checked: the kernels were told the rows are grouped, and took that form."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    taken = []
+    grouped_update = chunk_fwd.grouped_update
+    monkeypatch.setattr(chunk_fwd, "grouped_update", lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or
+                        taken[-1])
+    B, T, H, V = 2, 37, 2, 8
+    gen = torch.Generator().manual_seed(11)
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta = (2 if strong else 1) * torch.rand(B, T, H, generator=gen)
+    g = None
+    if gate:
+        g = -30 * torch.rand(B, T, H, generator=gen) if strong else F.logsigmoid(torch.randn(B, T, H, generator=gen))
+        if strong:
+            g[:, 20] = -1e4
+    if strong:
+        beta[0, 0] = 2.0
+    mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), r, r, generator=gen))
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    x = [None if t is None else t.to(DEVICE) for t in (q, k, v, beta, mask, g)]
+    x[:4] = [t.to(dtype) for t in x[:4]]
+    with torch.no_grad():
+        got = ops.hh_delta_rule(*x, initial_state=h0.to(DEVICE), output_final_state=True, mode="triton")
+        assert taken == [True]
+        ref = ops.hh_delta_rule(*x, initial_state=h0.to(DEVICE), output_final_state=True, mode="chunk")
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for name, a, b in zip(["o", "final_state"], got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_matches(a.float(), b.float(), tol, f"hh forward grouped K={K} r={r} gate={gate}: {name}")
+
+
 def test_clear_errors():
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="computes in fp32"):
@@ -1124,6 +1186,31 @@ def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_fo
                                      output_final_state=True, mode="chunk")
         got = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="triton")
         ref = ops.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True, mode="chunk")
+    _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+@pytest.mark.parametrize("static", [True, False], ids=["static-mask", "token-mask"])
+def test_gpu_hh_forward_realistic_size(matmul_precision, static, monkeypatch):
+    """Head-in-Head Gated DeltaNet's forward alone, r = 4 (the scaled form over a's rows: ``chunk_fwd.grouped_update``,
+    checked taken), bf16 at B2 T1000 H4 K=V=128, β up to 2, against fp64: the bounds of ``_assert_near_fp64``."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    taken = []
+    grouped_update = chunk_fwd.grouped_update
+    monkeypatch.setattr(chunk_fwd, "grouped_update", lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or
+                        taken[-1])
+    q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=8)
+    B, T, H = q.shape[:3]
+    gen = torch.Generator().manual_seed(8)
+    mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), 4, 4, generator=gen)).to(DEVICE)
+    with torch.no_grad():
+        exact = ops.hh_delta_rule(*[x.double() for x in (q, k, v, beta, mask, g)], initial_state=h0.double(),
+                                  output_final_state=True, mode="chunk")
+        got = ops.hh_delta_rule(q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode="triton")
+        assert taken == [True]
+        ref = ops.hh_delta_rule(q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode="chunk")
     _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
 
 

@@ -185,14 +185,16 @@ def _merge_block(L10, D0, D1, MERGE: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee"):
+def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee", NILP: tl.constexpr = 0):
     """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N = 16, 32 or 64), as [N, N].
 
     ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
     it); ``sptr``: [N, N] scratch.
 
-    1. The 16 x 16 diagonal blocks D_i = I + L_ii are inverted together by forward
-       substitution on [N / 16, 16, 16] tiles, row r of every block at once: row r of
+    1. The 16 x 16 diagonal blocks D_i = I + L_ii are inverted together on [N / 16, 16, 16] tiles. With NILP
+       (a power of two: L_ii^NILP = 0, as where each block holds NILP tokens of rows that couple only to earlier
+       tokens' rows; ``neumann_blocks``): D^{-1} = (I - L_ii)(I + L_ii^2)...(I + L_ii^(NILP/2)), batched exact
+       products. Else by forward substitution, row r of every block at once: row r of
        D^{-1} is e_r - L_r D^{-1}, which reads only rows already final. The rows L_r are read
        back from ``lptr``, so no step waits on a reduction to extract them.
     2. The blocks below the diagonal follow as two levels of 2 x 2 block inverses,
@@ -212,10 +214,17 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee
     j2 = tl.arange(0, BS)[None, :]
     tl.debug_barrier()  # L, stored by every thread of this program, is read back by others
     inv = (ii == jj).to(tl.float32) + tl.zeros([NB, BS, BS], dtype=tl.float32)
-    for i in tl.static_range(1, BS):
-        row = tl.load(lptr + (BS * b2 + i) * N + BS * b2 + j2)  # [NB, BS]: row i of every diagonal block
-        new = (jj == i).to(tl.float32) - tl.sum(row[:, :, None] * inv, axis=1)[:, None, :]
-        inv = tl.where(ii == i, new, inv)
+    if NILP > 0:  # L_ii^NILP = 0: (I + L_ii)^{-1} = (I - L_ii)(I + L_ii^2)(I + L_ii^4)..., batched exact products
+        Np = tl.load(lptr + diag)
+        inv = inv - Np
+        for _ in tl.static_range(NILP.bit_length() - 2):
+            Np = tl.dot(Np, Np, input_precision="ieee")
+            inv = inv + tl.dot(inv, Np, input_precision="ieee")
+    else:
+        for i in tl.static_range(1, BS):
+            row = tl.load(lptr + (BS * b2 + i) * N + BS * b2 + j2)  # [NB, BS]: row i of every diagonal block
+            new = (jj == i).to(tl.float32) - tl.sum(row[:, :, None] * inv, axis=1)[:, None, :]
+            inv = tl.where(ii == i, new, inv)
     if NB == 1:
         out = tl.reshape(inv, [N, N])
     else:
@@ -367,6 +376,7 @@ def _intra_kernel(
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -386,6 +396,9 @@ def _intra_kernel(
     # log-cumsum kernel's kg).
     # HDLA (a per-channel gate, RAB 2, ``chunk_dplr_fwd``'s ``hdla_beta``: hb [B, T, H]): a1 = β k, b1 = λ ⊙ k
     # and b2 = k are formed from k, and only a's second rows a2 are read (b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}).
+    # GROUPED (with SCALED; ``chunk_dplr_fwd``'s ``grouped``: a's rows are k split into groups of channels, their
+    # sum k, Head-in-Head's): the update's rows are a's, so only M_QA (without a's factors: they are in Y) and
+    # T' = (I + D L_BA)^{-1} are formed, no M_QK or L_BK.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -404,9 +417,9 @@ def _intra_kernel(
     # gate's products (GATE 2) are in mqk, mqa, lba and lbk already (``channel.channel_product``).
     if TIED:
         M, P = _tied_products(q, k, Gq, Gk, Gq_ex, i_b, i_h, i_c, T, H, K, TC, GATE, BK, PRECISION, LP_QK, LP_BA)
-    elif GATE < 2:
+    elif GATE < 2 and not GROUPED:
         M = _products(q, k, Gq, Gk, i_b, i_h, i_c, T, H, K, TC, 1, 1, RKV, RKVP, False, GATE, BK, PRECISION, LP_QK)
-    if GATE < 2:
+    if GATE < 2 and not GROUPED:
         tl.store(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :], M * scale)
     if RAB > 0:
         toka, rka, ta, va, fa = _rows(i_b, i_h, i_c, T, H, TC, RAB, RABP)
@@ -418,7 +431,7 @@ def _intra_kernel(
             if not TIED:  # tied, M_QA is M_QK times a's factors
                 M = _products(q, a, Gq, Ga, i_b, i_h, i_c, T, H, K, TC, 1, 1, RAB, RABP, False, GATE, BK, PRECISION,
                               LP_QA)
-            if ASC:
+            if ASC and not GROUPED:
                 M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
@@ -440,8 +453,10 @@ def _intra_kernel(
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
                      mask=r_a[:, None] // 16 >= r_a[None, :] // 16)
             tl.store(af + c * NA + r_a, fac_a)  # D: B's decays are in kg's rows (``chunk_log_cumsum``'s)
-        Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE)
+        Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE, NILP)
         if TIED:  # L_BK is L_BA before a's factors (unused in the scaled form)
+            L = P
+        elif GROUPED:  # (not formed: the scaled form's update reads none of it)
             L = P
         elif GATE < 2:
             L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
@@ -595,7 +610,9 @@ def _output_kernel(
 # "intra_maxnreg" (the intra kernel's register cap; 0: the compiler's; absent: ``intra_registers``'s choice),
 # "state_bv" (the forward state kernel's value block; None: ``state_value_block``'s choice),
 # "merge" ("ieee", the default, or "tf32": the UT inverse's block merges), "tie_a_k" (0: a = k with factors
-# (``kda``) takes its four per-channel products apart, forward and backward, as before they were paired).
+# (``kda``) takes its four per-channel products apart, forward and backward, as before they were paired),
+# "neumann" (True / False: the UT inverse's diagonal blocks as Neumann products or by substitution; None, the
+# default: ``neumann_blocks``'s choice).
 _KNOBS: dict = {}
 
 
@@ -674,6 +691,17 @@ def intra_warps(hdla: bool) -> int:
     return 2 if hdla else 4
 
 
+def neumann_blocks(hdla: bool, knob=None) -> bool:
+    """Whether the UT inverse's 16 x 16 diagonal blocks are taken as Neumann products (``_unit_lower_inverse``'s
+    NILP) rather than by forward substitution: each block holds 16 / Rab tokens and couples a row only to earlier
+    tokens' rows, so L_ii^(16 / Rab) = 0 and (I + L_ii)^{-1} = (I - L_ii)(I + L_ii^2)(I + L_ii^4)...: two to six
+    exact batched [16, 16] products in place of 15 dependent row steps. H100, intra kernel µs (B8 T2048 H16
+    K=V=128 bf16): Gated DeltaNet 235 -> 188, HH-GDN r=4 872 -> 616, Gated DeltaProduct 452 -> 364, KDA 148 -> 108;
+    not for HDLA's rows formed in the kernel (``hdla``, on 2 warps: 797 -> 880); results within 2e-7 of the
+    substitution's at fp32 accuracy (BENCHMARKS.md session 35). ``knob`` (``_KNOBS["neumann"]``) forces either."""
+    return (not hdla) if knob is None else bool(knob)
+
+
 def _maxnreg(n) -> dict:
     """A kernel launch's register cap (Triton's ``maxnreg``), where a knob sets one."""
     return {"maxnreg": int(n)} if n else {}
@@ -694,6 +722,20 @@ def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None
     state kernel reads B ⊙ e^{G_{i-1}} from the log-cumsum kernel, and the output kernel can read S_n and the value
     update instead (H100 KDA forward: intra kernel 508 -> 147 µs, 1.95 -> 1.39 ms; BENCHMARKS.md session 34)."""
     return tied and one_block and fuse and not save and (knob is None or bool(knob))
+
+
+def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool, one_block: bool, save: bool,
+                   knob=None) -> bool:
+    """Whether the forward takes ``scaled_update``'s form over a's rows, where they are k split into groups of
+    channels (``chunk_dplr_fwd``'s ``grouped``: Head-in-Head's ``a_r = k ⊙ 1[group r]``, whose sum is k). The
+    writes k (sv ⊙ v)ᵀ are then Σ_r a_r (sv ⊙ v)ᵀ, so the chunk's whole update is Ãᵀ Y over a's rows with
+    Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) for T' = (I + D L_BA)^{-1}, D = diag(a_scale), v repeated over the
+    groups: the intra kernel forms M_QA and T' alone (no M_QK, L_BK, W, Ũ or L_BK V), and the state kernel forms
+    Y, the state and the outputs (forms a's rows from k itself). For a decay per row (``raw``), Rkv = 1, a's
+    factors given (``a_scaled``), the rows one block of the state kernel's (``one_block``), nothing saved
+    (``save``: the backward reads W and U); ``knob`` (``_KNOBS["scaled"]``) False turns it off."""
+    return (grouped and raw and Rab > 0 and Rkv == 1 and a_scaled and one_block and not save
+            and (knob is None or bool(knob)))
 
 
 def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
@@ -721,7 +763,7 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
 
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
-                   _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None):
+                   _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
@@ -731,7 +773,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     HDLA's rows for this β (``factors.hdla_factors``; a per-channel gate), whose products then take one
     kernel (``channel.hdla_products``) at the bf16 products' precision (``hdla_fused_products``), where the intra
     kernel forms a1 and b from k and β itself: there b may be None and a's first rows unset
-    (``factors.hdla_factors_fwd``'s ``a2_only``). Returns (o [B, T, H, V] in q's dtype,
+    (``factors.hdla_factors_fwd``'s ``a2_only``). ``grouped``: a's rows are k split into Rab groups of channels
+    (``a_r = k ⊙ 1[group r]``, so that their sum is k: Head-in-Head's), with a decay per row and Rkv = 1; without
+    ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Returns (o [B, T, H, V] in q's dtype,
     final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
     backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -782,14 +826,16 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the same scaled form for a per-channel gate where a is k with factors (``kda``): paired, not saved, the rows
     # one block of the state kernel's; its outputs from either kernel (the output kernel reads S_n and Y)
     channel_scaled = paired and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
-    fuse = cfg.get("fuse_output")
+    # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
+    grouped = grouped_update(grouped, raw, Rab, Rkv, sa is not None, blocks["BCA"] == NA, save, cfg.get("scaled"))
+    fuse = True if grouped else cfg.get("fuse_output")
     if fuse is None:
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable or channel_scaled, save, TC,
                            channel_rank=gate == 2 and Rab > 0)
-    scaled = (scalable and fuse) or channel_scaled
+    scaled = (scalable and fuse) or channel_scaled or grouped
     # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
     # H100, as the 32-wide block with bf16 W tiles did in sessions 13 and 14; BENCHMARKS.md session 34)
-    blocks["BV"] = cfg.get("state_bv") or state_value_block(scaled and fuse and raw, blocks["BV"], B * H, V, q.device)
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled) and Rab else None
     kg = torch.empty(B, H, NC, NK, K, **st) if channel_scaled else None  # B ⊙ e^{G_{i-1}}
@@ -799,7 +845,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     mqk = torch.empty(B, H, NC, TC, NK, **st)
     kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
     vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v or channel_scaled) else None
-    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and not scaled else None
+    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and (grouped or not scaled) else None
     w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
     ad = torch.empty_like(w) if Rab and not (raw or scaled) else None
     # scaled: T' [NA, NA] in Ũ's place
@@ -857,9 +903,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             LP_BA=b is not None and _lowp(b, a), LP_BK=b is not None and _lowp(b, k), SAVE=save, ASC=sa is not None,
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
-            MERGE=cfg.get("merge") or "ieee", HDLA=fused,
+            MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
+            NILP=16 // _pow2(Rab) if Rab and neumann_blocks(fused, cfg.get("neumann")) else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused), num_stages=1,
-            **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scaled and raw, prec, k, v))),
+            **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
@@ -882,7 +929,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
-        STORE=store, SCALED=scaled, kg=opt(kg), **out, **blocks,
+        STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped, bb=b if grouped else None,
+        E_B=grouped and _is16(b), **out, **blocks,
     )
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))

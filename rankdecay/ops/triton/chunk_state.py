@@ -159,6 +159,7 @@ def _state_fwd_kernel(
     qd=None, qf=None, mqk=None, mqa=None, sv=None, sa=None, o=None, FUSE_O: tl.constexpr = False,
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
     E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
+    GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -176,6 +177,9 @@ def _state_fwd_kernel(
     # (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y and O = Q̃ S_n + M_QK Y (FUSE_O), or S_n and Y stored (STORE) for the output
     # kernel (its VALUES); w is not read. A decay per row (SAME_AK and TIED): k and v as given (RAW). A per-channel
     # gate (a = k with factors: ``kda``): vf is v as given, kg holds B ⊙ e^{G_{i-1}}, kd K̃, af D alone.
+    # GROUPED (with SCALED, RAW, Rkv = 1; ``chunk_fwd.chunk_dplr_fwd``'s ``grouped``): a's rows are k split into
+    # RAB groups of channels (Head-in-Head's), formed here from k; Y's rows are a's, (token, group), with
+    # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) (bb: b as given, E_B: 16-bit), S += Ãᵀ Y and O = Q̃ S_n + M_QA Y.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -220,7 +224,25 @@ def _state_fwd_kernel(
             m_a = o_a < CA
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
-            if SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
+            if SCALED and GROUPED:  # one row block (BCA = CA), T' is [CA, CA]; rows (token, group)
+                tok, grp = o_a // RABP, o_a % RABP
+                R = _raw_rows(vf, tok, i_bh, n, T, H, TC, 1, 1, o_v, m_v, V) * (grp < RAB)[:, None]
+                if VSC:
+                    R = R * _chunk_factor(sv, tok, i_bh, n, T, H, TC, 1, 1)[:, None]
+                Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
+                Br = _raw_rows(bb, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                R -= _dot_xe(Br, S, PRECISION, E_B) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
+                Y = _dot(Tt, R, PRECISION)
+                # a's rows: k's channels of the row's group (none for a padded rank)
+                Ar = _raw_rows(kd, tok, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
+                Ar = tl.where(o_k[None, :] // (K // RAB) == grp[:, None], Ar, 0.0)
+                fk = tl.load(kf + c * CR + tok, mask=m_a, other=0.0)
+                acc += _dot_xe(tl.trans(Ar), Y * fk[:, None], PRECISION, E_K)
+                if FUSE_O:
+                    O += _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
+                else:  # (``chunk_dplr_fwd`` fuses the grouped form's outputs)
+                    tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
+            elif SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
                 R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                 if VSC:
                     R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
