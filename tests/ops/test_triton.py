@@ -584,12 +584,13 @@ def test_fused_forward_with_tf32_merges(Rkv, monkeypatch):
 def test_ut_inverse_diagonal_blocks_both_ways(Rab, neumann, monkeypatch):
     """The UT inverse's 16-row diagonal blocks as Neumann products (16 / padded Rab tokens per block, so two to
     six batched products: ``chunk_fwd.neumann_blocks``) and by forward substitution: outputs, final state and
-    every gradient against mode="chunk", β up to 2, T = 70. The default takes the products but for HDLA's fused
-    rows, and the knob forces either way."""
+    every gradient against mode="chunk", β up to 2, T = 70. The default takes the products (HDLA's fused rows then
+    on 4 warps, on 2 with the substitution), and the knob forces either way."""
     from rankdecay.ops.triton import chunk_fwd
 
-    assert chunk_fwd.neumann_blocks(False) and not chunk_fwd.neumann_blocks(True)
-    assert chunk_fwd.neumann_blocks(True, knob=True) and not chunk_fwd.neumann_blocks(False, knob=False)
+    assert chunk_fwd.neumann_blocks() and chunk_fwd.neumann_blocks(True) and not chunk_fwd.neumann_blocks(False)
+    assert chunk_fwd.intra_warps(True) == 4 and chunk_fwd.intra_warps(True, neumann=False) == 2
+    assert chunk_fwd.intra_warps(False, neumann=False) == 4
     monkeypatch.setitem(chunk_fwd._KNOBS, "neumann", neumann)
     inputs = random_inputs(1, 70, 2, 16, 8, Rab, 1, "scalar", beta_max=2.0, seed=Rab)
     got, ref = run("triton", inputs), run("chunk", inputs, chunk_size=16)

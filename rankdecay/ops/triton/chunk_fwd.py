@@ -676,30 +676,34 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
     products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
     (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
-    S_n and U_n for it) and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
-    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN (0.970 ->
-    1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31)."""
+    S_n and U_n for it), for Head-in-Head's scaled form over a's rows (``grouped_update``, passed as ``tied``:
+    784 -> 501 µs, session 35) and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
+    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN's fused forward
+    before the scaled form (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md
+    sessions 23, 24, 31)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     ok = tiles and ((fuse and tied) or (not fuse and per_channel))
     return 2 if ok else _LAUNCH["stages"]
 
 
-def intra_warps(hdla: bool) -> int:
-    """The intra kernel's warps: 2 for HDLA's rows formed in the kernel (``hdla_fused_products``; H100 HDLA, B8
-    T2048 H16 K=V=128: 0.872 -> 0.812 ms), else 4, which GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09
-    against 2.81) and HH-GDN (1.70 either way) keep (BENCHMARKS.md session 31)."""
-    return 2 if hdla else 4
+def intra_warps(hdla: bool, neumann: bool = True) -> int:
+    """The intra kernel's warps: 4, but 2 for HDLA's rows formed in the kernel (``hdla_fused_products``) with the
+    UT inverse's diagonal blocks by substitution (``neumann``: ``neumann_blocks``; H100 HDLA, B8 T2048 H16
+    K=V=128: 0.872 -> 0.812 ms; BENCHMARKS.md session 31). With the Neumann blocks HDLA's takes 617 µs on 4 warps
+    against 838 on 2 (session 35). GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09 against 2.81) and
+    HH-GDN (1.70 either way) kept 4 (session 31)."""
+    return 2 if hdla and not neumann else 4
 
 
-def neumann_blocks(hdla: bool, knob=None) -> bool:
+def neumann_blocks(knob=None) -> bool:
     """Whether the UT inverse's 16 x 16 diagonal blocks are taken as Neumann products (``_unit_lower_inverse``'s
     NILP) rather than by forward substitution: each block holds 16 / Rab tokens and couples a row only to earlier
     tokens' rows, so L_ii^(16 / Rab) = 0 and (I + L_ii)^{-1} = (I - L_ii)(I + L_ii^2)(I + L_ii^4)...: two to six
     exact batched [16, 16] products in place of 15 dependent row steps. H100, intra kernel µs (B8 T2048 H16
-    K=V=128 bf16): Gated DeltaNet 235 -> 188, HH-GDN r=4 872 -> 616, Gated DeltaProduct 452 -> 364, KDA 148 -> 108;
-    not for HDLA's rows formed in the kernel (``hdla``, on 2 warps: 797 -> 880); results within 2e-7 of the
-    substitution's at fp32 accuracy (BENCHMARKS.md session 35). ``knob`` (``_KNOBS["neumann"]``) forces either."""
-    return (not hdla) if knob is None else bool(knob)
+    K=V=128 bf16): Gated DeltaNet 235 -> 188, HH-GDN r=4 872 -> 616, Gated DeltaProduct 452 -> 364, KDA 148 -> 108,
+    HDLA 795 -> 617 (on 4 warps: ``intra_warps``); results within 2e-7 of the substitution's at fp32 accuracy
+    (BENCHMARKS.md session 35). ``knob`` (``_KNOBS["neumann"]``) False takes the substitution."""
+    return True if knob is None else bool(knob)
 
 
 def _maxnreg(n) -> dict:
@@ -904,13 +908,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
-            NILP=16 // _pow2(Rab) if Rab and neumann_blocks(fused, cfg.get("neumann")) else 0,
-            num_warps=cfg["intra_warps"] or intra_warps(fused), num_stages=1,
+            NILP=16 // _pow2(Rab) if Rab and neumann_blocks(cfg.get("neumann")) else 0,
+            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann_blocks(cfg.get("neumann"))), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied, cfg["state_precision"], k, v,
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied or grouped,
+                                                                            cfg["state_precision"], k, v,
                                                                             per_channel=gate == 2))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
