@@ -79,6 +79,15 @@ def dplr(
         ``output_final_state``. Accumulation is fp32 (fp64) whatever the input dtype.
         Differentiable in every tensor argument, ``initial_state`` included.
     """
+    return _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale,
+                 v_scale, inplace_final_state)
+
+
+def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale, v_scale,
+          inplace_final_state, grouped: bool = False):
+    """``dplr`` itself. ``grouped``: a's rows are k split into groups of channels (Head-in-Head's
+    ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
+    (``triton.chunk_fwd.grouped_update``); the caller vouches for it."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -111,7 +120,8 @@ def dplr(
         if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv)
         else:
-            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv)
+            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
+                                      grouped=grouped)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ._inputs import (check_chunk_size, check_devices, check_float, check_inplace_state, check_shape, compute_dtype,
                       resolve_scale)
-from .backends import check_triton_mode, needs_grad, recurrent_mode, resolve_mode, triton_runs_on
-from .dplr import dplr
+from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
+from .dplr import _dplr, dplr
 
 
 def _up(x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +371,9 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     :func:`head_in_head_mask` to keep the eigenvalues in [0, 1] (or [-1, 1] with
     β in [0, 2]); g: None (HH-DeltaNet), ``[B, T, H]`` (HH-GDN) or ``[B, T, H, K]``.
 
-    As DPLR with ``Rab = r``: ``a_j = α β k ⊙ 1[group j]``, ``b_j = k ⊙ M[j, group(·)]``.
+    As DPLR with ``Rab = r``: ``a_j = α β k ⊙ 1[group j]``, ``b_j = k ⊙ M[j, group(·)]``. The rows
+    ``k ⊙ 1[group j]`` sum to k, so the writes lie on them too: on the Triton kernels without autograd (a scalar
+    gate or none) the forward takes the scaled form over them (``triton.chunk_fwd.grouped_update``).
     """
     _check_qkv(q, k, v)
     _check_beta(beta, q)
@@ -393,29 +395,15 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
 
         a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
-        scalar_gate = g is None or g.dim() == 3
-        if scalar_gate and cu_seqlens is None and not inplace_final_state and not needs_grad(
-                (q, k, v, beta, mask, g, initial_state)):
-            # a's rows sum to k: without the backward the forward takes its scaled form over them
-            # (``chunk_fwd.grouped_update``): no W, Ũ or L_BK V between the kernels
-            from .triton import chunk_dplr_fwd
-
-            check_chunk_size(chunk_size)  # not the kernels' own: checked as dplr checks it
-            _check_state_and_devices(q, k, v, g, beta, initial_state)
-            a, a_scale = _beta_alpha(a, beta, g)
-            o, state = chunk_dplr_fwd(q, k[..., None, :], v[..., None, :], a, b, None if g is None else g[..., None],
-                                      resolve_scale(scale, K), initial_state, grouped=True,
-                                      a_scale=a_scale[..., None].expand(a.shape[:-1]), v_scale=beta[..., None])
-            return o.to(q.dtype), (state if output_final_state else None)
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
         a = k[..., None, :] * onehot  # k ⊙ 1[group j]: exact in k's dtype
         b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
     a, a_scale = _beta_alpha(a, beta, g)
-    return dplr(q, k, v, a, b, g, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode,
-                inplace_final_state=inplace_final_state, a_scale=a_scale, v_scale=beta)
+    # a's rows sum to k: without autograd the fused forward takes its scaled form over them (``grouped``)
+    return _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale,
+                 beta, inplace_final_state, grouped=True)
 
 
 def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -389,7 +389,8 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             loss = (o.float() * torch.linspace(-1, 1, V, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs])
-            if mode == "triton":  # the forward alone: a1 and b formed from k in the kernels (a2_only)
+            if mode == "triton":  # the forward alone: a1 and b formed from k in the kernels (a2_only), the scaled
+                # form over the update rows [k, a2] (``chunk_fwd``'s hdla_scaled)
                 with torch.no_grad():
                     forward = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
         for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], *results, strict=True):
@@ -642,9 +643,10 @@ def test_state_kernel_pipelined_only_where_measured():
 
 
 def test_intra_kernel_width_by_mechanism(monkeypatch):
-    """The intra kernel on 2 warps for HDLA's rows formed in the kernel alone (``chunk_fwd.intra_warps``), where it
-    was measured faster; GDN and Gated DeltaProduct were slower on 2 (BENCHMARKS.md session 31). Checked on the
-    launch itself: HDLA's at the bf16 precision, GDN's, and HDLA's at fp32 accuracy (its rows as given)."""
+    """The intra kernel on 2 warps for HDLA's rows formed in the kernel with the UT inverse's diagonal blocks by
+    substitution alone (``chunk_fwd.intra_warps``), where it was measured faster (BENCHMARKS.md session 31); with
+    the Neumann blocks (the default) on 4 (session 35), as GDN and Gated DeltaProduct. Checked on the launch itself:
+    HDLA's at the bf16 precision either way, GDN's, and HDLA's at fp32 accuracy (its rows as given)."""
     from rankdecay.ops.triton import chunk_fwd
 
     warps = {}
@@ -663,11 +665,11 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
     q, k, v, g = (torch.randn(B, T, H, K) for _ in range(4))
     beta = torch.rand(B, T, H)
     a, b = torch.randn(B, T, H, 2, K), torch.randn(B, T, H, 2, K)
-    for prec in ("bf16", "ieee"):
+    for prec, neumann, want in (("bf16", None, 4), ("bf16", False, 2), ("ieee", None, 4), ("ieee", False, 4)):
         warps.clear()
         chunk_fwd.chunk_dplr_fwd(q, k[..., None, :], v[..., None, :], a, b, g, 0.1, None, hdla_beta=beta,
-                                 _config=dict(precision=prec))
-        assert warps["_intra_kernel"] == (2 if prec == "bf16" else 4), prec
+                                 _config=dict(precision=prec, neumann=neumann))
+        assert warps["_intra_kernel"] == want, (prec, neumann)
     warps.clear()
     k1 = k[..., None, :]
     chunk_fwd.chunk_dplr_fwd(q, k1, v[..., None, :], k1, k1, g[..., :1], 0.1, None)
@@ -735,8 +737,9 @@ def test_decay_rows_16bit_only_under_bf16_products(name, matmul_precision, monke
     from rankdecay.ops.triton import chunk_bwd
 
     seen = []
-    dplr_call, hdla_rows = dplr_module.dplr, chunk_bwd.hdla_factors_fwd
+    dplr_call, dplr_rows, hdla_rows = dplr_module.dplr, dplr_module._dplr, chunk_bwd.hdla_factors_fwd
     monkeypatch.setattr(ops.mechanisms, "dplr", lambda *a, **kw: seen.append(a[4].dtype) or dplr_call(*a, **kw))
+    monkeypatch.setattr(ops.mechanisms, "_dplr", lambda *a, **kw: seen.append(a[4].dtype) or dplr_rows(*a, **kw))
     monkeypatch.setattr(chunk_bwd, "hdla_factors_fwd",
                         lambda *a, **kw: (lambda r: seen.append(r[0].dtype) or r)(hdla_rows(*a, **kw)))
     gen = torch.Generator().manual_seed(4)
@@ -1067,25 +1070,29 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
-@pytest.mark.parametrize("K,r,gate,static,dtype,strong", [
-    (16, 4, "scalar", True, torch.float32, False),
-    (16, 4, "scalar", False, torch.float32, True),
-    (24, 3, None, True, torch.float32, True),  # r = 3: a padded rank; K = 24: a masked key block
-    (16, 2, "scalar", True, torch.float16, False),
+@pytest.mark.parametrize("K,r,gate,static,dtype,strong,varlen", [
+    (16, 4, "scalar", True, torch.float32, False, False),
+    (16, 4, "scalar", False, torch.float32, True, False),
+    (24, 3, None, True, torch.float32, True, False),  # r = 3: a padded rank; K = 24: a masked key block
+    (16, 2, "scalar", True, torch.float16, False, False),
+    (16, 4, "scalar", False, torch.float32, True, True),
 ])
-def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, strong, monkeypatch):
+def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, strong, varlen, monkeypatch):
     """hh_delta_rule's forward without the backward takes the scaled form over a's rows, which sum to k
     (``chunk_fwd.grouped_update``): the intra kernel forms M_QA and T' = (I + D L_BA)^{-1} alone, the state kernel
     Y = T' (β ⊙ v - D e^{G_{i-1}} ⊙ B S_n), the state and the outputs, a's rows formed from k. Outputs and final
     state against mode="chunk" from an initial state, T = 37 (a partial chunk); strong: log-gates of -30 per step
-    and one of -1e4, β up to 2. Checked: the kernels were told the rows are grouped, and took that form."""
+    and one of -1e4, β up to 2; varlen: three sequences packed by cu_seqlens, one of them empty. Checked: the
+    kernels were told the rows are grouped, and took that form."""
     from rankdecay.ops.triton import chunk_fwd
 
     taken = []
     grouped_update = chunk_fwd.grouped_update
     monkeypatch.setattr(chunk_fwd, "grouped_update", lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or
                         taken[-1])
-    B, T, H, V = 2, 37, 2, 8
+    B, T, H, V = (1 if varlen else 2), 37, 2, 8
+    cu = torch.tensor([0, 10, 10, T], device=DEVICE) if varlen else None
+    N = 3 if varlen else B
     gen = torch.Generator().manual_seed(11)
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -1098,13 +1105,14 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
     if strong:
         beta[0, 0] = 2.0
     mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), r, r, generator=gen))
-    h0 = torch.randn(B, H, K, V, generator=gen)
+    h0 = torch.randn(N, H, K, V, generator=gen)
     x = [None if t is None else t.to(DEVICE) for t in (q, k, v, beta, mask, g)]
     x[:4] = [t.to(dtype) for t in x[:4]]
     with torch.no_grad():
-        got = ops.hh_delta_rule(*x, initial_state=h0.to(DEVICE), output_final_state=True, mode="triton")
+        kw = dict(initial_state=h0.to(DEVICE), output_final_state=True, cu_seqlens=cu)
+        got = ops.hh_delta_rule(*x, mode="triton", **kw)
         assert taken == [True]
-        ref = ops.hh_delta_rule(*x, initial_state=h0.to(DEVICE), output_final_state=True, mode="chunk")
+        ref = ops.hh_delta_rule(*x, mode="chunk", **kw)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for name, a, b in zip(["o", "final_state"], got, ref):
         assert torch.isfinite(a).all(), name

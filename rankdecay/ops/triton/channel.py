@@ -286,20 +286,25 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
 
 
 @triton.jit
-def _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tokx, toky, scale, TC: tl.constexpr):
+def _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tokx, toky, scale, TC: tl.constexpr,
+                SCALED: tl.constexpr = False):
     """One (row block, column block) of HDLA's four products from its six token products (``_hdla_products_kernel``;
     be: the column tokens' β): M_QK = P1, M_QA = [β P1, P2], L_BK = [P3; P5], L_BA = [[β P3, P4], [β P5, P6]],
-    rows and columns (token, rank) token major; M_QK and M_QA times ``scale``."""
+    rows and columns (token, rank) token major; M_QK and M_QA times ``scale``. SCALED (the forward's scaled form,
+    whose update rows are [k, a2]): M_QA = [P1, P2] and L_BA = [[P3, P4], [P5, P6]] alone, without β."""
     i = tokx[:, None]
     j = toky[None, :]
     bj = be[None, :]
-    tl.store(mqk + (c * TC + i) * TC + j, P1 * scale)
+    if SCALED:
+        bj = tl.full([1, 1], 1.0, tl.float32)
+    else:
+        tl.store(mqk + (c * TC + i) * TC + j, P1 * scale)
+        row = lbk + (c * 2 * TC + 2 * i) * TC + j
+        tl.store(row, P3)
+        tl.store(row + TC, P5)
     row = mqa + (c * TC + i) * (2 * TC) + 2 * j
     tl.store(row, bj * P1 * scale)
     tl.store(row + 1, P2 * scale)
-    row = lbk + (c * 2 * TC + 2 * i) * TC + j
-    tl.store(row, P3)
-    tl.store(row + TC, P5)
     row = lba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
     tl.store(row, bj * P3)
     tl.store(row + 1, P4)
@@ -342,7 +347,8 @@ def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.co
 @triton.jit
 def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
                           H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
-                          KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False):
+                          KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
+                          SCALED: tl.constexpr = False):
     # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
     # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
     # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
@@ -412,11 +418,11 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         P4 += tl.where(sub, e4[:, None], 0.0)
         P5 += tl.where(sub, e5[:, None], 0.0)
         P6 += tl.where(sub, e6[:, None], 0.0)
-    _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC)
+    _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
     zero = tl.zeros([TB, TB], dtype=tl.float32)
     for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
         tokj = jb * TB + tl.arange(0, TB)
-        _hdla_store(zero, zero, zero, zero, zero, zero, be, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC)
+        _hdla_store(zero, zero, zero, zero, zero, zero, be, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
     if i_r > 0:  # each earlier block of columns, through the token just before this row block
         ref = i_r * TB - 1
         o_f = tl.arange(0, KP)  # all of K at once
@@ -435,10 +441,11 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
             bej = tl.load(beta + fj, mask=vj, other=0.0).to(tl.float32)
             _hdla_store(_dot(Qf, Ky, PRECISION), _dot(Qf, Ay, PRECISION), _dot(B1f, Ky, PRECISION),
                         _dot(B1f, Ay, PRECISION), _dot(B2f, Ky, PRECISION), _dot(B2f, Ay, PRECISION),
-                        bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC)
+                        bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
 
 
-def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float) -> None:
+def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float,
+                  scaled: bool = False) -> None:
     """HDLA's four per-channel products in one kernel: what ``channel_product`` gives for M_QK = P(q, k),
     M_QA = P(q, a), L_BA = P(b, a) and L_BK = P(b, k) (strict) with a = [β k, a2] and b = [λ ⊙ k, k]
     (``triton.factors.hdla_factors``), written into mqk [B, H, NC, TC, TC], mqa [.., TC, 2 TC], lba
@@ -448,14 +455,17 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     row sums through e^{G_t - G_{t-1}} rather than as masked [TB, TB] products.
 
     q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
-    (``chunk_log_cumsum``); beta [B, T, H]."""
+    (``chunk_log_cumsum``); beta [B, T, H]. ``scaled``: the forward's scaled form (``chunk_fwd.chunk_dplr_fwd``'s
+    ``hdla_scaled``), whose update rows are [k, a2]: M_QA and L_BA without β (L_BA then takes it on its rows in
+    the intra kernel), M_QK and L_BK not written."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
     _hdla_products_kernel[(TC // TB, NC, B * H)](
         q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC, H=H, K=K, TC=TC, TB=TB,
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
-        PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), num_warps=_knob("warps", TC), num_stages=1,
+        PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
+        num_stages=1,
     )
 
 

@@ -396,6 +396,9 @@ def _intra_kernel(
     # log-cumsum kernel's kg).
     # HDLA (a per-channel gate, RAB 2, ``chunk_dplr_fwd``'s ``hdla_beta``: hb [B, T, H]): a1 = β k, b1 = λ ⊙ k
     # and b2 = k are formed from k, and only a's second rows a2 are read (b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}).
+    # HDLA with SCALED (``chunk_dplr_fwd``'s ``hdla_scaled``): the update rows are [k, a2] (a1 = β k, so the writes
+    # k vᵀ lie on them), D = diag(β, 1) on the products' L_BA rows, T' = (I + D L_BA)^{-1} in uv, D in af,
+    # Ã = [k, a2] ⊙ e^{G_C - G} in ad and B ⊙ e^{G_{i-1}} in w (the state kernel's kg).
     # GROUPED (with SCALED; ``chunk_dplr_fwd``'s ``grouped``: a's rows are k split into groups of channels, their
     # sum k, Head-in-Head's): the update's rows are a's, so only M_QA (without a's factors: they are in Y) and
     # T' = (I + D L_BA)^{-1} are formed, no M_QK or L_BK.
@@ -448,6 +451,12 @@ def _intra_kernel(
             # without SAVE the 16 x 16 blocks above it (zeros) are not written
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
+        elif SCALED and HDLA:  # update rows [k, a2], D = diag(β, 1) on the products' L_BA (taken without β)
+            fac_d = tl.where(rka == 0, tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32), 1.0)
+            L = tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * fac_d[:, None]
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
+                     mask=r_a[:, None] // 16 >= r_a[None, :] // 16)
+            tl.store(af + c * NA + r_a, fac_d)
         elif SCALED:  # a per-channel gate, a = k with factors (``kda``): D L_BK from the products' L_BK
             L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * fac_a[:, None]
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
@@ -461,7 +470,7 @@ def _intra_kernel(
         elif GATE < 2:
             L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
                           LP_BK)
-        else:
+        elif not SCALED:  # (the scaled form reads no L_BK)
             L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         if SCALED:  # T' itself, for the state kernel (in uv's place)
             tl.store(uv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
@@ -519,8 +528,11 @@ def _intra_kernel(
                 fa_end = fa_end * tl.exp((G_end - Ga).to(tl.float32))
             tl.store(af + c * NA + r_a, fa_end)
     if HDLA:
-        be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
-    for k0 in tl.static_range(0, K if not SCALED else 0, BK):
+        if SCALED:  # the update rows are [k, a2] (β is on L_BA's rows)
+            be = tl.full([NA, 1], 1.0, tl.float32)
+        else:
+            be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
+    for k0 in tl.static_range(0, K if not SCALED or HDLA else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         if HDLA:
@@ -529,7 +541,11 @@ def _intra_kernel(
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
             # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
             Bm = Kt * tl.exp(_gc_at(gc, toka - rka, toka - rka >= 0, o_k, m_k, KG).to(tl.float32))
-            tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION), mask=m_k[None, :])
+            if SCALED:  # B ⊙ e^{G_{i-1}} itself, for the state kernel (in w's place: its kg)
+                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], Bm, mask=m_k[None, :])
+            else:
+                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION),
+                         mask=m_k[None, :])
         elif RAB > 0:
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
@@ -677,7 +693,8 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
     (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
     S_n and U_n for it), for Head-in-Head's scaled form over a's rows (``grouped_update``, passed as ``tied``:
-    784 -> 501 µs, session 35) and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
+    784 -> 501 µs, session 35) and HDLA's over [k, a2] (``chunk_dplr_fwd``'s ``hdla_scaled``, the same: 434 -> 374
+    µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
     backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN's fused forward
     before the scaled form (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md
     sessions 23, 24, 31)."""
@@ -724,7 +741,11 @@ def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None
     ``knob`` (``_KNOBS["scaled"]``): False turns it off. ``chunk_dplr_fwd`` also takes this form for a per-channel
     gate where a is k with factors (``kda``; its ``channel_scaled``): there T' comes from the products' L_BK, the
     state kernel reads B ⊙ e^{G_{i-1}} from the log-cumsum kernel, and the output kernel can read S_n and the value
-    update instead (H100 KDA forward: intra kernel 508 -> 147 µs, 1.95 -> 1.39 ms; BENCHMARKS.md session 34)."""
+    update instead (H100 KDA forward: intra kernel 508 -> 147 µs, 1.95 -> 1.39 ms; BENCHMARKS.md session 34). And
+    for HDLA's rows (``hdla_scaled``) over its update rows [k, a2]: a1 = β k, so the writes k vᵀ lie on them, with
+    D = diag(β, 1) on the rows of L_BA taken without β; the intra kernel stores T', Ã and B ⊙ e^{G_{i-1}} (no W, Ũ,
+    M_QK or L_BK). H100 HDLA forward: intra 615 -> 366 µs, state 618 -> 434 (374 on two stages), 2.48 -> 1.92 ms
+    (session 35)."""
     return tied and one_block and fuse and not save and (knob is None or bool(knob))
 
 
@@ -779,9 +800,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     kernel forms a1 and b from k and β itself: there b may be None and a's first rows unset
     (``factors.hdla_factors_fwd``'s ``a2_only``). ``grouped``: a's rows are k split into Rab groups of channels
     (``a_r = k ⊙ 1[group r]``, so that their sum is k: Head-in-Head's), with a decay per row and Rkv = 1; without
-    ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Returns (o [B, T, H, V] in q's dtype,
-    final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
-    backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Without ``save``, HDLA's
+    rows take the same form over its update rows [k, a2] (``scaled_update``). Returns (o [B, T, H, V] in q's
+    dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
+    (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
@@ -830,28 +852,33 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the same scaled form for a per-channel gate where a is k with factors (``kda``): paired, not saved, the rows
     # one block of the state kernel's; its outputs from either kernel (the output kernel reads S_n and Y)
     channel_scaled = paired and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
+    # and HDLA's over its rows [k, a2] (a1 = β k: the writes k vᵀ lie on them), its products taken without β
+    fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
+    hdla_scaled = fused and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
     grouped = grouped_update(grouped, raw, Rab, Rkv, sa is not None, blocks["BCA"] == NA, save, cfg.get("scaled"))
-    fuse = True if grouped else cfg.get("fuse_output")
+    fuse = True if grouped or hdla_scaled else cfg.get("fuse_output")
     if fuse is None:
         fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable or channel_scaled, save, TC,
                            channel_rank=gate == 2 and Rab > 0)
-    scaled = (scalable and fuse) or channel_scaled or grouped
+    scaled = (scalable and fuse) or channel_scaled or grouped or hdla_scaled
     # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
     # H100, as the 32-wide block with bf16 W tiles did in sessions 13 and 14; BENCHMARKS.md session 34)
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H, V, q.device)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
-    af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled) and Rab else None
+    af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled or hdla_scaled) and Rab else None
     kg = torch.empty(B, H, NC, NK, K, **st) if channel_scaled else None  # B ⊙ e^{G_{i-1}}
+    if hdla_scaled:  # B ⊙ e^{G_{i-1}} from the intra kernel
+        kg = torch.empty(B, H, NC, NA, K, **st)
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **st)
     kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
     vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v or channel_scaled) else None
-    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and (grouped or not scaled) else None
+    mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and (grouped or hdla_scaled or not scaled) else None
     w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
-    ad = torch.empty_like(w) if Rab and not (raw or scaled) else None
+    ad = torch.empty(B, H, NC, NA, K, **st) if Rab and (hdla_scaled or not (raw or scaled)) else None
     # scaled: T' [NA, NA] in Ũ's place
     uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
@@ -872,18 +899,18 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms), and its rows formed from
     # k, β and a2 in the intra kernel (HDLA), so that the factor kernel writes a2 alone and b is None (H100 HDLA
     # forward 3.05 -> 2.81 ms; BENCHMARKS.md session 30)
-    fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
     if b is None and Rab and not fused:
         raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")
     if gate == 2:  # the kernels read per-channel decays as differences of these
-        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale, kg, b))
+        g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale,
+                                                                      kg if channel_scaled else None, b))
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
         if fused:
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
-            hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, **prod)
+            hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled, **prod)
         elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
@@ -900,7 +927,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if intra:
         _intra_kernel[(NC, B * H)](
             q, k, v, a if Rab else dummy, opt(b if Rab else None), g if gate else dummy, opt(sa), opt(sv), opt(qd), mqk,
-            mqa if Rab else dummy, opt(kd), opt(vf), opt(w), opt(uv), opt(ad), opt(dch), opt(tinv), opt(lba), opt(lbk),
+            mqa if Rab else dummy, opt(kd), opt(vf), opt(kg if hdla_scaled else w), opt(uv), opt(ad), opt(dch),
+            opt(tinv), opt(lba), opt(lbk),
             opt(kf), opt(af), opt(qf), opt(kdec), hdla_beta if fused else dummy, scale, T, NC,
             H=H, K=K, V=V, KG=KG, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=Rab, RABP=_pow2(Rab), BK=BK, BV=BV, GATE=gate,
             PRECISION=prec, LP_QK=_lowp(q, k), LP_QA=Rab > 0 and _lowp(q, a),
@@ -914,7 +942,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied or grouped,
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied or grouped or hdla_scaled,
                                                                             cfg["state_precision"], k, v,
                                                                             per_channel=gate == 2))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
@@ -926,15 +954,17 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     # the output's arguments, for the output kernel or the state kernel (FUSE_O)
-    out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqk, mqa=opt(mqa), sv=opt(sv), sa=opt(sa), TIED=tied,
+    out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqa if hdla_scaled else mqk, mqa=opt(mqa), sv=opt(sv),
+               sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), k if raw else kd, v if raw or raw_v or channel_scaled else vf, opt(w), opt(uv),
+        opt(h0), opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf,
+        opt(w), opt(uv),
         opt(a if raw else ad), opt(s0),
         opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
         RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
-        STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped, bb=b if grouped else None,
+        STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped, bb=b if grouped else None, HDLA=hdla_scaled,
         E_B=grouped and _is16(b), **out, **blocks,
     )
     if not fuse:

@@ -159,7 +159,7 @@ def _state_fwd_kernel(
     qd=None, qf=None, mqk=None, mqa=None, sv=None, sa=None, o=None, FUSE_O: tl.constexpr = False,
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
     E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
-    GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False, HDLA: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -180,6 +180,9 @@ def _state_fwd_kernel(
     # GROUPED (with SCALED, RAW, Rkv = 1; ``chunk_fwd.chunk_dplr_fwd``'s ``grouped``): a's rows are k split into
     # RAB groups of channels (Head-in-Head's), formed here from k; Y's rows are a's, (token, group), with
     # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) (bb: b as given, E_B: 16-bit), S += Ãᵀ Y and O = Q̃ S_n + M_QA Y.
+    # HDLA (with SCALED, a per-channel gate; ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_scaled``): the rows are HDLA's
+    # update rows [k, a2], (token, rank), v on rank 0 alone; kd holds their Ã, kg B ⊙ e^{G_{i-1}}, af D = (β, 1),
+    # and mqk is M_QA.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -243,7 +246,10 @@ def _state_fwd_kernel(
                 else:  # (``chunk_dplr_fwd`` fuses the grouped form's outputs)
                     tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
             elif SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
-                R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                if HDLA:  # v on each token's rank-0 row
+                    R = _raw_rows(vf, o_a // RABP, i_bh, n, T, H, TC, 1, 1, o_v, m_v, V) * (o_a % RABP == 0)[:, None]
+                else:
+                    R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
                 if VSC:
                     R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
                 Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
