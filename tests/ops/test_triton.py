@@ -1117,6 +1117,12 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
     for name, a, b in zip(["o", "final_state"], got, ref):
         assert torch.isfinite(a).all(), name
         assert_matches(a.float(), b.float(), tol, f"hh forward grouped K={K} r={r} gate={gate}: {name}")
+    if varlen:  # groups of channels must be equal: a clear error otherwise
+        q1, k1, v1 = torch.zeros(1, 4, 1, 18), torch.zeros(1, 4, 1, 1, 18), torch.zeros(1, 4, 1, 1, 8)
+        with pytest.raises(ValueError, match="Rab must divide K = 18"):
+            chunk_fwd.chunk_dplr_fwd(*(t.to(DEVICE) for t in (q1, k1, v1)), torch.zeros(1, 4, 1, 4, 18, device=DEVICE),
+                                     torch.zeros(1, 4, 1, 4, 18, device=DEVICE), None, 1.0, None, grouped=True,
+                                     a_scale=torch.ones(1, 4, 1, 4, device=DEVICE))
 
 
 def test_clear_errors():

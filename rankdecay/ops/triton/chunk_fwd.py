@@ -856,6 +856,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
     hdla_scaled = fused and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
+    if grouped and (Rab < 1 or K % Rab):
+        raise ValueError(f"grouped: a's Rab = {Rab} rows are k's channels in equal groups, so Rab must divide K = {K}")
     grouped = grouped_update(grouped, raw, Rab, Rkv, sa is not None, blocks["BCA"] == NA, save, cfg.get("scaled"))
     fuse = True if grouped or hdla_scaled else cfg.get("fuse_output")
     if fuse is None:
