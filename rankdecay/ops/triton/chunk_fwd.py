@@ -451,27 +451,25 @@ def _intra_kernel(
             # without SAVE the 16 x 16 blocks above it (zeros) are not written
             m_lba = (r_a[:, None] // 16 >= r_a[None, :] // 16) | SAVE
             tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L, mask=m_lba)
-        elif SCALED and HDLA:  # update rows [k, a2], D = diag(β, 1) on the products' L_BA (taken without β)
-            fac_d = tl.where(rka == 0, tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32), 1.0)
-            L = tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :]) * fac_d[:, None]
-            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
+        elif SCALED:  # a per-channel gate: D on the rows of the products' L, D into af (B's decays are in kg's rows)
+            if HDLA:  # update rows [k, a2]: D = diag(β, 1) on L_BA (taken without β)
+                fac_d = tl.where(rka == 0, tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32), 1.0)
+                L = tl.load(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :])
+            else:  # a = k with factors (``kda``): D = diag(sa) on L_BK
+                fac_d = fac_a
+                L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L * fac_d[:, None],
                      mask=r_a[:, None] // 16 >= r_a[None, :] // 16)
             tl.store(af + c * NA + r_a, fac_d)
-        elif SCALED:  # a per-channel gate, a = k with factors (``kda``): D L_BK from the products' L_BK
-            L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :]) * fac_a[:, None]
-            tl.store(lba + (c * NA + r_a[:, None]) * NA + r_a[None, :], L,
-                     mask=r_a[:, None] // 16 >= r_a[None, :] // 16)
-            tl.store(af + c * NA + r_a, fac_a)  # D: B's decays are in kg's rows (``chunk_log_cumsum``'s)
         Tinv = _unit_lower_inverse(lba + c * NA * NA, tinv + c * NA * NA, NA, MERGE, NILP)
         if TIED:  # L_BK is L_BA before a's factors (unused in the scaled form)
             L = P
-        elif GROUPED:  # (not formed: the scaled form's update reads none of it)
-            L = P
-        elif GATE < 2:
-            L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK, PRECISION,
-                          LP_BK)
-        elif not SCALED:  # (the scaled form reads no L_BK)
-            L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+        elif not SCALED:  # L_BK (the scaled forms read none)
+            if GATE < 2:
+                L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK,
+                              PRECISION, LP_BK)
+            else:
+                L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         if SCALED:  # T' itself, for the state kernel (in uv's place)
             tl.store(uv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
         if SAVE:  # for the backward: T, L_BA and L_BK
@@ -956,7 +954,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     # the output's arguments, for the output kernel or the state kernel (FUSE_O)
-    out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqa if hdla_scaled else mqk, mqa=opt(mqa), sv=opt(sv),
+    # (where Y's rows are a's, the state kernel's outputs take M_QA in M_QK's place)
+    out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqa if hdla_scaled or grouped else mqk, mqa=opt(mqa), sv=opt(sv),
                sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](

@@ -179,7 +179,8 @@ def _state_fwd_kernel(
     # gate (a = k with factors: ``kda``): vf is v as given, kg holds B ⊙ e^{G_{i-1}}, kd K̃, af D alone.
     # GROUPED (with SCALED, RAW, Rkv = 1; ``chunk_fwd.chunk_dplr_fwd``'s ``grouped``): a's rows are k split into
     # RAB groups of channels (Head-in-Head's), formed here from k; Y's rows are a's, (token, group), with
-    # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) (bb: b as given, E_B: 16-bit), S += Ãᵀ Y and O = Q̃ S_n + M_QA Y.
+    # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) (bb: b as given, E_B: 16-bit), S += Ãᵀ Y and O = Q̃ S_n + M_QA Y
+    # (M_QA passed as mqk).
     # HDLA (with SCALED, a per-channel gate; ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_scaled``): the rows are HDLA's
     # update rows [k, a2], (token, rank), v on rank 0 alone; kd holds their Ã, kg B ⊙ e^{G_{i-1}}, af D = (β, 1),
     # and mqk is M_QA.
@@ -227,31 +228,18 @@ def _state_fwd_kernel(
             m_a = o_a < CA
             m_av = m_a[:, None] & m_v[None, :]
             m_ak = m_a[:, None] & m_k[None, :]
-            if SCALED and GROUPED:  # one row block (BCA = CA), T' is [CA, CA]; rows (token, group)
-                tok, grp = o_a // RABP, o_a % RABP
-                R = _raw_rows(vf, tok, i_bh, n, T, H, TC, 1, 1, o_v, m_v, V) * (grp < RAB)[:, None]
-                if VSC:
-                    R = R * _chunk_factor(sv, tok, i_bh, n, T, H, TC, 1, 1)[:, None]
-                Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
-                Br = _raw_rows(bb, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
-                R -= _dot_xe(Br, S, PRECISION, E_B) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
-                Y = _dot(Tt, R, PRECISION)
-                # a's rows: k's channels of the row's group (none for a padded rank)
-                Ar = _raw_rows(kd, tok, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
-                Ar = tl.where(o_k[None, :] // (K // RAB) == grp[:, None], Ar, 0.0)
-                fk = tl.load(kf + c * CR + tok, mask=m_a, other=0.0)
-                acc += _dot_xe(tl.trans(Ar), Y * fk[:, None], PRECISION, E_K)
-                if FUSE_O:
-                    O += _dot(_chunk_cols(mqa, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
-                else:  # (``chunk_dplr_fwd`` fuses the grouped form's outputs)
-                    tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
-            elif SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
-                if HDLA:  # v on each token's rank-0 row
-                    R = _raw_rows(vf, o_a // RABP, i_bh, n, T, H, TC, 1, 1, o_v, m_v, V) * (o_a % RABP == 0)[:, None]
+            if SCALED:  # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ K S_n): one row block (BCA = CA), T' is [CA, CA]
+                if GROUPED or HDLA:  # rows (token, rank) of a's: v on each group's row (GROUPED) or on rank 0 alone
+                    tok, rk = o_a // RABP, o_a % RABP
+                    R = _raw_rows(vf, tok, i_bh, n, T, H, TC, 1, 1, o_v, m_v, V)
+                    R = R * ((rk < RAB) if GROUPED else (rk == 0))[:, None]
+                    if VSC:
+                        R = R * _chunk_factor(sv, tok, i_bh, n, T, H, TC, 1, 1)[:, None]
                 else:
+                    tok = o_a
                     R = _raw_rows(vf, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
-                if VSC:
-                    R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
+                    if VSC:
+                        R = R * _chunk_factor(sv, o_a, i_bh, n, T, H, TC, RKV, RKVP)[:, None]
                 Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :]).to(tl.float32)
                 if GATE == 2:  # kg: B ⊙ e^{G_{i-1}} and kd: K̃ = k ⊙ e^{G_C - G}, in the chunk layout; af: D
                     Kg = tl.load(kg + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak,
@@ -261,13 +249,21 @@ def _state_fwd_kernel(
                     Kd = tl.load(kd + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak,
                                  other=0.0).to(tl.float32)
                     acc += _dot(tl.trans(Kd), Y, PRECISION)
-                else:
-                    Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
-                    R -= _dot_xe(Kr, S, PRECISION, E_K) * tl.load(af + c * CA + o_a, mask=m_a, other=0.0)[:, None]
+                else:  # k and v as given; GROUPED: b's rows project S_n, and a's rows (k's channels of the row's
+                    # group, none for a padded rank) take Y
+                    if GROUPED:
+                        Pr = _raw_rows(bb, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                        Kr = _raw_rows(kd, tok, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
+                        Kr = tl.where(o_k[None, :] // (K // RAB) == rk[:, None], Kr, 0.0)
+                    else:
+                        Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
+                        Pr = Kr
+                    R -= _dot_xe(Pr, S, PRECISION, E_B if GROUPED else E_K) * tl.load(af + c * CA + o_a, mask=m_a,
+                                                                                       other=0.0)[:, None]
                     Y = _dot(Tt, R, PRECISION)
-                    fk = tl.load(kf + c * CR + o_a, mask=m_a, other=0.0)
+                    fk = tl.load(kf + c * CR + tok, mask=m_a, other=0.0)
                     acc += _dot_xe(tl.trans(Kr), Y * fk[:, None], PRECISION, E_K)
-                if FUSE_O:
+                if FUSE_O:  # (mqk is M_QA where Y's rows are a's: GROUPED, HDLA)
                     O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
                 else:  # Y for the output kernel (its VALUES); S_n is stored above
                     tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
