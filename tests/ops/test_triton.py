@@ -1070,6 +1070,17 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
+def _grouped_spy(monkeypatch) -> list:
+    """The list of ``chunk_fwd.grouped_update``'s answers, one per fused forward from now on."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    taken = []
+    grouped_update = chunk_fwd.grouped_update
+    monkeypatch.setattr(chunk_fwd, "grouped_update",
+                        lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or taken[-1])
+    return taken
+
+
 @pytest.mark.parametrize("K,r,gate,static,dtype,strong,varlen", [
     (16, 4, "scalar", True, torch.float32, False, False),
     (16, 4, "scalar", False, torch.float32, True, False),
@@ -1086,10 +1097,7 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
     kernels were told the rows are grouped, and took that form."""
     from rankdecay.ops.triton import chunk_fwd
 
-    taken = []
-    grouped_update = chunk_fwd.grouped_update
-    monkeypatch.setattr(chunk_fwd, "grouped_update", lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or
-                        taken[-1])
+    taken = _grouped_spy(monkeypatch)
     B, T, H, V = (1 if varlen else 2), 37, 2, 8
     cu = torch.tensor([0, 10, 10, T], device=DEVICE) if varlen else None
     N = 3 if varlen else B
@@ -1210,12 +1218,7 @@ def test_gpu_gated_delta_rule_forward_realistic_size(matmul_precision, output_fo
 def test_gpu_hh_forward_realistic_size(matmul_precision, static, monkeypatch):
     """Head-in-Head Gated DeltaNet's forward alone, r = 4 (the scaled form over a's rows: ``chunk_fwd.grouped_update``,
     checked taken), bf16 at B2 T1000 H4 K=V=128, β up to 2, against fp64: the bounds of ``_assert_near_fp64``."""
-    from rankdecay.ops.triton import chunk_fwd
-
-    taken = []
-    grouped_update = chunk_fwd.grouped_update
-    monkeypatch.setattr(chunk_fwd, "grouped_update", lambda *a, **kw: taken.append(grouped_update(*a, **kw)) or
-                        taken[-1])
+    taken = _grouped_spy(monkeypatch)
     q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=8)
     B, T, H = q.shape[:3]
     gen = torch.Generator().manual_seed(8)
