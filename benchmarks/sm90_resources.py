@@ -1,6 +1,7 @@
-"""Registers, spills and shared memory of the fused forward's kernels on Hopper, compiled on this machine.
+"""Registers, spills and shared memory of the fused kernels on Hopper, compiled on this machine.
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
+    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token} [--shape B T H K V]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
 precision, outputs from the state kernel, no backward: the scaled form) on CPU tensors with its Triton
@@ -9,6 +10,14 @@ launches captured instead of run, compiles each captured launch for sm_90 (``tri
 ``cuobjdump`` that Triton ships. A launch's knobs (``chunk_fwd._KNOBS``: intra_warps, intra_maxnreg,
 state_stages, scaled, merge, ...) change what is compiled. Install the Triton version of the GPU you
 compare with (the H100 image: 3.6.0); register counts differ between versions.
+
+``--backward``: the backward's kernels instead (``chunk_bwd._backward`` after ``chunk_dplr_fwd(save=True)``, every
+launch of both captured, so nothing runs) for Gated DeltaNet (tied keys) or Head-in-Head Gated DeltaNet r = 4 (a
+static mask, or one per token), with bf16 inputs and products, as ``kernels.py --matmul-precision medium`` times
+them. The spill bytes come from ``ptxas -v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes
+of spill stores with its rows a and b formed in the kernel, where the H100 counted 70 spilled registers and
+2.22 ms; 84 for the general rows, 6 and 1.81 ms there; 36 with a and b read and their gradients carried on in
+the kernel, as now.)
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
-from rankdecay.ops.triton import chunk_fwd
+from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state, factors
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64"}
 KERNELS = ("_intra_kernel", "_state_fwd_kernel", "_output_kernel")
@@ -58,7 +67,73 @@ def capture(shape, knobs: dict) -> dict:
     return launches
 
 
-def compile_sm90(fn, args, kw) -> tuple:
+def capture_backward(case: str, shape) -> dict:
+    """The launches of one case's backward (and of the forward before it, which saves its tensors) on CPU tensors,
+    as {name: (fn, args, kwargs)}: every ``*_kernel`` of the fused kernels' modules captured, none run."""
+    launches, patched = {}, []
+
+    class Capture:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.__setitem__(self.name, (self.fn, args, kw))
+
+    B, T, H, K, V = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, T, H, K, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(B, T, H, 1, V, generator=gen).bfloat16()
+    g, beta = -torch.rand(B, T, H, 1, generator=gen), torch.rand(B, T, H, generator=gen)
+    k1 = k[..., None, :]
+    sv = beta[..., None].contiguous()
+    # the GPU's precision, not the interpreter's stand-in ("bf16_ieee"), so the launches are the H100's
+    precision = {m: m._precision for m in (chunk_fwd, chunk_bwd)}
+    try:
+        for m in precision:
+            m._precision = lambda x: "bf16"
+        for mod in (chunk_fwd, chunk_bwd, chunk_state, channel, factors):
+            for name in dir(mod):
+                fn = getattr(mod, name)
+                if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                    patched.append((mod, name, fn))
+                    setattr(mod, name, Capture(name, fn))
+        if case == "gdn":
+            a = b = k1
+            sa, hh = (beta * g[..., 0].exp())[..., None].contiguous(), {}
+        else:  # Head-in-Head r = 4: a and b as factors.hh_factors stores them at this precision
+            r = 4
+            a, b = (torch.zeros(B, T, H, r, K, dtype=torch.bfloat16) for _ in range(2))
+            sa = (beta * g[..., 0].exp())[..., None].expand(B, T, H, r).contiguous()
+            hh = dict(hh_mask=torch.rand(*((B, T, H) if case == "hh-gdn-token" else (H,)), r, r, generator=gen))
+        o, _, saved = chunk_fwd.chunk_dplr_fwd(q, k1, v, a, b, g, K ** -0.5, None, save=True, a_scale=sa, v_scale=sv,
+                                               _config=dict(stored=torch.bfloat16))
+        tied = case == "gdn"
+        tensors = (q, k1, v, None if tied else a, None if tied else b, g, None, sa, sv,
+                   *(saved[n] for n in chunk_bwd._SAVED))
+        try:
+            chunk_bwd._backward(tensors, K ** -0.5, saved["TC"], tied, torch.randn(B, T, H, V).bfloat16(), None, **hh)
+        except (RuntimeError, IndexError):  # PyTorch work on the (never written) results after the last launch
+            pass
+    finally:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        for m, fn in precision.items():
+            m._precision = fn
+    forward = set(KERNELS) | {"_chunk_log_cumsum_kernel"}
+    return {n: x for n, x in launches.items() if n not in forward}
+
+
+def spill_bytes(kernel) -> str:
+    """``ptxas -v``'s spill line for a compiled kernel's PTX (sm_90a), as Triton ships ptxas."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    return next((ln.split(":")[-1].strip() for ln in out.stderr.splitlines() if "spill" in ln), "?")
+
+
+def compile_sm90(fn, args, kw, with_kernel: bool = False) -> tuple:
     """Compile one captured launch for sm_90, as the JIT would on an H100 (16-bit products in their dtype,
     16-byte aligned pointers); returns (cuobjdump's resource line, shared bytes, warps, stages)."""
     kw = dict(kw)
@@ -92,14 +167,24 @@ def compile_sm90(fn, args, kw) -> tuple:
         f.flush()
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     line = next(ln.strip() for ln in usage.splitlines() if "REG:" in ln)
-    return line, kernel.metadata.shared, options.get("num_warps", 4), options.get("num_stages", 3)
+    result = line, kernel.metadata.shared, options.get("num_warps", 4), options.get("num_stages", 3)
+    return result + (kernel,) if with_kernel else result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help="chunk_fwd._KNOBS, Python literals")
+    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token"], default=None,
+                        help="the backward's kernels of this case instead of the GDN forward's")
     args = parser.parse_args()
+    if args.backward:
+        print(f"Triton {triton.__version__}, sm_90, {args.backward} backward {args.shape}, bf16 at \"medium\"")
+        for name, (fn, a, kw) in sorted(capture_backward(args.backward, args.shape).items()):
+            line, shared, warps, stages, kernel = compile_sm90(fn, a, kw, with_kernel=True)
+            reg = line.split()[0]
+            print(f"{name}: {reg} | {spill_bytes(kernel)} | shared {shared} B, {warps} warps, {stages} stages")
+        return
     knobs = {name: ast.literal_eval(value) for name, value in (kv.split("=", 1) for kv in args.knob)}
     print(f"Triton {triton.__version__}, sm_90, GDN forward {args.shape}, knobs {knobs or 'none'}")
     for name, (fn, a, kw) in capture(args.shape, knobs).items():

@@ -84,10 +84,13 @@ def dplr(
 
 
 def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale, v_scale,
-          inplace_final_state, grouped: bool = False):
+          inplace_final_state, grouped: bool = False, hh_mask=None):
     """``dplr`` itself. ``grouped``: a's rows are k split into groups of channels (Head-in-Head's
     ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
-    (``triton.chunk_fwd.grouped_update``); the caller vouches for it."""
+    (``triton.chunk_fwd.grouped_update``); the caller vouches for it. ``hh_mask``: more so, a and b are
+    Head-in-Head's rows of k and this mask (``triton.factors.hh_factors``' a and b, with a scalar gate or none), and
+    the fused kernels' backward carries their gradients on to k and the mask itself
+    (``triton.chunk_bwd.chunk_dplr``'s); the caller vouches for this too."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -101,6 +104,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
         a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
+        if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
+            hh_mask = pack_varlen(hh_mask, index, valid)
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     if not fused:  # the other paths take the factors multiplied in
         if sa is not None:
@@ -118,7 +123,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         from .triton import chunk_dplr, chunk_dplr_fwd
 
         if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
-            o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv)
+            o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
+                                  hh_mask=hh_mask)
         else:
             o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                       grouped=grouped)

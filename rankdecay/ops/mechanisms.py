@@ -390,20 +390,24 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"mask must have shape [H, r, r] or [B, T, H, r, r], got {list(mask.shape)}")
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
+    hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.chunk_state import _precision
         from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
 
         a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
+        if g is None or g.dim() == 3:  # the fused backward forms a and b from k and the mask itself
+            hh_mask = mask
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
         a = k[..., None, :] * onehot  # k ⊙ 1[group j]: exact in k's dtype
         b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
     a, a_scale = _beta_alpha(a, beta, g)
-    # a's rows sum to k: without autograd the fused forward takes its scaled form over them (``grouped``)
+    # a's rows sum to k: without autograd the fused forward takes its scaled form over them (``grouped``); with it,
+    # the fused backward carries the rows' gradients on to k and the mask itself (``hh_mask``)
     return _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale,
-                 beta, inplace_final_state, grouped=True)
+                 beta, inplace_final_state, grouped=True, hh_mask=hh_mask)
 
 
 def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1070,6 +1070,49 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
+@pytest.mark.parametrize("K,r,static,varlen", [(16, 4, True, False), (24, 3, False, False), (40, 2, True, True),
+                                             (48, 4, False, True)])
+def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monkeypatch):
+    """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
+    k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
+    mode="chunk" at fp32 accuracy: outputs, final state and every gradient (the mask's included), static masks and
+    per-token ones, r = 2, 3, 4, K = 40 and 48 with groups that straddle step 4's 32-channel key blocks, log-gates
+    to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence."""
+    from rankdecay.ops.triton import chunk_bwd, factors
+
+    taken, factor_bwd = [], []
+    backward = chunk_bwd._backward
+    monkeypatch.setattr(chunk_bwd, "_backward",
+                        lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
+    monkeypatch.setattr(factors._HHFactors, "backward", staticmethod(lambda ctx, *g: factor_bwd.append(1)))
+    gen = torch.Generator().manual_seed(K + r)
+    B, T, H, V = (1, 37, 2, 8)
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta = 2 * torch.rand(B, T, H, generator=gen)
+    beta[0, 3] = 2.0
+    g = -30 * torch.rand(B, T, H, generator=gen) ** 3
+    g[0, 20] = -1e4
+    mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), r, r, generator=gen))
+    cu = torch.tensor([0, 11, 11, T]) if varlen else None
+    h0 = torch.randn(3 if varlen else B, H, K, V, generator=gen)
+    w = torch.linspace(-1, 1, V, dtype=torch.float64)
+
+    def call(mode):
+        x = [t.to(DEVICE).clone().requires_grad_() for t in (q, k, v, beta, mask, g, h0)]
+        o, s = ops.hh_delta_rule(*x[:6], initial_state=x[6], output_final_state=True, mode=mode, chunk_size=16,
+                                 cu_seqlens=None if cu is None else cu.to(DEVICE))
+        ((o.double() * w.to(o.device)).sum() + s.double().sin().sum()).backward()
+        return [o, s] + [t.grad for t in x]
+
+    got = call("triton")
+    assert taken == [True] and not factor_bwd, (taken, factor_bwd)
+    ref = call("chunk")
+    for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-5, f"K={K} r={r} static={static}: {name}")
+
+
 def _grouped_spy(monkeypatch) -> list:
     """The list of ``chunk_fwd.grouped_update``'s answers, one per fused forward from now on."""
     from rankdecay.ops.triton import chunk_fwd
@@ -1230,6 +1273,39 @@ def test_gpu_hh_forward_realistic_size(matmul_precision, static, monkeypatch):
         assert taken == [True]
         ref = ops.hh_delta_rule(q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode="chunk")
     _assert_near_fp64(["o", "s"], got, ref, exact, matmul_precision)
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+@pytest.mark.parametrize("static", [True, False], ids=["static-mask", "token-mask"])
+def test_gpu_hh_realistic_size(matmul_precision, static, monkeypatch):
+    """Head-in-Head Gated DeltaNet with autograd, r = 4 (step 4 carries the rows' gradients on to k and the mask:
+    ``chunk_bwd._hh_rows_bwd``, checked taken), bf16 at B2 T1000 H4 K=V=128, β up to 2, against
+    fp64: the bounds of ``_assert_near_fp64`` for the output, final state and every gradient, the mask's too."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    taken = []
+    backward = chunk_bwd._backward
+    monkeypatch.setattr(chunk_bwd, "_backward",
+                        lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
+    q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=9)
+    B, T, H, D = q.shape
+    gen = torch.Generator().manual_seed(9)
+    mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), 4, 4, generator=gen)).to(DEVICE)
+    inputs = [q, k, v, beta, mask, g, h0]
+
+    def call(mode, exact=False):
+        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
+        o, s = ops.hh_delta_rule(*xs[:6], initial_state=xs[6], output_final_state=True, mode=mode)
+        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
+         + s.double().sin().sum()).backward()
+        return [o, s] + [x.grad for x in xs]
+
+    exact = call("chunk", exact=True)
+    got = call("triton")
+    assert taken == [True]
+    ref = call("chunk")
+    _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref, exact, matmul_precision)
 
 
 @GPU

@@ -89,13 +89,45 @@ def _hdla_rows_bwd(dA, dB, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, 
 
 
 @triton.jit
+def _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K: tl.constexpr, RAB: tl.constexpr, HH: tl.constexpr):
+    """The mask's entries M[j, group(l)] of a chunk's rows (token, j), columns o_k, as fp32 [rows, BK]."""
+    if HH == 2:  # mask[.., j, 0] of row (token, j)
+        pm = fa * RAB
+    else:
+        pm = (i_h * RAB + rka) * RAB
+    return tl.load(hmask + pm[:, None] + (o_k // (K // RAB))[None, :], mask=va[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _hh_rows_bwd(dA, dB, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K: tl.constexpr, TC: tl.constexpr,
+                 RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr, HH: tl.constexpr):
+    """Head-in-Head's rows' gradients da, db [TC RABP, BK] (rows token-major, rank minor) carried on to k: returns
+    Σ_j da_j ⊙ 1[group j] + db_j ⊙ M[j, group(·)] [TC, BK], and stores this key block's share of the mask's
+    gradient, dM[j, i] = Σ_{l in group i} db_j[l] k[l], to hpart [B, T, H, r, key blocks, r]. Each [rows, BK] tile
+    is reduced as soon as it is formed, and k's rows and the mask's entries are read here, not held through step 4.
+    a and b themselves step 4 reads as stored: formed from k and the mask there, it spilled 70 registers on the
+    H100 and took 2.22 ms against 1.81 (HH-GDN r=4; BENCHMARKS.md session 36)."""
+    grp = (o_k // (K // RAB))[None, :]
+    rows = tl.where(grp == rka[:, None], dA, 0.0)  # rows past T or r: their tokens' dk is not stored
+    rows += dB * _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K, RAB, HH)
+    dk = tl.sum(tl.reshape(rows, (TC, RABP, BK)), axis=1)
+    dbk = dB * _load_rows(k, fa // RAB, va, o_k, m_k, K)
+    part = hpart + (fa * tl.num_programs(0) + i_k) * RAB
+    for i in tl.static_range(RAB):
+        tl.store(part + i, tl.sum(tl.where(grp == i, dbk, 0.0), axis=1), mask=va)
+    return dk
+
+
+@triton.jit
 def _grad_kernel(
     q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
-    pq, pk, pa, pb, graw, hb, hc, hpart, T, NC,
+    pq, pk, pa, pb, graw, hb, hc, hpart, hmask, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
+    HH: tl.constexpr = 0,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -116,6 +148,11 @@ def _grad_kernel(
     be absent. The rows' gradients da and db are not stored but carried on to k and g here (``_hdla_rows_bwd``,
     with c = kᵀ(λ⊙k) from hc [B, T, H]), all but the share through c, which needs the whole K: this block's sums
     for it go to hpart [B, T, H, key blocks, 2] (``factors.hdla_factors_finish`` adds it and forms dβ).
+
+    HH (Head-in-Head with a scalar gate or none; 1: a static mask hmask [H, r, r], 2: one per token
+    [B, T, H, r, r]): a_j = k ⊙ 1[group j] and b_j = k ⊙ M[j, group(·)], and their gradients are carried on to k
+    here, the mask's per key block to hpart [B, T, H, r, key blocks, r] (``_hh_rows_bwd``): da and db are not
+    stored.
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -217,7 +254,7 @@ def _grad_kernel(
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
     dK += Dk
-    if not HDLA:
+    if not HDLA and not HH:
         tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
         Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -242,6 +279,10 @@ def _grad_kernel(
             dk_rows, dg_rows = _hdla_rows_bwd(dA, dB + Db, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, K,
                                               TC, BK)
             dK += dk_rows
+            tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
+        elif HH:  # on to k and the mask here (k's rows are q's: one rank)
+            dK += _hh_rows_bwd(dA, dB + Db, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K, TC, RAB, RABP, BK,
+                               HH)
             tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
         else:
             tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
@@ -640,22 +681,25 @@ def _grad_inputs_kernel(
 
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied):
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None):
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no [B, H, K, V] zeros
-        # tied: a = b = k (a and b are None here), their gradients returned as k's
+        # tied: a = b = k (a and b are None here), their gradients returned as k's. hh_mask: a and b are
+        # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
-        ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED))
+        ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
         ctx.scale, ctx.C, ctx.tied, ctx.paired = scale, saved["TC"], tied, saved["paired"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _backward(ctx.saved_tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired)
+        *tensors, hh_mask = ctx.saved_tensors
+        grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask)
+        return grads if hh_mask is not None else grads + (None,)
 
 
 def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
-              paired: bool = False):
+              paired: bool = False, hh_mask=None):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
@@ -666,7 +710,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     fp32), step 4 also carries the rows' gradients on to dk and dg, da and db come back None, and a last result
     holds the sums ``factors.hdla_factors_finish`` needs for the rest (None where the products were taken apart).
     ``paired``: the forward took a's products with k's (``chunk_dplr_fwd``'s saved "paired"), and so do their
-    gradients here."""
+    gradients here. ``hh_mask`` (Head-in-Head's mask, [H, r, r] or [B, T, H, r, r]; a scalar gate or none): a and b
+    are its rows of k (``factors.hh_factors``'), whose gradients step 4 carries on to dk and the mask's: da and db
+    come back None, and one more result holds the mask's gradient."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -753,7 +799,12 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
     # HDLA's rows' gradients go on to k and g inside step 4, all but c's share: its sums per key block to hpart
     hpart = torch.empty(B, T, H, NKB, 2, **f32) if one else None
-    da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one else (None, None)
+    hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
+    if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4: the mask's per key block here
+        if gate == 2 or tied or not Rab:
+            raise ValueError("hh_mask: Head-in-Head's rows with a scalar gate or none only")
+        hpart = torch.empty(B, T, H, Rab, NKB, Rab, **f32)
+    da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh else (None, None)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if tied:
@@ -797,10 +848,10 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
             opt(pa), opt(pb), g if one else dummy, hdla_beta if one else dummy, hdla_c if one else dummy, opt(hpart),
-            T, NC, H=H, K=K,
+            hh_mask if hh else dummy, T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
-            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one,
+            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
             num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
@@ -823,6 +874,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     grads = (cast(dq, q), cast(dk, k), cast(dv, v), cast(da, a), cast(db, a if b is None else b), cast(dg, g),
              cast(dh0, h0), None,
              cast(dsa.sum(-1), sa) if asc else None, cast(dsv.sum(-1), sv) if sv is not None else None, None)
+    if hh:  # the mask's gradient: the key blocks' shares added, and a static mask's over every token
+        dmask = hpart.sum(-2)
+        return grads + (cast(dmask.sum((0, 1)) if hh == 1 else dmask, hh_mask),)
     return grads if hdla_beta is None else grads + (dbeta_rows, hpart)
 
 
@@ -923,10 +977,16 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
-def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None):
+def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.
 
-    When a and b are k itself (``ties_keys``), k's three gradients are formed as one."""
+    When a and b are k itself (``ties_keys``), k's three gradients are formed as one. ``hh_mask``: a and b are
+    Head-in-Head's rows of k and this mask (``factors.hh_factors``' a and b; [H, r, r] or [B, T, H, r, r]; a scalar
+    gate or none): the backward carries their gradients on to k and the mask in step 4 and returns them as k's and
+    the mask's, without da and db (H100 HH-GDN r=4: BENCHMARKS.md session 36); a and b's own autograd is unused."""
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
+    if hh_mask is not None and gate_kind(g) < 2:
+        return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
+                                hh_mask.contiguous())
     return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False)
