@@ -288,10 +288,12 @@ def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
 @triton.jit
 def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
-                             RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False):
+                             RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False,
+                             KDO: tl.constexpr = True):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
-    # rows per token, padded to RKVP with zero rows) and e^{G_C}, from the log-cumsums in registers; KGO: also
-    # b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows of B)
+    # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
+    # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
+    # of B)
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -312,12 +314,13 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
         tl.store(qd + block, Q * tl.exp(G.to(tl.float32)) * scale, mask=m_k[None, :])
         dk = tl.exp((G_end[None, :] - G).to(tl.float32))
         for rk in tl.static_range(RKVP):
-            if rk < RKV:
-                Kr = tl.load(k + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
-                             other=0.0).to(tl.float32)
-            else:  # a padding row
-                Kr = tl.zeros([TC, BK], dtype=tl.float32)
-            tl.store(kd + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Kr * dk, mask=m_k[None, :])
+            if KDO:
+                if rk < RKV:
+                    Kr = tl.load(k + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
+                                 other=0.0).to(tl.float32)
+                else:  # a padding row
+                    Kr = tl.zeros([TC, BK], dtype=tl.float32)
+                tl.store(kd + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Kr * dk, mask=m_k[None, :])
             if KGO:
                 if rk < RKV:
                     Br = tl.load(b + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
@@ -338,8 +341,8 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     chunk is the exp of a difference of two of these (``_channel_decays``, ``channel``).
 
     prep: None, or (q, k, qd, kd, dch, scale[, kg, b]) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
-    tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K], dch [B, H, NC, K] to fill with
-    scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
+    tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K] (or None: not formed), dch [B, H, NC, K] to fill
+    with scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
     in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape)."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
@@ -348,10 +351,11 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
     q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
                                        else (gc, gc[..., None, :], gc, gc, gc, 1.0, None, None))
+    kdo = kd is not None
     _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
-        g.contiguous(), gc, T, q, k, qd, kd, dch, scale, H=H, K=K, TC=chunk_size, BK=BK, PREP=prep is not None,
-        RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg, b=gc if kg is None else b,
-        KGO=kg is not None, num_warps=knob[1])
+        g.contiguous(), gc, T, q, k, qd, kd if kdo else gc, dch, scale, H=H, K=K, TC=chunk_size, BK=BK,
+        PREP=prep is not None, RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg,
+        b=gc if kg is None else b, KGO=kg is not None, KDO=kdo, num_warps=knob[1])
     return gc
 
 
@@ -874,7 +878,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
     mqk = torch.empty(B, H, NC, TC, NK, **st)
-    kd = torch.empty(B, H, NC, NK, K, **st) if not raw else None
+    # HDLA's scaled form reads Ã's rows (ad) in K̃'s place, so K̃ is not formed (67 MB at B8 T2048 H16 K128)
+    kd = torch.empty(B, H, NC, NK, K, **st) if not (raw or hdla_scaled) else None
     vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v or channel_scaled) else None
     mqa = torch.empty(B, H, NC, TC, NA, **st) if Rab and (grouped or hdla_scaled or not scaled) else None
     w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
