@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the fused kernels on Hopper, compiled on this machine.
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
-    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token} [--shape B T H K V]
+    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla} [--shape B T H K V]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
 precision, outputs from the state kernel, no backward: the scaled form) on CPU tensors with its Triton
@@ -11,9 +11,9 @@ launches captured instead of run, compiles each captured launch for sm_90 (``tri
 state_stages, scaled, merge, ...) change what is compiled. Install the Triton version of the GPU you
 compare with (the H100 image: 3.6.0); register counts differ between versions.
 
-``--backward``: the backward's kernels instead (``chunk_bwd._backward`` after ``chunk_dplr_fwd(save=True)``, every
-launch of both captured, so nothing runs) for Gated DeltaNet (tied keys) or Head-in-Head Gated DeltaNet r = 4 (a
-static mask, or one per token), with bf16 inputs and products, as ``kernels.py --matmul-precision medium`` times
+``--backward``: the kernels of training instead, ``chunk_dplr_fwd(save=True)``'s and then ``chunk_bwd._backward``'s
+(every launch captured, so nothing runs), for Gated DeltaNet (tied keys), Head-in-Head Gated DeltaNet r = 4 (a
+static mask, or one per token) or HDLA (as ``chunk_bwd._HDLA`` runs them), with bf16 inputs and products, as ``kernels.py --matmul-precision medium`` times
 them. The spill bytes come from ``ptxas -v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes
 of spill stores with its rows a and b formed in the kernel, where the H100 counted 70 spilled registers and
 2.22 ms; 84 for the general rows, 6 and 1.81 ms there; 36 with a and b read and their gradients carried on in
@@ -67,9 +67,9 @@ def capture(shape, knobs: dict) -> dict:
     return launches
 
 
-def capture_backward(case: str, shape) -> dict:
-    """The launches of one case's backward (and of the forward before it, which saves its tensors) on CPU tensors,
-    as {name: (fn, args, kwargs)}: every ``*_kernel`` of the fused kernels' modules captured, none run."""
+def capture_training(case: str, shape) -> tuple[dict, dict]:
+    """The launches of one case's forward that saves for the backward, and of the backward, on CPU tensors: two
+    {name: (fn, args, kwargs)}, every ``*_kernel`` of the fused kernels' modules captured, none run."""
     launches, patched = {}, []
 
     class Capture:
@@ -86,8 +86,10 @@ def capture_backward(case: str, shape) -> dict:
     g, beta = -torch.rand(B, T, H, 1, generator=gen), torch.rand(B, T, H, generator=gen)
     k1 = k[..., None, :]
     sv = beta[..., None].contiguous()
+    do = torch.randn(B, T, H, V).bfloat16()
     # the GPU's precision, not the interpreter's stand-in ("bf16_ieee"), so the launches are the H100's
     precision = {m: m._precision for m in (chunk_fwd, chunk_bwd)}
+    cfg = dict(_config=dict(stored=torch.bfloat16))
     try:
         for m in precision:
             m._precision = lambda x: "bf16"
@@ -97,21 +99,29 @@ def capture_backward(case: str, shape) -> dict:
                 if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                     patched.append((mod, name, fn))
                     setattr(mod, name, Capture(name, fn))
-        if case == "gdn":
+        extra, tied = {}, case == "gdn"
+        if case == "hdla":  # as chunk_bwd._HDLA: a2 alone (its products in one kernel), b None, a per-channel gate
+            g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
+            a, b, c = chunk_bwd._hdla_factors(q, k, g, beta, with_c=True)
+            sa = sv = None
+            cfg.update(hdla_beta=beta)
+            extra = dict(hdla_beta=beta, hdla_c=c)
+        elif tied:
             a = b = k1
-            sa, hh = (beta * g[..., 0].exp())[..., None].contiguous(), {}
+            sa = (beta * g[..., 0].exp())[..., None].contiguous()
         else:  # Head-in-Head r = 4: a and b as factors.hh_factors stores them at this precision
             r = 4
             a, b = (torch.zeros(B, T, H, r, K, dtype=torch.bfloat16) for _ in range(2))
             sa = (beta * g[..., 0].exp())[..., None].expand(B, T, H, r).contiguous()
-            hh = dict(hh_mask=torch.rand(*((B, T, H) if case == "hh-gdn-token" else (H,)), r, r, generator=gen))
+            extra = dict(hh_mask=torch.rand(*((B, T, H) if case == "hh-gdn-token" else (H,)), r, r, generator=gen))
         o, _, saved = chunk_fwd.chunk_dplr_fwd(q, k1, v, a, b, g, K ** -0.5, None, save=True, a_scale=sa, v_scale=sv,
-                                               _config=dict(stored=torch.bfloat16))
-        tied = case == "gdn"
+                                               **cfg)
+        forward = dict(launches)
+        launches.clear()
         tensors = (q, k1, v, None if tied else a, None if tied else b, g, None, sa, sv,
                    *(saved[n] for n in chunk_bwd._SAVED))
         try:
-            chunk_bwd._backward(tensors, K ** -0.5, saved["TC"], tied, torch.randn(B, T, H, V).bfloat16(), None, **hh)
+            chunk_bwd._backward(tensors, K ** -0.5, saved["TC"], tied, do, None, **extra)
         except (RuntimeError, IndexError):  # PyTorch work on the (never written) results after the last launch
             pass
     finally:
@@ -119,8 +129,7 @@ def capture_backward(case: str, shape) -> dict:
             setattr(mod, name, fn)
         for m, fn in precision.items():
             m._precision = fn
-    forward = set(KERNELS) | {"_chunk_log_cumsum_kernel"}
-    return {n: x for n, x in launches.items() if n not in forward}
+    return forward, dict(launches)
 
 
 def spill_bytes(kernel) -> str:
@@ -175,15 +184,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help="chunk_fwd._KNOBS, Python literals")
-    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token"], default=None,
-                        help="the backward's kernels of this case instead of the GDN forward's")
+    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla"], default=None,
+                        help="this case's forward that saves for the backward and its backward, instead of the GDN "
+                             "forward alone")
     args = parser.parse_args()
     if args.backward:
-        print(f"Triton {triton.__version__}, sm_90, {args.backward} backward {args.shape}, bf16 at \"medium\"")
-        for name, (fn, a, kw) in sorted(capture_backward(args.backward, args.shape).items()):
-            line, shared, warps, stages, kernel = compile_sm90(fn, a, kw, with_kernel=True)
-            reg = line.split()[0]
-            print(f"{name}: {reg} | {spill_bytes(kernel)} | shared {shared} B, {warps} warps, {stages} stages")
+        print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products")
+        for part, launches in zip(("forward (saving)", "backward"), capture_training(args.backward, args.shape)):
+            print(f"{part}:")
+            for name, (fn, a, kw) in sorted(launches.items()):
+                line, shared, warps, stages, kernel = compile_sm90(fn, a, kw, with_kernel=True)
+                print(f"  {name}: {line.split()[0]} | {spill_bytes(kernel)} | shared {shared} B, {warps} warps, "
+                      f"{stages} stages")
         return
     knobs = {name: ast.literal_eval(value) for name, value in (kv.split("=", 1) for kv in args.knob)}
     print(f"Triton {triton.__version__}, sm_90, GDN forward {args.shape}, knobs {knobs or 'none'}")
