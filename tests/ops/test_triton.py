@@ -1078,12 +1078,9 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monke
     mode="chunk" at fp32 accuracy: outputs, final state and every gradient (the mask's included), static masks and
     per-token ones, r = 2, 3, 4, K = 40 and 48 with groups that straddle step 4's 32-channel key blocks, log-gates
     to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence."""
-    from rankdecay.ops.triton import chunk_bwd, factors
+    from rankdecay.ops.triton import factors
 
-    taken, factor_bwd = [], []
-    backward = chunk_bwd._backward
-    monkeypatch.setattr(chunk_bwd, "_backward",
-                        lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
+    taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     monkeypatch.setattr(factors._HHFactors, "backward", staticmethod(lambda ctx, *g: factor_bwd.append(1)))
     gen = torch.Generator().manual_seed(K + r)
     B, T, H, V = (1, 37, 2, 8)
@@ -1111,6 +1108,18 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monke
     for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
         assert_matches(x, y, 1e-5, f"K={K} r={r} static={static}: {name}")
+
+
+def _hh_rows_spy(monkeypatch) -> list:
+    """One entry per fused backward from now on: whether step 4 took Head-in-Head's rows (``chunk_bwd._backward``'s
+    ``hh_mask``)."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    taken = []
+    backward = chunk_bwd._backward
+    monkeypatch.setattr(chunk_bwd, "_backward",
+                        lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
+    return taken
 
 
 def _grouped_spy(monkeypatch) -> list:
@@ -1227,14 +1236,10 @@ def test_gpu_gated_delta_rule_realistic_size(matmul_precision, output_form):
     worse than the PyTorch path on the bf16 inputs, at "medium" within 2^-5, for the output, final
     state and every gradient."""
     inputs = _gdn_realistic_inputs(seed=5)
-    D = inputs[0].shape[-1]
 
     def call(mode, exact=False):
-        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
-        o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
-        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
-         + s.double().sin().sum()).backward()
-        return [o, s] + [x.grad for x in xs]
+        return _grads_of(lambda *x: ops.gated_delta_rule(*x[:5], initial_state=x[5], output_final_state=True,
+                                                         mode=mode), inputs, exact)
 
     exact = call("chunk", exact=True)
     got, ref = call("triton"), call("chunk")
@@ -1282,12 +1287,7 @@ def test_gpu_hh_realistic_size(matmul_precision, static, monkeypatch):
     """Head-in-Head Gated DeltaNet with autograd, r = 4 (step 4 carries the rows' gradients on to k and the mask:
     ``chunk_bwd._hh_rows_bwd``, checked taken), bf16 at B2 T1000 H4 K=V=128, β up to 2, against
     fp64: the bounds of ``_assert_near_fp64`` for the output, final state and every gradient, the mask's too."""
-    from rankdecay.ops.triton import chunk_bwd
-
-    taken = []
-    backward = chunk_bwd._backward
-    monkeypatch.setattr(chunk_bwd, "_backward",
-                        lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
+    taken = _hh_rows_spy(monkeypatch)
     q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=9)
     B, T, H, D = q.shape
     gen = torch.Generator().manual_seed(9)
@@ -1295,11 +1295,8 @@ def test_gpu_hh_realistic_size(matmul_precision, static, monkeypatch):
     inputs = [q, k, v, beta, mask, g, h0]
 
     def call(mode, exact=False):
-        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
-        o, s = ops.hh_delta_rule(*xs[:6], initial_state=xs[6], output_final_state=True, mode=mode)
-        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
-         + s.double().sin().sum()).backward()
-        return [o, s] + [x.grad for x in xs]
+        return _grads_of(lambda *x: ops.hh_delta_rule(*x[:6], initial_state=x[6], output_final_state=True,
+                                                      mode=mode), inputs, exact)
 
     exact = call("chunk", exact=True)
     got = call("triton")
@@ -1316,14 +1313,10 @@ def test_gpu_gated_delta_product_realistic_size(matmul_precision):
     (mode="chunk"): the bounds of ``_assert_near_fp64`` for the output, final state and every gradient."""
     q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=7)
     inputs = [q[:, :500], k, v, g[:, :500], beta, h0]
-    D = q.shape[-1]
 
     def call(mode, exact=False):
-        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
-        o, s = ops.gated_delta_product(*xs[:5], 2, initial_state=xs[5], output_final_state=True, mode=mode)
-        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
-         + s.double().sin().sum()).backward()
-        return [o, s] + [x.grad for x in xs]
+        return _grads_of(lambda *x: ops.gated_delta_product(*x[:5], 2, initial_state=x[5], output_final_state=True,
+                                                            mode=mode), inputs, exact)
 
     exact = call("chunk", exact=True)
     got, ref = call("triton"), call("chunk")
@@ -1347,14 +1340,8 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
     inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
 
     def call(mode, exact=False):
-        xs = [(x.double() if exact else x.clone()).requires_grad_(grads) for x in inputs]
-        with torch.set_grad_enabled(grads):
-            o, s = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
-        if not grads:
-            return [o, s]
-        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
-         + s.double().sin().sum()).backward()
-        return [o, s] + [x.grad for x in xs]
+        return _grads_of(lambda *x: ops.hdla(*x[:5], initial_state=x[5], output_final_state=True, mode=mode), inputs,
+                         exact, grads)
 
     exact = call("chunk", exact=True)
     got, ref = call("triton"), call("chunk")
@@ -1376,11 +1363,7 @@ def test_gpu_kda_realistic_size(matmul_precision):
     inputs[3] = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) + 3).to(DEVICE, torch.bfloat16)
 
     def call(fn, exact=False):
-        xs = [(x.double() if exact else x.clone()).requires_grad_() for x in inputs]
-        o, s = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-        ((o.double() * torch.linspace(-1, 1, D, device=o.device, dtype=torch.float64)).sum()
-         + s.double().sin().sum()).backward()
-        return [o, s] + [x.grad for x in xs]
+        return _grads_of(lambda *x: fn(*x[:5], initial_state=x[5], output_final_state=True), inputs, exact)
 
     names = ["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     exact = call(lambda *x, **kw: ops.kda(*x, mode="chunk", **kw), exact=True)
@@ -1410,6 +1393,19 @@ def _gdn_realistic_inputs(seed):
     g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3)
     beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, D, D, generator=gen)
     return [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+
+
+def _grads_of(fn, inputs, exact=False, grads=True):
+    """fn(*xs) -> (o, s) on copies xs of the inputs (fp64 where exact) that require their gradients (with grads), then
+    the loss Σ o ⊙ linspace(-1, 1, V) + Σ sin(s) backward: [o, s] and the inputs' gradients ([o, s] without grads)."""
+    xs = [(x.double() if exact else x.clone()).requires_grad_(grads) for x in inputs]
+    with torch.set_grad_enabled(grads):
+        o, s = fn(*xs)
+    if not grads:
+        return [o, s]
+    ((o.double() * torch.linspace(-1, 1, o.shape[-1], device=o.device, dtype=torch.float64)).sum()
+     + s.double().sin().sum()).backward()
+    return [o, s] + [x.grad for x in xs]
 
 
 def _assert_near_fp64(names, got, ref, exact, matmul_precision):
