@@ -396,7 +396,7 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
 
         a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
-        if g is None or g.dim() == 3:  # the fused backward forms a and b from k and the mask itself
+        if g is None or g.dim() == 3:  # the fused backward carries a's and b's gradients on to k and the mask
             hh_mask = mask
     else:
         group = torch.arange(K, device=q.device) // (K // r)

@@ -1110,6 +1110,18 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monke
         assert_matches(x, y, 1e-5, f"K={K} r={r} static={static}: {name}")
 
 
+def test_hh_mask_only_for_head_in_head_rows():
+    """``chunk_bwd.chunk_dplr``'s hh_mask (step 4 carrying Head-in-Head's rows' gradients on to k and the mask)
+    refuses a per-channel gate, which scales a's rows, and a call without rows."""
+    from rankdecay.ops.triton.chunk_bwd import chunk_dplr
+
+    q, k, v, a, b, g, _ = random_inputs(1, 5, 2, 16, 8, 2, 1, "channel")
+    with pytest.raises(ValueError, match="hh_mask: Head-in-Head's rows a and b with a scalar gate or none only"):
+        chunk_dplr(q, k, v, a, b, g, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
+    with pytest.raises(ValueError, match="hh_mask: Head-in-Head's rows a and b"):
+        chunk_dplr(q, k, v, None, None, None, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
+
+
 def _hh_rows_spy(monkeypatch) -> list:
     """One entry per fused backward from now on: whether step 4 took Head-in-Head's rows (``chunk_bwd._backward``'s
     ``hh_mask``)."""

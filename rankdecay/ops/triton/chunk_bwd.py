@@ -800,9 +800,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # HDLA's rows' gradients go on to k and g inside step 4, all but c's share: its sums per key block to hpart
     hpart = torch.empty(B, T, H, NKB, 2, **f32) if one else None
     hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
-    if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4: the mask's per key block here
-        if gate == 2 or tied or not Rab:
-            raise ValueError("hh_mask: Head-in-Head's rows with a scalar gate or none only")
+    if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4 (``chunk_dplr`` checked the
+        # rows and the gate): the mask's per key block here
         hpart = torch.empty(B, T, H, Rab, NKB, Rab, **f32)
     da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh else (None, None)
     dg = like(g) if gate == 2 else None
@@ -984,9 +983,11 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
     Head-in-Head's rows of k and this mask (``factors.hh_factors``' a and b; [H, r, r] or [B, T, H, r, r]; a scalar
     gate or none): the backward carries their gradients on to k and the mask in step 4 and returns them as k's and
     the mask's, without da and db (H100 HH-GDN r=4: BENCHMARKS.md session 36); a and b's own autograd is unused."""
-    if ties_keys(k, a, b, g, a_scale):
-        return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
-    if hh_mask is not None and gate_kind(g) < 2:
+    if hh_mask is not None:
+        if a is None or b is None or gate_kind(g) == 2:
+            raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
                                 hh_mask.contiguous())
+    if ties_keys(k, a, b, g, a_scale):
+        return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
     return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False)

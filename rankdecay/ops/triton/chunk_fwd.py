@@ -930,6 +930,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
     if intra:
+        neumann = neumann_blocks(cfg.get("neumann"))
         _intra_kernel[(NC, B * H)](
             q, k, v, a if Rab else dummy, opt(b if Rab else None), g if gate else dummy, opt(sa), opt(sv), opt(qd), mqk,
             mqa if Rab else dummy, opt(kd), opt(vf), opt(kg if hdla_scaled else w), opt(uv), opt(ad), opt(dch),
@@ -941,8 +942,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
-            NILP=16 // _pow2(Rab) if Rab and neumann_blocks(cfg.get("neumann")) else 0,
-            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann_blocks(cfg.get("neumann"))), num_stages=1,
+            NILP=16 // _pow2(Rab) if Rab and neumann else 0,
+            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
