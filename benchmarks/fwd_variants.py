@@ -3,7 +3,8 @@
     python benchmarks/fwd_variants.py gdn [hdla ...] --variants "" "scaled=0" "intra_maxnreg=168" ...
 
 Captures the canonical inputs of each ``kernels.py`` case, then for each variant (comma-separated
-``chunk_fwd._KNOBS`` settings, values as Python literals; "" is the default) times ``chunk_dplr_fwd``
+``chunk_fwd._KNOBS`` settings, values as Python literals, or ``ch_*``: ``channel._CHANNEL``'s, the per-channel
+products' kernels', e.g. ``ch_warps=2``; "" is the default) times ``chunk_dplr_fwd``
 under the PyTorch profiler: the GPU time of each kernel, median over calls, so the host's speed does
 not enter. Prints a table and writes ``$OUT/fwd_variants.json`` (or ./fwd_variants.json).
 """
@@ -22,11 +23,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernels import CASES  # noqa: E402
 
 import rankdecay.ops.triton as rt  # noqa: E402
+import rankdecay.ops.triton.channel as ch  # noqa: E402
 import rankdecay.ops.triton.chunk_fwd as cf  # noqa: E402
 
 
-def knobs(spec: str) -> dict:
-    return {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+def knobs(spec: str) -> tuple[dict, dict]:
+    """A variant's ``chunk_fwd._KNOBS`` and ``channel._CHANNEL`` settings (the latter prefixed ``ch_``)."""
+    pairs = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+    return ({k: v for k, v in pairs.items() if not k.startswith("ch_")},
+            {k.removeprefix("ch_"): v for k, v in pairs.items() if k.startswith("ch_")})
 
 
 def kernel_times(fn, calls: int = 10) -> dict:
@@ -70,11 +75,17 @@ def main() -> None:
             c.ours(c.make(*args.shape, "cuda", torch.bfloat16))
         a, k = captured["call"]
         for spec in args.variants:
+            config, channel = knobs(spec)
+            default = dict(ch._CHANNEL)
+            ch._CHANNEL.update(channel)
             try:
-                times = kernel_times(lambda: orig(*a, **k, _config=knobs(spec)))
+                times = kernel_times(lambda: orig(*a, **k, _config=config))
             except Exception as ex:  # a variant that does not compile or launch: say so, go on
                 print(f"{case} [{spec or 'default'}]: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
+            finally:
+                ch._CHANNEL.clear()
+                ch._CHANNEL.update(default)
             results[f"{case} [{spec or 'default'}]"] = times
             parts = ", ".join(f"{n.split('(')[0][:24]} {t:.1f}" for n, t in sorted(times.items(), key=lambda x: -x[1]))
             print(f"{case} [{spec or 'default'}]: total {sum(times.values()):.1f} us: {parts}", flush=True)
