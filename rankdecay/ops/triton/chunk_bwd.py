@@ -44,8 +44,10 @@ from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _pr
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
-# of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28)
-_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_bk=0)
+# of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28).
+# grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
+# 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37)
+_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0)
 
 
 def _products_warps(C: int) -> int:
@@ -851,7 +853,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
-            num_warps=_CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
+            num_warps=_CONFIG["grad_hdla" if one else "grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
     if gate == 1:
