@@ -120,14 +120,14 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
 
         o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state, inplace_final_state)
     elif fused:
-        from .triton import chunk_dplr, chunk_dplr_fwd
+        from .triton import chunk_dplr, chunk_dplr_fwd, wide_values
 
         if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                   hh_mask=hh_mask)
-        else:
-            o, state = chunk_dplr_fwd(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
-                                      grouped=grouped)
+        else:  # value heads below the GPU kernels' width padded there (``wide_values``)
+            o, state = wide_values(lambda v, h0: chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa,
+                                                                v_scale=sv, grouped=grouped), v, x.initial_state)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")

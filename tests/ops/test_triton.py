@@ -1197,6 +1197,55 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
                                      a_scale=torch.ones(1, 4, 1, 4, device=DEVICE))
 
 
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
+def test_narrow_value_heads_padded_exactly(mechanism, monkeypatch):
+    """On a GPU the fused kernels take value heads narrower than 64 padded with zero columns (``chunk_bwd.wide_values``,
+    against Triton 3.6 miscompiles of narrow value tiles). Here the padding is forced on the CPU (V = 8 -> 32): the
+    output, final state and every gradient match the PyTorch path at fp32 accuracy, with autograd and without, and
+    the results have V's width."""
+    import rankdecay.ops.triton as rt
+    from rankdecay.ops.triton import chunk_bwd
+
+    widths = []  # the value width each run of the fused forward saw
+    forward = chunk_bwd.chunk_dplr_fwd
+
+    def spy(q, k, v, *args, **kw):
+        widths.append(v.shape[-1])
+        return forward(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(chunk_bwd, "value_padding", lambda v: 24 if v.shape[-1] == 8 else 0)
+    monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", spy)  # the autograd nodes' forward
+    monkeypatch.setattr(rt, "chunk_dplr_fwd", spy)  # dplr's forward without autograd
+    gen = torch.Generator().manual_seed(21)
+    B, T, H, K, V = 1, 19, 2, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
+    if mechanism == "hh":
+        mask = ops.head_in_head_mask(torch.rand(H, 2, 2, generator=gen)).to(DEVICE)
+        fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
+            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    elif mechanism == "dplr":  # two rows of a and b, values of rank one: the general fused path
+        a = F.normalize(torch.randn(B, T, H, 2, K, generator=gen), dim=-1).to(DEVICE)
+        fn = lambda q, k, v, g, beta, h0, mode: ops.dplr(  # noqa: E731
+            q, k[..., None, :], v[..., None, :], a * beta[..., None, None], a, g, initial_state=h0,
+            output_final_state=True, mode=mode)
+    else:
+        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla)[mechanism]
+        fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
+                                                   output_final_state=True, mode=mode)
+    for grads in (True, False):
+        widths.clear()
+        got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
+        assert widths == [32], f"{mechanism}: the kernels saw value widths {widths}, not [32]"
+        ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
+        assert got[0].shape[-1] == V and got[1].shape[-1] == V
+        for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+            assert_matches(x, y, 1e-5, f"{mechanism} padded values, grads={grads}: {name}")
+
+
 def test_clear_errors():
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="computes in fp32"):
@@ -1394,6 +1443,49 @@ def test_gpu_kda_realistic_size(matmul_precision):
                              exact + exact[:2]):
         assert rel_rms(y.float(), e) < 2 ** -5, f"fla {name}: {rel_rms(y.float(), e):.2e}: not the same recurrence"
         assert rel_rms(x, e) <= 2 * rel_rms(y.float(), e) + 1e-4, f"{name}: ours {rel_rms(x, e):.2e}"
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision,K,V", [("medium", 32, 32), ("highest", 32, 32), ("medium", 64, 16),
+                                                  ("medium", 128, 32), ("medium", 48, 80), ("medium", 256, 256)],
+                         indirect=["matmul_precision"])
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda"])
+def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
+    """Each mechanism's kernels at head sizes other than K = V = 128: small value heads (16- and 32-wide value tiles,
+    which Triton 3.6 compiled into illegal memory accesses at K >= 64: ``chunk_state.value_floor``, the backward's
+    64-wide value block; BENCHMARKS.md sessions 13, 14, 37), K != V, sizes that are not powers of two, and
+    K = V = 256. bf16 at B2 T300 H2, β up to 2, against fp64 within the bounds of
+    ``_assert_near_fp64``: the output, final state and every gradient, and the forward without autograd (each
+    mechanism's own forward form), and the recurrent kernel of decoding over the same tokens."""
+    gen = torch.Generator().manual_seed(K + V)
+    B, T, H = 2, 300, 2
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    per_channel = mechanism in ("hdla", "kda")
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if per_channel else (B, T, H)), generator=gen) + 3)
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
+    names = ["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    if mechanism == "hh":
+        mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen)).to(DEVICE)
+        inputs.insert(5, mask)
+        names.insert(7, "dmask")
+        fn = lambda q, k, v, g, beta, mask, h0, mode: ops.hh_delta_rule(  # noqa: E731
+            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    else:
+        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla, kda=ops.kda)[mechanism]
+        fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
+                                                   output_final_state=True, mode=mode)
+    for grads in (True, False):
+        exact = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, exact=True, grads=grads)
+        got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
+        ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
+        label = "" if grads else " (forward alone)"
+        _assert_near_fp64([f"{mechanism} K={K} V={V} {n}{label}" for n in names], got, ref, exact, matmul_precision)
+    # the recurrent kernel of decoding, over the same tokens
+    got = _grads_of(lambda *x: fn(*x, mode="fused_recurrent"), inputs, grads=False)
+    _assert_near_fp64([f"{mechanism} K={K} V={V} {n} (fused_recurrent)" for n in names[:2]], got, ref[:2], exact,
+                      matmul_precision)
 
 
 def _gdn_realistic_inputs(seed):

@@ -30,6 +30,7 @@ rows are added in the products kernel and step 4 writes k's three gradients as o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -914,11 +915,38 @@ def _delta_rule_rows(k, v, g, beta):
     return k.unsqueeze(3), v.unsqueeze(3), g1, sa, b32.contiguous()
 
 
+GPU_MIN_VALUE_DIM = 64
+
+
+def value_padding(v: torch.Tensor) -> int:
+    """Zero value columns the fused kernels add to v's (``wide_values``): on a GPU, up to ``GPU_MIN_VALUE_DIM``.
+    Narrower value heads (V = 8 to 32 at K >= 64, bf16 products) met Triton 3.6 miscompiles on the H100: kernels
+    reading outside their shared memory, an illegal memory access in the intra kernel and in the values' gradient
+    (BENCHMARKS.md session 37), where every kernel has been checked at V >= 64. None under the interpreter."""
+    return max(0, GPU_MIN_VALUE_DIM - v.shape[-1]) if v.is_cuda else 0
+
+
+def wide_values(run, v, initial_state):
+    """``run(v, initial_state) -> (o, state)`` with the value heads padded by ``value_padding(v)`` zero columns (v
+    [..., V], initial_state [..., K, V] or None), o and state sliced back to V. Exact: the value columns of the
+    state never mix (its transitions act on the key side), so zero columns stay zero and add nothing to any other
+    result or gradient. o and state come back contiguous."""
+    pad = value_padding(v)
+    if not pad:
+        return run(v, initial_state)
+    V = v.shape[-1]
+    h0 = F.pad(initial_state, (0, pad)) if initial_state is not None else None
+    o, state = run(F.pad(v, (0, pad)), h0)
+    return o[..., :V].contiguous(), state[..., :V].contiguous()
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     """(Gated) DeltaNet on the fused kernels, inputs as ``ops.gated_delta_rule`` takes them and already checked:
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
     Returns (o [B, T, H, V], final state [B, H, K, V] fp32). With autograd when an input needs it (one node,
     ``_GatedDeltaRule``), else the forward alone."""
+    if value_padding(v):
+        return wide_values(lambda v, h0: chunk_gated_delta_rule(q, k, v, g, beta, scale, h0), v, initial_state)
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale)
     k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
@@ -972,6 +1000,8 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
     final state [B, H, K, V] fp32). With autograd when an input needs it (one node, ``_HDLA``), else the forward
     alone."""
+    if value_padding(v):
+        return wide_values(lambda v, h0: chunk_hdla(q, k, v, g, beta, scale, h0), v, initial_state)
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
     a, b = _hdla_factors(q, k, g, beta)
@@ -988,6 +1018,10 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
     if hh_mask is not None:
         if a is None or b is None or gate_kind(g) == 2:
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
+    if value_padding(v):
+        return wide_values(lambda v, h0: chunk_dplr(q, k, v, a, b, g, scale, h0, a_scale, v_scale, hh_mask), v,
+                           initial_state)
+    if hh_mask is not None:
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
