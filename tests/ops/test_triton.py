@@ -1451,9 +1451,9 @@ def test_gpu_kda_realistic_size(matmul_precision):
                          indirect=["matmul_precision"])
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda"])
 def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
-    """Each mechanism's kernels at head sizes other than K = V = 128: small value heads (16- and 32-wide value tiles,
-    which Triton 3.6 compiled into illegal memory accesses at K >= 64: ``chunk_state.value_floor``, the backward's
-    64-wide value block; BENCHMARKS.md sessions 13, 14, 37), K != V, sizes that are not powers of two, and
+    """Each mechanism's kernels at head sizes other than K = V = 128: small value heads (narrow value tiles, which
+    Triton 3.6 compiled into illegal memory accesses at K >= 64, so that the kernels take them padded to 64:
+    ``chunk_bwd.wide_values``; BENCHMARKS.md sessions 13, 14, 37), K != V, sizes that are not powers of two, and
     K = V = 256. bf16 at B2 T300 H2, β up to 2, against fp64 within the bounds of
     ``_assert_near_fp64``: the output, final state and every gradient, and the forward without autograd (each
     mechanism's own forward form), and the recurrent kernel of decoding over the same tokens."""
