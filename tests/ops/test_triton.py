@@ -1071,16 +1071,20 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
 
 
 @pytest.mark.parametrize("K,r,static,varlen", [(16, 4, True, False), (24, 3, False, False), (40, 2, True, True),
-                                             (48, 4, False, True)])
+                                             (48, 4, False, True), (32, 2, True, False), (48, 3, False, True),
+                                             (64, 4, True, True), (64, 4, False, False)])
 def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
     mode="chunk" at fp32 accuracy: outputs, final state and every gradient (the mask's included), static masks and
     per-token ones, r = 2, 3, 4, K = 40 and 48 with groups that straddle step 4's 32-channel key blocks, log-gates
-    to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence."""
+    to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence. Where K / r
+    is a multiple of 16 (32 / 2, 48 / 3, 64 / 4), step 4 runs by groups (``_grad_hh_kernel``), with key blocks of
+    16 channels inside one group; elsewhere it is the general kernel."""
     from rankdecay.ops.triton import factors
 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
+    blocks = _hh_key_block_spy(monkeypatch)
     monkeypatch.setattr(factors._HHFactors, "backward", staticmethod(lambda ctx, *g: factor_bwd.append(1)))
     gen = torch.Generator().manual_seed(K + r)
     B, T, H, V = (1, 37, 2, 8)
@@ -1104,6 +1108,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monke
 
     got = call("triton")
     assert taken == [True] and not factor_bwd, (taken, factor_bwd)
+    assert blocks == [16 if (K // r) % 16 == 0 else None], blocks
     ref = call("chunk")
     for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
@@ -1132,6 +1137,16 @@ def _hh_rows_spy(monkeypatch) -> list:
     monkeypatch.setattr(chunk_bwd, "_backward",
                         lambda *a, **kw: taken.append(kw.get("hh_mask") is not None) or backward(*a, **kw))
     return taken
+
+
+def _hh_key_block_spy(monkeypatch) -> list:
+    """The list of ``chunk_bwd.hh_key_block``'s answers, one per Head-in-Head backward from now on: step 4's key
+    block by groups (``_grad_hh_kernel``), or None for the general step 4."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    blocks, key_block = [], chunk_bwd.hh_key_block
+    monkeypatch.setattr(chunk_bwd, "hh_key_block", lambda *a: blocks.append(key_block(*a)) or blocks[-1])
+    return blocks
 
 
 def _grouped_spy(monkeypatch) -> list:
@@ -1197,23 +1212,29 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
                                      a_scale=torch.ones(1, 4, 1, 4, device=DEVICE))
 
 
+@pytest.mark.parametrize("padded", ["values", "keys", "both"])
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
-def test_narrow_value_heads_padded_exactly(mechanism, monkeypatch):
-    """On a GPU the fused kernels take value heads narrower than 64 padded with zero columns (``chunk_bwd.wide_values``,
-    against Triton 3.6 miscompiles of narrow value tiles). Here the padding is forced on the CPU (V = 8 -> 32): the
-    output, final state and every gradient match the PyTorch path at fp32 accuracy, with autograd and without, and
-    the results have V's width."""
+def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
+    """On a GPU the fused kernels take value heads narrower than 64 and key heads narrower than 32 padded with zero
+    columns (``chunk_bwd.padded_heads``, against Triton 3.6 miscompiles of narrow tiles). Here the padding is forced
+    on the CPU (V = 8 -> 32, K = 16 -> 24; Head-in-Head's two groups of keys 8 -> 12 each): the output, final state
+    and every gradient match the PyTorch path at fp32 accuracy, with autograd and without, the results have K's and
+    V's widths, and the delta rule's keys stay tied (a = b = k) through the padding."""
     import rankdecay.ops.triton as rt
     from rankdecay.ops.triton import chunk_bwd
 
-    widths = []  # the value width each run of the fused forward saw
+    widths = []  # the (key, value) widths each run of the fused forward saw, and whether a was k
     forward = chunk_bwd.chunk_dplr_fwd
 
     def spy(q, k, v, *args, **kw):
-        widths.append(v.shape[-1])
+        widths.append((k.shape[-1], v.shape[-1], args[0] is k))
         return forward(q, k, v, *args, **kw)
 
-    monkeypatch.setattr(chunk_bwd, "value_padding", lambda v: 24 if v.shape[-1] == 8 else 0)
+    # the padding this case asks for, and none other (on a GPU too)
+    values, keys = padded != "keys", padded != "values"
+    monkeypatch.setattr(chunk_bwd, "value_padding", lambda v: 24 if values and v.shape[-1] == 8 else 0)
+    monkeypatch.setattr(chunk_bwd, "key_padding",
+                        lambda k, groups=1: -(-24 // groups) * groups - 16 if keys and k.shape[-1] == 16 else 0)
     monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", spy)  # the autograd nodes' forward
     monkeypatch.setattr(rt, "chunk_dplr_fwd", spy)  # dplr's forward without autograd
     gen = torch.Generator().manual_seed(21)
@@ -1239,11 +1260,12 @@ def test_narrow_value_heads_padded_exactly(mechanism, monkeypatch):
     for grads in (True, False):
         widths.clear()
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
-        assert widths == [32], f"{mechanism}: the kernels saw value widths {widths}, not [32]"
+        wide = (16 if padded == "values" else 24, 8 if padded == "keys" else 32, mechanism == "gdn")
+        assert widths == [wide], f"{mechanism}: the kernels saw (K, V, tied) {widths}, not {[wide]}"
         ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
-        assert got[0].shape[-1] == V and got[1].shape[-1] == V
+        assert got[0].shape[-1] == V and got[1].shape[-2:] == (K, V)
         for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
-            assert_matches(x, y, 1e-5, f"{mechanism} padded values, grads={grads}: {name}")
+            assert_matches(x, y, 1e-5, f"{mechanism} padded {padded}, grads={grads}: {name}")
 
 
 def test_clear_errors():
@@ -1346,9 +1368,10 @@ def test_gpu_hh_forward_realistic_size(matmul_precision, static, monkeypatch):
 @pytest.mark.parametrize("static", [True, False], ids=["static-mask", "token-mask"])
 def test_gpu_hh_realistic_size(matmul_precision, static, monkeypatch):
     """Head-in-Head Gated DeltaNet with autograd, r = 4 (step 4 carries the rows' gradients on to k and the mask:
-    ``chunk_bwd._hh_rows_bwd``, checked taken), bf16 at B2 T1000 H4 K=V=128, β up to 2, against
-    fp64: the bounds of ``_assert_near_fp64`` for the output, final state and every gradient, the mask's too."""
-    taken = _hh_rows_spy(monkeypatch)
+    ``chunk_bwd._hh_rows_bwd``, checked taken, by groups of 32 channels: ``_grad_hh_kernel``), bf16 at B2 T1000 H4
+    K=V=128, β up to 2, against fp64: the bounds of ``_assert_near_fp64`` for the output, final state and every
+    gradient, the mask's too."""
+    taken, blocks = _hh_rows_spy(monkeypatch), _hh_key_block_spy(monkeypatch)
     q, k, v, g, beta, h0 = _gdn_realistic_inputs(seed=9)
     B, T, H, D = q.shape
     gen = torch.Generator().manual_seed(9)
@@ -1361,7 +1384,7 @@ def test_gpu_hh_realistic_size(matmul_precision, static, monkeypatch):
 
     exact = call("chunk", exact=True)
     got = call("triton")
-    assert taken == [True]
+    assert taken == [True] and blocks == [32], (taken, blocks)
     ref = call("chunk")
     _assert_near_fp64(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref, exact, matmul_precision)
 
@@ -1447,14 +1470,16 @@ def test_gpu_kda_realistic_size(matmul_precision):
 
 @GPU
 @pytest.mark.parametrize("matmul_precision,K,V", [("medium", 32, 32), ("highest", 32, 32), ("medium", 64, 16),
-                                                  ("medium", 128, 32), ("medium", 48, 80), ("medium", 256, 256)],
+                                                  ("medium", 128, 32), ("medium", 48, 80), ("medium", 256, 256),
+                                                  ("medium", 16, 64), ("medium", 16, 8)],
                          indirect=["matmul_precision"])
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda"])
 def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
     """Each mechanism's kernels at head sizes other than K = V = 128: small value heads (narrow value tiles, which
     Triton 3.6 compiled into illegal memory accesses at K >= 64, so that the kernels take them padded to 64:
-    ``chunk_bwd.wide_values``; BENCHMARKS.md sessions 13, 14, 37), K != V, sizes that are not powers of two, and
-    K = V = 256. bf16 at B2 T300 H2, β up to 2, against fp64 within the bounds of
+    ``chunk_bwd.padded_heads``; BENCHMARKS.md sessions 13, 14, 37), small key heads (K = 16, whose 16-wide key tiles
+    it compiled into wrong results for Head-in-Head and an illegal access for HDLA, so that keys narrower than 32
+    are padded to 32; session 38), K != V, sizes that are not powers of two, and K = V = 256. bf16 at B2 T300 H2, β up to 2, against fp64 within the bounds of
     ``_assert_near_fp64``: the output, final state and every gradient, and the forward without autograd (each
     mechanism's own forward form), and the recurrent kernel of decoding over the same tokens."""
     gen = torch.Generator().manual_seed(K + V)

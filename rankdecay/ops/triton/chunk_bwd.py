@@ -47,8 +47,11 @@ from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _pr
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
 # of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28).
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
-# 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37)
-_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0)
+# 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
+# step 4 by groups (``_grad_hh_kernel``): 2 warps (H100 HH-GDN r=4: 1.15 ms against 1.43 on 4, 3.59 on 8, and 2.06 for
+# the general step 4; BENCHMARKS.md session 38); hh_grouped 0 takes the general one instead (benchmarks)
+_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=2,
+               hh_grouped=1)
 
 
 def _products_warps(C: int) -> int:
@@ -120,6 +123,134 @@ def _hh_rows_bwd(dA, dB, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K: tl
     for i in tl.static_range(RAB):
         tl.store(part + i, tl.sum(tl.where(grp == i, dbk, 0.0), axis=1), mask=va)
     return dk
+
+
+def hh_key_block(K: int, r: int) -> int | None:
+    """Step 4's key block for Head-in-Head's groups (``_grad_hh_kernel``): the largest power of two up to 64 that
+    divides K / r, so that every block lies inside one group; None where that is below 16 (the general step 4)."""
+    n = K // r
+    bk = min(n & -n, 64)
+    return bk if bk >= 16 and _CONFIG["hh_grouped"] else None
+
+
+@triton.jit
+def _grad_hh_kernel(
+    q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, T, NC,
+    H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr, E_Q: tl.constexpr, E_K: tl.constexpr,
+    HH: tl.constexpr,
+):
+    """Step 4 of Head-in-Head (a scalar gate or none, one k row per token) for one chunk, a group of key channels at
+    a time (``hh_key_block``: blocks of BK channels inside one group): ``_grad_kernel``'s results, with the rows'
+    gradients carried on to k and the mask, from products of [TC, TC] tiles with the tokens' rows instead of
+    [TC r, TC r] ones with the chunk's TC r rows.
+
+    In group i0's channels a's rows are k's for rank i0 and zero for every other rank, and b's rows are M[j, i0] k:
+    so of the products' gradients only dM_QA's and dL_BA's columns (s, i0) enter, and of b's gradients only their
+    sum over the ranks with weights M[j, i0] (k's share) and each rank's dot with k (the mask's share). With
+    P_BA,j [t, s] and P_BK,j [t, s] (dL_BA's rows (t, j) and columns (s, i0), dL_BK's rows (t, j); decayed) and
+    m_j [t] = M_t[j, i0]:
+
+        X = Σ_j m_j P_BA,j, Z = Σ_j m_j P_BK,j        [TC, TC]
+        da_(s, i0) = P_QAᵀ Q + Xᵀ K + Da              (the gradient of sa ⊙ a)
+        dq = (P_QK + P_QA sa) K + Dq
+        dk = P_QKᵀ Q + Zᵀ K + sa ⊙ da + (X sa + Z) K + Σ_j m_j Db_j + Dk
+        dM_t[j, i0] = Σ_s (P_BA,j sa + P_BK,j)[t, s] (K Kᵀ)[t, s] + Db_(t, j) · k_t
+
+    Each [TC, TC] product with K or Q here stands for a [TC r, TC r] or [TC r, TC] one there. One program takes
+    the whole chunk, so the mask's gradient, d sa and dg's sums are written once each, with no key blocks' shares
+    (H100 HH-GDN r=4: BENCHMARKS.md session 38)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NA: tl.constexpr = TC * RABP
+    KR: tl.constexpr = K // RAB  # channels per group
+    tok, rk, t, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    r_q = tl.arange(0, TC)
+    Gq, Gq_ex = _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H, 1, GATE)
+    G_end = tl.sum(Gq - Gq_ex, axis=0)
+    Dqk = _decays(Gq, Gq, tok, tok, False, GATE)  # [t, s]: s <= t, e^{G_t - G_s}
+    Dbs = _decays(Gq_ex, Gq, tok, tok, True, GATE)  # s < t, e^{G_{t-1} - G_s}
+    Pqk = tl.load(dmqk + (c * TC + r_q[:, None]) * TC + r_q[None, :]).to(tl.float32) * Dqk
+    if GATE == 1:
+        eq = tl.exp(Gq.to(tl.float32))[:, None]
+        ek = tl.exp((G_end - Gq).to(tl.float32))[:, None]
+        eb = tl.exp(Gq_ex.to(tl.float32))[:, None]
+    sQ = tl.zeros([TC], dtype=tl.float32)  # dg's sums (``_scalar_dg_kernel``)
+    sKA = tl.zeros([TC], dtype=tl.float32)
+    sB = tl.zeros([TC], dtype=tl.float32)
+    eC = tl.zeros([BK], dtype=tl.float32)
+    r_j = tl.arange(0, RABP)[None, :]
+    for i0 in range(RAB):  # the groups (a loop, not unrolled: one group's tiles live at a time)
+        if ASC:  # a's factors of the rows (s, i0)
+            fac = tl.load(sa + fq * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+        else:
+            fac = tl.full([TC], 1.0, tl.float32)
+        Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_q[None, :] * RABP + i0).to(tl.float32) * Dqk
+        X = tl.zeros([TC, TC], dtype=tl.float32)
+        Z = tl.zeros([TC, TC], dtype=tl.float32)
+        for j in range(RAB):
+            if HH == 2:  # M_t[j, i0]
+                m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+            else:
+                m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+            rows = c * NA + r_q * RABP + j
+            X += m[:, None] * tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
+            Z += m[:, None] * tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
+        X = X * Dbs
+        Z = Z * Dbs
+        s_a = tl.zeros([TC], dtype=tl.float32)
+        y = tl.zeros([TC, RABP], dtype=tl.float32)  # the mask's gradient dM_t[j, i0]
+        for k0 in range(i0 * KR, (i0 + 1) * KR, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K  # (every block lies inside K)
+            Q = _load_rows(q, fq, vq, o_k, m_k, K)
+            Kr = _load_rows(k, fq, vq, o_k, m_k, K)  # k's rows: one per token, as q's
+            Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
+            if GATE == 1:
+                Dq = Dq * eq
+                eC += tl.load(ddch + c * K + o_k)
+            sQ += tl.sum(Q * Dq, axis=1)
+            tl.store(dq + fq[:, None] * K + o_k[None, :], _dot_ex(Pqk + Pqa * fac[None, :], Kr, PRECISION, E_K) + Dq,
+                     mask=vq[:, None])
+            Gram = _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
+            DbM = tl.zeros([TC, BK], dtype=tl.float32)
+            for j in range(RAB):
+                if HH == 2:
+                    m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+                else:
+                    m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+                rows = c * NA + r_q * RABP + j
+                Pba = tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
+                Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
+                Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
+                if GATE == 1:
+                    Db = Db * eb
+                DbM += m[:, None] * Db
+                yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1) + tl.sum(Db * Kr, axis=1)
+                y += tl.where(r_j == j, yj[:, None], 0.0)
+            sB += tl.sum(Kr * DbM, axis=1)
+            Dk = tl.load(dkd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
+            Da = tl.load(dad + (c * NA + r_q[:, None] * RABP + i0) * K + o_k[None, :]).to(tl.float32)
+            if GATE == 1:
+                Dk = Dk * ek
+                Da = Da * ek
+            sKA += tl.sum(Kr * (Dk + Da * fac[:, None]), axis=1)
+            dA = _dot_ex(tl.trans(Pqa), Q, PRECISION, E_Q) + _dot_ex(tl.trans(X), Kr, PRECISION, E_K) + Da
+            s_a += tl.sum(Kr * dA, axis=1)
+            dK = (_dot_ex(tl.trans(Pqk), Q, PRECISION, E_Q) + _dot_ex(tl.trans(Z), Kr, PRECISION, E_K)
+                  + _dot_ex(X * fac[None, :] + Z, Kr, PRECISION, E_K))
+            tl.store(dk + fq[:, None] * K + o_k[None, :], dK + Dk + dA * fac[:, None] + DbM, mask=vq[:, None])
+        if ASC:  # this group's row of d sa (the gradient of sa ⊙ a: zero for a's other rows in its channels)
+            tl.store(dsa + fq * RAB + i0, s_a, mask=vq)
+        tl.store(hpart + ((fq[:, None] * RAB + r_j) * RAB + i0), y, mask=vq[:, None] & (r_j < RAB))
+    if GATE == 1:  # the chunk's sums for dg (the products' share: _grad_products_kernel)
+        row = c * (3 * TC + 1)
+        tl.store(pdg + row + r_q, sQ)
+        tl.store(pdg + row + TC + r_q, sKA)
+        tl.store(pdg + row + 2 * TC + r_q, sB)
+        tl.store(pdg + row + 3 * TC + tl.arange(0, 1), tl.sum(eC, axis=0) * tl.load(dch + c)
+                 + tl.zeros([1], dtype=tl.float32))
 
 
 @triton.jit
@@ -754,8 +885,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     NVB = triton.cdiv(V, BV)
     dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
     gate = gate_kind(g)
-    BKg = _key_block("grad_bk", K, prec, gate == 2)  # step 4's key block
-    NKB = triton.cdiv(K, BKg)
+    hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
+    # step 4's key block; Head-in-Head's inside one group where its groups allow (``_grad_hh_kernel``)
+    bk_hh = hh_key_block(K, Rab) if hh and Rkv == 1 else None
+    BKg = bk_hh or _key_block("grad_bk", K, prec, gate == 2)
+    NKB = 1 if bk_hh else triton.cdiv(K, BKg)  # Head-in-Head's groups: one program per chunk
     asc = sa is not None and Rab > 0
     sa32 = sa.float().contiguous() if asc else None
     # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
@@ -802,14 +936,19 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
     # HDLA's rows' gradients go on to k and g inside step 4, all but c's share: its sums per key block to hpart
     hpart = torch.empty(B, T, H, NKB, 2, **f32) if one else None
-    hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
     if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4 (``chunk_dplr`` checked the
         # rows and the gate): the mask's per key block here
         hpart = torch.empty(B, T, H, Rab, NKB, Rab, **f32)
     da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh else (None, None)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
-    if tied:
+    if bk_hh:
+        _grad_hh_kernel[(NC, B * H)](
+            q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
+            opt(dsa), hpart, hh_mask, T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
+            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, num_warps=_CONFIG["grad_hh"], num_stages=1,
+        )
+    elif tied:
         _grad_tied_kernel[(NKB, NC, B * H)](
             q, k, opt(g), dmqk, dlbk, dqd, dkd, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg), T, NC,
             H=H, K=K, TC=C, BK=BKg, GATE=gate, PRECISION=prec, E_Q=_is16(q), E_K=_is16(k),
@@ -916,28 +1055,71 @@ def _delta_rule_rows(k, v, g, beta):
 
 
 GPU_MIN_VALUE_DIM = 64
+GPU_MIN_KEY_DIM = 32
 
 
 def value_padding(v: torch.Tensor) -> int:
-    """Zero value columns the fused kernels add to v's (``wide_values``): on a GPU, up to ``GPU_MIN_VALUE_DIM``.
+    """Zero value columns the fused kernels add to v's (``padded_heads``): on a GPU, up to ``GPU_MIN_VALUE_DIM``.
     Narrower value heads (V = 8 to 32 at K >= 64, bf16 products) met Triton 3.6 miscompiles on the H100: kernels
     reading outside their shared memory, an illegal memory access in the intra kernel and in the values' gradient
     (BENCHMARKS.md session 37), where every kernel has been checked at V >= 64. None under the interpreter."""
     return max(0, GPU_MIN_VALUE_DIM - v.shape[-1]) if v.is_cuda else 0
 
 
-def wide_values(run, v, initial_state):
-    """``run(v, initial_state) -> (o, state)`` with the value heads padded by ``value_padding(v)`` zero columns (v
-    [..., V], initial_state [..., K, V] or None), o and state sliced back to V. Exact: the value columns of the
-    state never mix (its transitions act on the key side), so zero columns stay zero and add nothing to any other
-    result or gradient. o and state come back contiguous."""
-    pad = value_padding(v)
-    if not pad:
-        return run(v, initial_state)
-    V = v.shape[-1]
-    h0 = F.pad(initial_state, (0, pad)) if initial_state is not None else None
-    o, state = run(F.pad(v, (0, pad)), h0)
-    return o[..., :V].contiguous(), state[..., :V].contiguous()
+def key_padding(k: torch.Tensor, groups: int = 1) -> int:
+    """Zero key channels the fused kernels add to k's (``padded_heads``), ``groups`` equal groups of channels each
+    padded alike: on a GPU, up to ``GPU_MIN_KEY_DIM`` (rounded up to a multiple of ``groups``). At K = 16 with bf16
+    products Triton 3.6 compiled the kernels' 16-wide key tiles wrong on the H100: Head-in-Head's results off by 10 %
+    and more, an illegal memory access in HDLA's (BENCHMARKS.md session 38); K = 32 is checked. None under the
+    interpreter."""
+    K = k.shape[-1]
+    if not k.is_cuda or K >= GPU_MIN_KEY_DIM:
+        return 0
+    return -(-GPU_MIN_KEY_DIM // groups) * groups - K
+
+
+def _pad_channels(x: torch.Tensor, width: int, groups: int) -> torch.Tensor:
+    """x [..., K] widened to [..., width] with zero channels, each of its ``groups`` equal groups at its end."""
+    *lead, K = x.shape
+    return F.pad(x.reshape(*lead, groups, K // groups), (0, (width - K) // groups)).reshape(*lead, width)
+
+
+def _cut_channels(x: torch.Tensor, width: int, groups: int) -> torch.Tensor:
+    """``_pad_channels`` undone: x [..., K'] back to [..., width]."""
+    *lead, K = x.shape
+    return x.reshape(*lead, groups, K // groups)[..., :width // groups].reshape(*lead, width)
+
+
+def padded_heads(run, keys: tuple, v, initial_state, groups: int = 1):
+    """``run(keys, v, initial_state) -> (o, state)`` with the heads padded for the GPU kernels: the key channels of
+    every tensor of ``keys`` ([..., K] each; None stays None) by ``key_padding`` (in ``groups`` equal groups, each
+    padded at its end: Head-in-Head's rows keep their groups), the value columns of v [..., V] by ``value_padding``,
+    and initial_state [..., K, V] (or None) both ways; o and state come back cut to V and K, contiguous. Exact: zero
+    key channels add nothing to any product and leave their state rows zero, and the state's value columns never
+    mix, so zero columns stay zero; nothing else changes, in any result or gradient."""
+    K, V = keys[0].shape[-1], v.shape[-1]
+    kpad, vpad = key_padding(keys[0], groups), value_padding(v)
+    if not (kpad or vpad):
+        return run(keys, v, initial_state)
+    h0 = initial_state
+    if kpad:  # a tensor given twice (the delta rule's a = b = k) stays one tensor, so the kernels still see the tie
+        wide = {id(x): _pad_channels(x, K + kpad, groups) for x in keys if x is not None}
+        keys = tuple(None if x is None else wide[id(x)] for x in keys)
+        if h0 is not None:
+            h0 = _pad_channels(h0.transpose(-1, -2), K + kpad, groups).transpose(-1, -2)
+    if vpad:
+        v = F.pad(v, (0, vpad))
+        h0 = F.pad(h0, (0, vpad)) if h0 is not None else None
+    o, state = run(keys, v, h0)
+    o, state = o[..., :V], state[..., :V]
+    if kpad:
+        state = _cut_channels(state.transpose(-1, -2), K, groups).transpose(-1, -2)
+    return o.contiguous(), state.contiguous()
+
+
+def narrow_heads(keys: torch.Tensor, v: torch.Tensor, groups: int = 1) -> bool:
+    """Whether ``padded_heads`` pads these heads (keys [..., K], v [..., V])."""
+    return bool(key_padding(keys, groups) or value_padding(v))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
@@ -945,8 +1127,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
     Returns (o [B, T, H, V], final state [B, H, K, V] fp32). With autograd when an input needs it (one node,
     ``_GatedDeltaRule``), else the forward alone."""
-    if value_padding(v):
-        return wide_values(lambda v, h0: chunk_gated_delta_rule(q, k, v, g, beta, scale, h0), v, initial_state)
+    if narrow_heads(k, v):
+        return padded_heads(lambda x, v, h0: chunk_gated_delta_rule(*x, v, g, beta, scale, h0), (q, k), v,
+                            initial_state)
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale)
     k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
@@ -1000,8 +1183,9 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
     final state [B, H, K, V] fp32). With autograd when an input needs it (one node, ``_HDLA``), else the forward
     alone."""
-    if value_padding(v):
-        return wide_values(lambda v, h0: chunk_hdla(q, k, v, g, beta, scale, h0), v, initial_state)
+    if narrow_heads(k, v):
+        return padded_heads(lambda x, v, h0: chunk_hdla(x[0], x[1], v, x[2], beta, scale, h0), (q, k, g), v,
+                            initial_state)
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
     a, b = _hdla_factors(q, k, g, beta)
@@ -1018,9 +1202,12 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
     if hh_mask is not None:
         if a is None or b is None or gate_kind(g) == 2:
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
-    if value_padding(v):
-        return wide_values(lambda v, h0: chunk_dplr(q, k, v, a, b, g, scale, h0, a_scale, v_scale, hh_mask), v,
-                           initial_state)
+    groups = a.shape[-2] if hh_mask is not None else 1  # Head-in-Head's rows: k's channels in Rab groups
+    if narrow_heads(k, v, groups):
+        channel = gate_kind(g) == 2  # a gate per key channel is padded with them (zero log-gates)
+        return padded_heads(lambda x, v, h0: chunk_dplr(x[0], x[1], v, x[2], x[3], x[4] if channel else g, scale, h0,
+                                                        a_scale, v_scale, hh_mask),
+                            (q, k, a, b) + ((g,) if channel else ()), v, initial_state, groups)
     if hh_mask is not None:
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
                                 hh_mask.contiguous())
