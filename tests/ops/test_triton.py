@@ -1070,18 +1070,23 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
-@pytest.mark.parametrize("K,r,static,varlen", [(16, 4, True, False), (24, 3, False, False), (40, 2, True, True),
-                                             (48, 4, False, True), (32, 2, True, False), (48, 3, False, True),
-                                             (64, 4, True, True), (64, 4, False, False)])
-def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monkeypatch):
+@pytest.mark.parametrize("K,r,static,varlen,cap", [(16, 4, True, False, 0), (24, 3, False, False, 0),
+                                                 (40, 2, True, True, 0), (48, 4, False, True, 0),
+                                                 (32, 2, True, False, 0), (48, 3, False, True, 0),
+                                                 (64, 4, True, True, 0), (64, 4, False, False, 0),
+                                                 (64, 2, False, True, 16)])
+def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
     mode="chunk" at fp32 accuracy: outputs, final state and every gradient (the mask's included), static masks and
     per-token ones, r = 2, 3, 4, K = 40 and 48 with groups that straddle step 4's 32-channel key blocks, log-gates
     to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence. Where K / r
     is a multiple of 16 (32 / 2, 48 / 3, 64 / 4), step 4 runs by groups (``_grad_hh_kernel``), with key blocks of
-    16 channels inside one group; elsewhere it is the general kernel."""
-    from rankdecay.ops.triton import factors
+    16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``);
+    elsewhere it is the general kernel."""
+    from rankdecay.ops.triton import chunk_bwd, factors
+
+    monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     blocks = _hh_key_block_spy(monkeypatch)
@@ -1108,7 +1113,8 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, monke
 
     got = call("triton")
     assert taken == [True] and not factor_bwd, (taken, factor_bwd)
-    assert blocks == [16 if (K // r) % 16 == 0 else None], blocks
+    n = K // r  # channels per group: the key block is the largest power of two dividing it, capped
+    assert blocks == [None if n % 16 else min(n & -n, cap or 64)], blocks
     ref = call("chunk")
     for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name

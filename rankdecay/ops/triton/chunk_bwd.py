@@ -49,9 +49,10 @@ from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _pr
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
 # 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
 # step 4 by groups (``_grad_hh_kernel``): 2 warps (H100 HH-GDN r=4: 1.15 ms against 1.43 on 4, 3.59 on 8, and 2.06 for
-# the general step 4; BENCHMARKS.md session 38); hh_grouped 0 takes the general one instead (benchmarks)
+# the general step 4; BENCHMARKS.md session 38); hh_grouped 0 takes the general one instead, hh_bk caps its key
+# block (benchmarks)
 _CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=2,
-               hh_grouped=1)
+               hh_grouped=1, hh_bk=0)
 
 
 def _products_warps(C: int) -> int:
@@ -129,7 +130,7 @@ def hh_key_block(K: int, r: int) -> int | None:
     """Step 4's key block for Head-in-Head's groups (``_grad_hh_kernel``): the largest power of two up to 64 that
     divides K / r, so that every block lies inside one group; None where that is below 16 (the general step 4)."""
     n = K // r
-    bk = min(n & -n, 64)
+    bk = min(n & -n, _CONFIG["hh_bk"] or 64)
     return bk if bk >= 16 and _CONFIG["hh_grouped"] else None
 
 
