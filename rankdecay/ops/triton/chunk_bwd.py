@@ -287,7 +287,7 @@ def _grad_kernel(
     HH (Head-in-Head with a scalar gate or none; 1: a static mask hmask [H, r, r], 2: one per token
     [B, T, H, r, r]): a_j = k ⊙ 1[group j] and b_j = k ⊙ M[j, group(·)], and their gradients are carried on to k
     here, the mask's per key block to hpart [B, T, H, r, key blocks, r] (``_hh_rows_bwd``): da and db are not
-    stored.
+    stored. Where K / r is a multiple of 16, ``_grad_hh_kernel`` takes Head-in-Head's step 4 instead, by groups.
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
