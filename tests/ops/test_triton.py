@@ -1485,9 +1485,10 @@ def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
     Triton 3.6 compiled into illegal memory accesses at K >= 64, so that the kernels take them padded to 64:
     ``chunk_bwd.padded_heads``; BENCHMARKS.md sessions 13, 14, 37), small key heads (K = 16, whose 16-wide key tiles
     it compiled into wrong results for Head-in-Head and an illegal access for HDLA, so that keys narrower than 32
-    are padded to 32; session 38), K != V, sizes that are not powers of two, and K = V = 256. bf16 at B2 T300 H2, β up to 2, against fp64 within the bounds of
-    ``_assert_near_fp64``: the output, final state and every gradient, and the forward without autograd (each
-    mechanism's own forward form), and the recurrent kernel of decoding over the same tokens."""
+    are padded to 32; session 38), K != V, sizes that are not powers of two, and K = V = 256. bf16 at B2 T300 H2, β
+    up to 2, against fp64 within the bounds of ``_assert_near_fp64``: the output, final state and every gradient,
+    and the forward without autograd (each mechanism's own forward form), and the recurrent kernel of decoding over
+    the same tokens."""
     gen = torch.Generator().manual_seed(K + V)
     B, T, H = 2, 300, 2
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
