@@ -1075,18 +1075,21 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
                                                  (32, 2, True, False, 0), (48, 3, False, True, 0),
                                                  (64, 4, True, True, 0), (64, 4, False, False, 0),
                                                  (64, 2, False, True, 16)])
-def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, monkeypatch):
+@pytest.mark.parametrize("hh_inputs", [0, 1], ids=["inputs-general", "inputs-by-groups"])
+def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, hh_inputs, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
     mode="chunk" at fp32 accuracy: outputs, final state and every gradient (the mask's included), static masks and
     per-token ones, r = 2, 3, 4, K = 40 and 48 with groups that straddle step 4's 32-channel key blocks, log-gates
     to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence. Where K / r
     is a multiple of 16 (32 / 2, 48 / 3, 64 / 4), step 4 runs by groups (``_grad_hh_kernel``), with key blocks of
-    16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``);
-    elsewhere it is the general kernel."""
+    16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``),
+    and with ``hh_inputs`` the inputs' kernel too (``_grad_inputs_kernel``'s HG); elsewhere it is the general
+    kernel."""
     from rankdecay.ops.triton import chunk_bwd, factors
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
+    monkeypatch.setitem(chunk_bwd._CONFIG, "hh_inputs", hh_inputs)
 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     blocks = _hh_key_block_spy(monkeypatch)

@@ -50,9 +50,9 @@ from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _pr
 # 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
 # step 4 by groups (``_grad_hh_kernel``): 2 warps (H100 HH-GDN r=4: 1.15 ms against 1.43 on 4, 3.59 on 8, and 2.06 for
 # the general step 4; BENCHMARKS.md session 38); hh_grouped 0 takes the general one instead, hh_bk caps its key
-# block (benchmarks)
+# block (benchmarks). hh_inputs 1: the inputs' kernel by groups too (its HG; untimed, off: BENCHMARKS.md session 38)
 _CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=2,
-               hh_grouped=1, hh_bk=0)
+               hh_grouped=1, hh_bk=0, hh_inputs=0)
 
 
 def _products_warps(C: int) -> int:
@@ -136,10 +136,10 @@ def hh_key_block(K: int, r: int) -> int | None:
 
 @triton.jit
 def _grad_hh_kernel(
-    q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, T, NC,
+    q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, yb, T, NC,
     H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr, E_Q: tl.constexpr, E_K: tl.constexpr,
-    HH: tl.constexpr,
+    HH: tl.constexpr, IG: tl.constexpr = False,
 ):
     """Step 4 of Head-in-Head (a scalar gate or none, one k row per token) for one chunk, a group of key channels at
     a time (``hh_key_block``: blocks of BK channels inside one group): ``_grad_kernel``'s results, with the rows'
@@ -160,7 +160,9 @@ def _grad_hh_kernel(
 
     Each [TC, TC] product with K or Q here stands for a [TC r, TC r] or [TC r, TC] one there. One program takes
     the whole chunk, so the mask's gradient, d sa and dg's sums are written once each, with no key blocks' shares
-    (H100 HH-GDN r=4: BENCHMARKS.md session 38)."""
+    (H100 HH-GDN r=4: BENCHMARKS.md session 38). IG: the inputs' kernel ran by groups too (its HG, on the same key
+    blocks): Da per token (dad [B, H, NC, TC, K]), Σ_j m_j Db_j itself (dbd) and each rank's Db_j · k_t per key
+    block (yb) are read as they are."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -215,24 +217,37 @@ def _grad_hh_kernel(
             tl.store(dq + fq[:, None] * K + o_k[None, :], _dot_ex(Pqk + Pqa * fac[None, :], Kr, PRECISION, E_K) + Dq,
                      mask=vq[:, None])
             Gram = _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
-            DbM = tl.zeros([TC, BK], dtype=tl.float32)
+            if IG:  # Σ_j m_j Db_j and the ranks' Db_j · k_t, from the inputs' kernel
+                DbM = tl.load(dbd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
+                yd = tl.load(yb + ((c * TC + r_q[:, None]) * RABP + r_j) * (K // BK) + k0 // BK)
+                if GATE == 1:
+                    DbM = DbM * eb
+                    yd = yd * eb
+                y += yd
+            else:
+                DbM = tl.zeros([TC, BK], dtype=tl.float32)
             for j in range(RAB):
-                if HH == 2:
-                    m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
-                else:
-                    m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
                 rows = c * NA + r_q * RABP + j
                 Pba = tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
                 Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
-                Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
-                if GATE == 1:
-                    Db = Db * eb
-                DbM += m[:, None] * Db
-                yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1) + tl.sum(Db * Kr, axis=1)
+                yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1)
+                if not IG:
+                    if HH == 2:
+                        m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+                    else:
+                        m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+                    Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
+                    if GATE == 1:
+                        Db = Db * eb
+                    DbM += m[:, None] * Db
+                    yj += tl.sum(Db * Kr, axis=1)
                 y += tl.where(r_j == j, yj[:, None], 0.0)
             sB += tl.sum(Kr * DbM, axis=1)
             Dk = tl.load(dkd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
-            Da = tl.load(dad + (c * NA + r_q[:, None] * RABP + i0) * K + o_k[None, :]).to(tl.float32)
+            if IG:
+                Da = tl.load(dad + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
+            else:
+                Da = tl.load(dad + (c * NA + r_q[:, None] * RABP + i0) * K + o_k[None, :]).to(tl.float32)
             if GATE == 1:
                 Dk = Dk * ek
                 Da = Da * ek
@@ -734,11 +749,12 @@ def _grad_products_kernel(
 
 @triton.jit
 def _grad_inputs_kernel(
-    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, scale, T, NC,
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, k, hmask, yb, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
-    E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False,
+    E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
+    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_K: tl.constexpr = False,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
@@ -748,7 +764,14 @@ def _grad_inputs_kernel(
 
     TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
     stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
-    ``_grad_values_kernel``)."""
+    ``_grad_values_kernel``).
+
+    HG (Head-in-Head by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per token; the
+    key block inside one group i0): only what step 4 reads of dÃ and dB̃ in group i0's channels, per token: dÃ's
+    rows (s, i0) to dad [B, H, NC, TC, K], Σ_j M_t[j, i0] dB̃_(t, j) = (Σ_j M_t[j, i0] dX_(t, j)) S_nᵀ to dbd
+    [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block = dX_(t, j) · (k_t S_n) to yb
+    [B, H, NC, TC, RABP, key blocks] (k [B, T, H, 1, K] as given): [TC, ·] products where the general form takes
+    [TC r, ·] ones."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -762,7 +785,14 @@ def _grad_inputs_kernel(
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
     Dd = tl.zeros([BK], dtype=tl.float32)
-    if NA > 0:
+    if HG:
+        i0 = (i_k * BK) // (K // RAB)  # the block's group
+        r_j = tl.arange(0, RABP)[None, :]
+        Kb = _load_rows(k, fq, vq, o_k, m_k, K)
+        Da = tl.zeros([TC, BK], dtype=tl.float32)
+        Db = tl.zeros([TC, BK], dtype=tl.float32)
+        y = tl.zeros([TC, RABP], dtype=tl.float32)
+    elif NA > 0:
         r_a = tl.arange(0, NA)
         Db = tl.zeros([NA, BK], dtype=tl.float32)
         if not TIED:
@@ -795,7 +825,23 @@ def _grad_inputs_kernel(
             Dk += _dot(Vf, tl.trans(dS), PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
-        if NA > 0:
+        if HG:
+            U = tl.load(u + (c * NA + r_q[:, None] * RABP + i0) * V + o_v[None, :], mask=m_v[None, :],
+                        other=0.0).to(tl.float32)
+            Da -= _dot(U, tl.trans(dS), PRECISION)
+            KS = _dot_xe(Kb, S0, PRECISION, E_K)  # k_t S_n over the block: [TC, BV]
+            XM = tl.zeros([TC, BV], dtype=tl.float32)
+            for j in range(RAB):
+                if HG == 2:  # M_t[j, i0]
+                    m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+                else:
+                    m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+                dXj = tl.load(dx + (c * NA + r_q[:, None] * RABP + j) * V + o_v[None, :], mask=m_v[None, :],
+                              other=0.0).to(tl.float32)
+                XM += m[:, None] * dXj
+                y += tl.where(r_j == j, tl.sum(dXj * KS, axis=1)[:, None], 0.0)
+            Db += _dot(XM, tl.trans(S0), PRECISION)
+        elif NA > 0:
             if not TIED:
                 U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                             other=0.0).to(tl.float32)
@@ -808,7 +854,11 @@ def _grad_inputs_kernel(
     tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
     if GATE > 0:
         tl.store(ddch + c * K + o_k, Dd, mask=m_k)
-    if NA > 0:
+    if HG:
+        tl.store(dad + (c * TC + r_q[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
+        tl.store(dbd + (c * TC + r_q[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
+        tl.store(yb + ((c * TC + r_q[:, None]) * RABP + r_j) * tl.num_programs(0) + i_k, y)
+    elif NA > 0:
         if not TIED:
             tl.store(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
         tl.store(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
@@ -906,16 +956,21 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
     stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
     dqd, dkd = stc(C, K), stc(NK, K)
-    dad = stc(NA, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
-    dbd = stc(NA, K) if Rab else None
+    # Head-in-Head by groups in the inputs' kernel too (``hh_inputs``): dÃ's own rows and dB̃ summed with the mask
+    # per token, on step 4's key blocks
+    ig = bool(bk_hh and _CONFIG["hh_inputs"])
+    rows_in = C if ig else NA
+    dad = stc(rows_in, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
+    dbd = stc(rows_in, K) if Rab else None
     ddch = f32c(K) if g is not None else None
-    BKi = _key_block("inputs_bk", K, prec, gate == 2)
+    BKi = bk_hh if ig else _key_block("inputs_bk", K, prec, gate == 2)
+    yb = f32c(C, _pow2(Rab), K // BKi) if ig else None
     _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
-        opt(ddch),
-        opt(sv32), opt(sa32), scale, T, NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate,
-        PRECISION=prec, E_DO=e_do, RKV=Rkv, RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied,
-        RAW_V=raw_v, num_warps=_CONFIG["inputs"], num_stages=1,
+        opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
+        K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
+        RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
+        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), num_warps=_CONFIG["inputs"], num_stages=1,
     )
     # the gradients of the products
     dmqk = stc(C, NK)
@@ -946,8 +1001,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     if bk_hh:
         _grad_hh_kernel[(NC, B * H)](
             q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
-            opt(dsa), hpart, hh_mask, T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
-            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, num_warps=_CONFIG["grad_hh"], num_stages=1,
+            opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
+            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, num_warps=_CONFIG["grad_hh"],
+            num_stages=1,
         )
     elif tied:
         _grad_tied_kernel[(NKB, NC, B * H)](
