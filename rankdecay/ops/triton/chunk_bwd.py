@@ -135,6 +135,16 @@ def hh_key_block(K: int, r: int) -> int | None:
 
 
 @triton.jit
+def _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB: tl.constexpr, HH: tl.constexpr):
+    """M_t[j, i0] for the chunk's tokens [TC] (fq / vq: their flat index and validity): a static mask hmask
+    [H, r, r] (HH 1) or one per token [B, T, H, r, r] (HH 2; zero past T), as fp32."""
+    if HH == 2:
+        return tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
+    else:
+        return tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+
+
+@triton.jit
 def _grad_hh_kernel(
     q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, yb, T, NC,
     H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
@@ -193,10 +203,7 @@ def _grad_hh_kernel(
         X = tl.zeros([TC, TC], dtype=tl.float32)
         Z = tl.zeros([TC, TC], dtype=tl.float32)
         for j in range(RAB):
-            if HH == 2:  # M_t[j, i0]
-                m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
-            else:
-                m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+            m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
             rows = c * NA + r_q * RABP + j
             X += m[:, None] * tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
             Z += m[:, None] * tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
@@ -232,10 +239,7 @@ def _grad_hh_kernel(
                 Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
                 yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1)
                 if not IG:
-                    if HH == 2:
-                        m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
-                    else:
-                        m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+                    m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
                     Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
                     if GATE == 1:
                         Db = Db * eb
@@ -832,10 +836,7 @@ def _grad_inputs_kernel(
             KS = _dot_xe(Kb, S0, PRECISION, E_K)  # k_t S_n over the block: [TC, BV]
             XM = tl.zeros([TC, BV], dtype=tl.float32)
             for j in range(RAB):
-                if HG == 2:  # M_t[j, i0]
-                    m = tl.load(hmask + (fq * RAB + j) * RAB + i0, mask=vq, other=0.0).to(tl.float32)
-                else:
-                    m = tl.load(hmask + (i_h * RAB + j) * RAB + i0 + 0 * r_q).to(tl.float32)
+                m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HG)
                 dXj = tl.load(dx + (c * NA + r_q[:, None] * RABP + j) * V + o_v[None, :], mask=m_v[None, :],
                               other=0.0).to(tl.float32)
                 XM += m[:, None] * dXj
