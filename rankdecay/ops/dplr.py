@@ -120,20 +120,17 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
 
         o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state, inplace_final_state)
     elif fused:
-        from .triton import chunk_dplr, chunk_dplr_fwd, padded_heads
+        from .triton import chunk_dplr, chunk_dplr_fwd, padded_dplr
 
         if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                   hh_mask=hh_mask)
-        else:  # heads below the GPU kernels' widths padded there (``padded_heads``; a's groups kept where grouped)
-            channel = g is not None and g.shape[-1] > 1  # a gate per key channel is padded with them
+        else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)
+            def run(q, k, v, a, b, g, h0):
+                return chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa, v_scale=sv, grouped=grouped)
 
-            def run(keys, v, h0):
-                return chunk_dplr_fwd(keys[0], keys[1], v, keys[2], keys[3], keys[4] if channel else g, x.scale, h0,
-                                      a_scale=sa, v_scale=sv, grouped=grouped)
-
-            o, state = padded_heads(run, (q, k, a, b) + ((g,) if channel else ()), v, x.initial_state,
-                                    a.shape[-2] if grouped and a is not None else 1)
+            o, state = padded_dplr(run, q, k, v, a, b, g, x.initial_state,
+                                   a.shape[-2] if grouped and a is not None else 1)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")

@@ -19,7 +19,7 @@
 
 Importing this package needs ``triton``; ``rankdecay.ops.backends()`` says whether it runs.
 """
-from .chunk_bwd import chunk_dplr, chunk_gated_delta_rule, chunk_hdla, padded_heads
+from .chunk_bwd import chunk_dplr, chunk_gated_delta_rule, chunk_hdla, padded_dplr
 from .chunk_fwd import chunk_dplr_fwd
 from .chunk_state import chunk_state_passing
 from .fused_recurrent import fused_recurrent_dplr, fused_recurrent_gated_delta_rule

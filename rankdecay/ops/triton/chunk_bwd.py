@@ -1175,6 +1175,14 @@ def padded_heads(run, keys: tuple, v, initial_state, groups: int = 1):
     return o.contiguous(), state.contiguous()
 
 
+def padded_dplr(run, q, k, v, a, b, g, initial_state, groups: int = 1):
+    """``run(q, k, v, a, b, g, initial_state) -> (o, state)`` through ``padded_heads``: q, k, a and b padded as keys,
+    and g with them where it is a gate per key channel (zero log-gates: no decay on the zero channels)."""
+    channel = gate_kind(g) == 2
+    return padded_heads(lambda x, v, h0: run(x[0], x[1], v, x[2], x[3], x[4] if channel else g, h0),
+                        (q, k, a, b) + ((g,) if channel else ()), v, initial_state, groups)
+
+
 def narrow_heads(keys: torch.Tensor, v: torch.Tensor, groups: int = 1) -> bool:
     """Whether ``padded_heads`` pads these heads (keys [..., K], v [..., V])."""
     return bool(key_padding(keys, groups) or value_padding(v))
@@ -1262,10 +1270,8 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
     groups = a.shape[-2] if hh_mask is not None else 1  # Head-in-Head's rows: k's channels in Rab groups
     if narrow_heads(k, v, groups):
-        channel = gate_kind(g) == 2  # a gate per key channel is padded with them (zero log-gates)
-        return padded_heads(lambda x, v, h0: chunk_dplr(x[0], x[1], v, x[2], x[3], x[4] if channel else g, scale, h0,
-                                                        a_scale, v_scale, hh_mask),
-                            (q, k, a, b) + ((g,) if channel else ()), v, initial_state, groups)
+        return padded_dplr(lambda q, k, v, a, b, g, h0: chunk_dplr(q, k, v, a, b, g, scale, h0, a_scale, v_scale,
+                                                                   hh_mask), q, k, v, a, b, g, initial_state, groups)
     if hh_mask is not None:
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
                                 hh_mask.contiguous())
