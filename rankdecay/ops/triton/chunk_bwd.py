@@ -48,10 +48,11 @@ from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _pr
 # of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28).
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
 # 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
-# step 4 by groups (``_grad_hh_kernel``): 2 warps (H100 HH-GDN r=4: 1.15 ms against 1.43 on 4, 3.59 on 8, and 2.06 for
-# the general step 4; BENCHMARKS.md session 38); hh_grouped 0 takes the general one instead, hh_bk caps its key
-# block (benchmarks). hh_inputs 1: the inputs' kernel by groups too (its HG; untimed, off: BENCHMARKS.md session 38)
-_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=2,
+# step 4 by groups (``_grad_hh_kernel``): 1 warp (H100 HH-GDN r=4: 0.93 ms against 1.22 on 2, 1.43 on 4, 3.59 on 8,
+# and 2.06 for the general step 4; BENCHMARKS.md sessions 38, 39); hh_grouped 0 takes the general one instead, hh_bk
+# caps its key block (benchmarks). hh_inputs 1: the inputs' kernel by groups too (its HG; off: there it took 2.15 ms
+# against the general form's 1.42, and step 4 gained 0.19; BENCHMARKS.md session 39)
+_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=0)
 
 
