@@ -274,20 +274,25 @@ def markdown_row(r: dict) -> str:
 
 KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat16 (the tensors between kernels), "
              "output_bv=128, output_warps=8, intra_warps=8; channel._CHANNEL's with a ch_ prefix: ch_rows=32, "
-             "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products)")
+             "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products); chunk_bwd._CONFIG's "
+             "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles)")
 
 
 def apply_knobs(pairs: list[str]) -> None:
-    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with
-    the prefix ``ch_`` into ``channel._CHANNEL`` (integers)."""
-    from rankdecay.ops.triton import channel, chunk_fwd
+    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with the prefix
+    ``ch_`` into ``channel._CHANNEL``, ``bwd_`` into ``chunk_bwd._CONFIG`` and ``state_`` into
+    ``chunk_state._LAUNCH`` (integers)."""
+    from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
 
+    tables = {"ch_": channel._CHANNEL, "bwd_": chunk_bwd._CONFIG, "state_": chunk_state._LAUNCH}
     for kv in pairs:
         name, value = kv.split("=")
-        if name.startswith("ch_"):
-            if name[3:] not in channel._CHANNEL:
-                raise SystemExit(f"--knob {name}: channel._CHANNEL has {sorted(channel._CHANNEL)}")
-            channel._CHANNEL[name[3:]] = int(value)
+        prefix = next((p for p in tables if name.startswith(p)), None)
+        if prefix is not None:
+            table, key = tables[prefix], name.removeprefix(prefix)
+            if key not in table:
+                raise SystemExit(f"--knob {name}: the {prefix} table has {sorted(table)}")
+            table[key] = int(value)
         else:
             chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
 

@@ -114,6 +114,7 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
             a, b = (torch.zeros(B, T, H, r, K, dtype=torch.bfloat16) for _ in range(2))
             sa = (beta * g[..., 0].exp())[..., None].expand(B, T, H, r).contiguous()
             extra = dict(hh_mask=torch.rand(*((B, T, H) if case == "hh-gdn-token" else (H,)), r, r, generator=gen))
+            cfg.update(hh_mask=extra["hh_mask"])  # the intra kernel forms a and b from k and the mask
         o, _, saved = chunk_fwd.chunk_dplr_fwd(q, k1, v, a, b, g, K ** -0.5, None, save=True, a_scale=sa, v_scale=sv,
                                                **cfg)
         forward = dict(launches)

@@ -1136,6 +1136,40 @@ def test_hh_mask_only_for_head_in_head_rows():
         chunk_dplr(q, k, v, None, None, None, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
 
 
+@pytest.mark.parametrize("K,r,static", [(64, 4, True), (48, 4, False), (24, 3, True)])
+def test_hh_training_forms_rows_from_k(K, r, static):
+    """Head-in-Head's training kernels (``chunk_dplr`` with ``hh_mask``) form the rows a_j = k ⊙ 1[group j] and
+    b_j = k ⊙ M[j, group(·)] from k and the mask wherever they need them (the intra kernel, both state kernels and
+    step 4, grouped or general), so rows filled with NaN change nothing: outputs, final state and every gradient
+    come out bit for bit as with the rows ``factors.hh_factors`` forms. K / r = 16 takes the grouped step 4,
+    12 and 8 the general one; r = 3 pads the rank to 4."""
+    from rankdecay.ops.triton.chunk_bwd import chunk_dplr
+    from rankdecay.ops.triton.factors import hh_factors
+
+    gen = torch.Generator().manual_seed(K * r)
+    B, T, H, V = 1, 37, 2, 8
+    q, k = torch.randn(B, T, H, K, generator=gen), F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v, g = torch.randn(B, T, H, 1, V, generator=gen), -5 * torch.rand(B, T, H, 1, generator=gen)
+    sa = 2 * torch.rand(B, T, H, r, generator=gen)
+    mask = ops.head_in_head_mask(torch.rand(*((H,) if static else (B, T, H)), r, r, generator=gen))
+    h0 = torch.randn(B, H, K, V, generator=gen)
+
+    def call(nan_rows):
+        x = [t.to(DEVICE).clone().requires_grad_() for t in (q, k, v, g, sa, mask, h0)]
+        qx, kx, vx, gx, sax, mx, hx = x
+        a, b = hh_factors(kx.detach(), mx.detach())
+        if nan_rows:
+            a, b = torch.full_like(a, float("nan")), torch.full_like(b, float("nan"))
+        o, s = chunk_dplr(qx, kx[..., None, :], vx, a, b, gx, K ** -0.5, hx, a_scale=sax, hh_mask=mx)
+        (o.sum() + s.sin().sum()).backward()
+        return [o, s] + [t.grad for t in x]
+
+    ref, got = call(False), call(True)
+    for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dsa", "dmask", "dh0"], got, ref):
+        assert torch.isfinite(y).all(), name
+        assert torch.equal(x, y), f"K={K} r={r} static={static}: {name}"
+
+
 def _hh_rows_spy(monkeypatch) -> list:
     """One entry per fused backward from now on: whether step 4 took Head-in-Head's rows (``chunk_bwd._backward``'s
     ``hh_mask``)."""

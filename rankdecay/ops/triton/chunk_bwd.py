@@ -36,9 +36,9 @@ import triton.language as tl
 
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
-from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
-                        ties_keys)
+from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _hh_mask_rows, _hh_rows, _load_rows, _lowp,
+                        _row_factor, _rows, _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products,
+                        log_cumsum_dtype, ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel, bwd_stages
@@ -94,17 +94,6 @@ def _hdla_rows_bwd(dA, dB, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, 
     tl.store(part, tl.sum(da1 * Kr + da2 * lk, axis=1), mask=vq)
     tl.store(part + 1, tl.sum(da2 * Kr, axis=1), mask=vq)
     return be * da1 - be * be * c * da2 + db2 + dlk * lam, dlk * lk
-
-
-@triton.jit
-def _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K: tl.constexpr, RAB: tl.constexpr, HH: tl.constexpr):
-    """The mask's entries M[j, group(l)] of a chunk's rows (token, j), columns o_k, as fp32 [rows, BK]."""
-    if HH == 2:  # mask[.., j, 0] of row (token, j)
-        pm = fa * RAB
-    else:
-        pm = (i_h * RAB + rka) * RAB
-    return tl.load(hmask + pm[:, None] + (o_k // (K // RAB))[None, :], mask=va[:, None] & m_k[None, :],
-                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -337,6 +326,9 @@ def _grad_kernel(
             Kt, A16 = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
             Bm = tl.where((rka == 0)[:, None], tl.exp(_load_rows(graw, fa // 2, va & (rka == 0), o_k, m_k, K)) * Kt,
                           Kt)
+        elif HH:  # formed from k and the mask, as the forward's intra kernel forms them
+            A16 = _hh_rows(k, hmask, a, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, False)
+            Bm = _hh_rows(k, hmask, b, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, True)
         else:
             A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
@@ -873,7 +865,8 @@ class _ChunkDPLR(torch.autograd.Function):
         # tied: a = b = k (a and b are None here), their gradients returned as k's. hh_mask: a and b are
         # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask
         fa, fb = (k, k) if tied else (a, b)
-        o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale)
+        o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale,
+                                      hh_mask=hh_mask)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
         ctx.scale, ctx.C, ctx.tied, ctx.paired = scale, saved["TC"], tied, saved["paired"]
         return o, ht
@@ -917,17 +910,21 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     prec = _precision(q)
     raw = qf is not None  # a decay per row: Q̃ and Ã as q and a with row factors (the forward's RAW)
     raw_v = not raw and vf is None  # v as given (the forward's RAW_V)
+    hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
     # the state from chunk to chunk, in reverse (with the outputs' share of dS_n and dU_n)
+    # (Head-in-Head's a formed from k: the kernel's GROUPED)
     blocks = dict(_blocks(K, V, NK, NA, backward=True, precision=prec), num_stages=bwd_stages(prec, K, e_do))
     dhn = torch.empty_like(s0)
     du = torch.empty_like(u)
     dh0 = torch.empty(B, H, K, V, **f32)
     _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(a if raw else ad), dummy, dummy,
+        opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(k if hh else a if raw else ad),
+        dummy, dummy,
         dhn, opt(du if Rab else None), dh0, q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af), K=K, V=V,
         CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None,
         PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1),
-        E_Q=_is16(q), E_A=_is16(a), num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+        E_Q=_is16(q), E_A=_is16(k if hh else a), GROUPED=bool(hh), num_warps=blocks["num_warps"],
+        num_stages=blocks["num_stages"],
     )
     # dV and dX = Tᵀ dU
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
@@ -938,7 +935,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     NVB = triton.cdiv(V, BV)
     dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
     gate = gate_kind(g)
-    hh = 0 if hh_mask is None else hh_mask.dim() // 2  # 1: [H, r, r], 2: [B, T, H, r, r]
     # step 4's key block; Head-in-Head's inside one group where its groups allow (``_grad_hh_kernel``)
     bk_hh = hh_key_block(K, Rab) if hh and Rkv == 1 else None
     BKg = bk_hh or _key_block("grad_bk", K, prec, gate == 2)

@@ -85,6 +85,30 @@ def _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K: tl.constexpr):
 
 
 @triton.jit
+def _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K: tl.constexpr, RAB: tl.constexpr, HH: tl.constexpr):
+    """The mask's entries M[j, group(l)] of a chunk's rows (token, j), columns o_k, as fp32 [rows, BK]."""
+    if HH == 2:  # mask[.., j, 0] of row (token, j)
+        pm = fa * RAB
+    else:
+        pm = (i_h * RAB + rka) * RAB
+    return tl.load(hmask + pm[:, None] + (o_k // (K // RAB))[None, :], mask=va[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _hh_rows(k, hmask, ref, flat, valid, rk, i_h, o_k, m_k, K: tl.constexpr, R: tl.constexpr, HH: tl.constexpr,
+             B_ROWS: tl.constexpr):
+    """Head-in-Head's rows (token, j) of a chunk, columns o_k, formed from k [B, T, H, 1, K] and the mask (HH 1:
+    [H, r, r], 2: [B, T, H, r, r]) as ``factors.hh_factors`` forms them: a_j = k ⊙ 1[group j], or with B_ROWS
+    b_j = k ⊙ M[j, group(·)] rounded to the dtype of ``ref`` (b as that kernel stored it). As fp32 [rows, BK]."""
+    Kt = _load_rows(k, flat // R, valid, o_k, m_k, K)
+    if B_ROWS:
+        return (Kt * _hh_mask_rows(hmask, flat, valid, rk, i_h, o_k, m_k, K, R, HH)).to(ref.dtype.element_ty).to(
+            tl.float32)
+    return tl.where((o_k // (K // R))[None, :] == rk[:, None], Kt, 0.0)
+
+
+@triton.jit
 def _decays(Gx, Gy, tokx, toky, STRICT: tl.constexpr, GATE: tl.constexpr):
     """[NX, NY] causal mask (tok y < tok x, or <=) times exp(Gx - Gy) for a scalar gate (GATE 1).
 
@@ -111,10 +135,12 @@ def _products(x, y, Gx, Gy, i_b, i_h, i_c, T,
               H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
               RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr,
               STRICT: tl.constexpr, GATE: tl.constexpr, BK: tl.constexpr,
-              PRECISION: tl.constexpr, LP: tl.constexpr):
+              PRECISION: tl.constexpr, LP: tl.constexpr, k=None, hmask=None, HX: tl.constexpr = 0,
+              HY: tl.constexpr = 0, HH: tl.constexpr = 0):
     """P[p, q] = sum_k x_pk y_qk exp(G^x_{tok p} - G^y_{tok q}) for tok q < tok p (STRICT) or <=, with a
     decay per row (no gate, GATE 0, or a scalar one, 1; a per-channel gate's products are
-    ``channel.channel_product``'s).
+    ``channel.channel_product``'s). HX / HY 1 or 2: x's / y's rows are Head-in-Head's a or b, formed from k and
+    the mask hmask (``_hh_rows``; HH: the mask's kind) instead of read.
 
     G^y is the inclusive log-cumsum; G^x the exclusive one (STRICT: b rows, whose decay
     starts before their own token) or the inclusive one (queries). Gx, Gy: fp64 row
@@ -126,8 +152,14 @@ def _products(x, y, Gx, Gy, i_b, i_h, i_c, T,
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        X = _load_rows(x, fx, vx, o_k, m_k, K)
-        Y = _load_rows(y, fy, vy, o_k, m_k, K)
+        if HX:
+            X = _hh_rows(k, hmask, x, fx, vx, rkx, i_h, o_k, m_k, K, RX, HH, HX == 2)
+        else:
+            X = _load_rows(x, fx, vx, o_k, m_k, K)
+        if HY:
+            Y = _hh_rows(k, hmask, y, fy, vy, rky, i_h, o_k, m_k, K, RY, HH, HY == 2)
+        else:
+            Y = _load_rows(y, fy, vy, o_k, m_k, K)
         acc += _input_dot(X, Y, x, y, LP, PRECISION)
     return acc * _decays(Gx, Gy, tokx, toky, STRICT, GATE)
 
@@ -186,7 +218,7 @@ def _merge_block(L10, D0, D1, MERGE: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee", NILP: tl.constexpr = 0):
-    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N = 16, 32 or 64), as [N, N].
+    """(I + L)^{-1} for a strictly lower-triangular [N, N] L (N = 16, 32, 64 or 128), as [N, N].
 
     ``lptr``: L as stored row-major [N, N] by the calling program (the caller has stored
     it); ``sptr``: [N, N] scratch.
@@ -234,25 +266,40 @@ def _unit_lower_inverse(lptr, sptr, N: tl.constexpr, MERGE: tl.constexpr = "ieee
         tl.debug_barrier()  # the diagonal blocks, one by one below
         D0 = tl.load(sptr + blk)
         D1 = tl.load(sptr + BS * (N + 1) + blk)
-        X10 = _merge_block(_block(lptr, 1, 0, N, blk), D0, D1, MERGE)
-        tl.store(sptr + BS * N + blk, X10)
-        if NB == 4:
-            # the lower-left 32 x 32 quadrant -T1 L' T0, T0 = [[D0, 0], [X10, D1]] and T1 = [[D2, 0], [X32, D3]]
-            # the inverses of the diagonal quadrants: 16 x 16 products in registers, no block waits on a store
-            D2 = tl.load(sptr + 2 * BS * (N + 1) + blk)
-            D3 = tl.load(sptr + 3 * BS * (N + 1) + blk)
-            X32 = _merge_block(_block(lptr, 3, 2, N, blk), D2, D3, MERGE)
-            L21 = _block(lptr, 2, 1, N, blk)
-            L31 = _block(lptr, 3, 1, N, blk)
-            Y20 = _dot_merge(_block(lptr, 2, 0, N, blk), D0, MERGE) + _dot_merge(L21, X10, MERGE)  # Y = L' T0
-            Y30 = _dot_merge(_block(lptr, 3, 0, N, blk), D0, MERGE) + _dot_merge(L31, X10, MERGE)
-            Y21 = _dot_merge(L21, D1, MERGE)
-            Y31 = _dot_merge(L31, D1, MERGE)
-            tl.store(sptr + BS * (3 * N + 2) + blk, X32)
-            tl.store(sptr + BS * 2 * N + blk, -_dot_merge(D2, Y20, MERGE))
-            tl.store(sptr + BS * (2 * N + 1) + blk, -_dot_merge(D2, Y21, MERGE))
-            tl.store(sptr + BS * 3 * N + blk, -(_dot_merge(X32, Y20, MERGE) + _dot_merge(D3, Y30, MERGE)))
-            tl.store(sptr + BS * (3 * N + 1) + blk, -(_dot_merge(X32, Y21, MERGE) + _dot_merge(D3, Y31, MERGE)))
+        for h in tl.static_range(0, NB, 4 if NB > 2 else 2):  # each 64-row half (N = 128) or the whole tile
+            D0 = tl.load(sptr + BS * h * (N + 1) + blk)
+            D1 = tl.load(sptr + BS * (h + 1) * (N + 1) + blk)
+            X10 = _merge_block(_block(lptr, h + 1, h, N, blk), D0, D1, MERGE)
+            tl.store(sptr + BS * ((h + 1) * N + h) + blk, X10)
+            if NB >= 4:
+                # the lower-left 32 x 32 quadrant -T1 L' T0, T0 = [[D0, 0], [X10, D1]] and T1 = [[D2, 0], [X32, D3]]
+                # the inverses of the diagonal quadrants: 16 x 16 products in registers, no block waits on a store
+                D2 = tl.load(sptr + BS * (h + 2) * (N + 1) + blk)
+                D3 = tl.load(sptr + BS * (h + 3) * (N + 1) + blk)
+                X32 = _merge_block(_block(lptr, h + 3, h + 2, N, blk), D2, D3, MERGE)
+                L21 = _block(lptr, h + 2, h + 1, N, blk)
+                L31 = _block(lptr, h + 3, h + 1, N, blk)
+                Y20 = _dot_merge(_block(lptr, h + 2, h, N, blk), D0, MERGE) + _dot_merge(L21, X10, MERGE)  # L' T0
+                Y30 = _dot_merge(_block(lptr, h + 3, h, N, blk), D0, MERGE) + _dot_merge(L31, X10, MERGE)
+                Y21 = _dot_merge(L21, D1, MERGE)
+                Y31 = _dot_merge(L31, D1, MERGE)
+                tl.store(sptr + BS * ((h + 3) * N + h + 2) + blk, X32)
+                tl.store(sptr + BS * ((h + 2) * N + h) + blk, -_dot_merge(D2, Y20, MERGE))
+                tl.store(sptr + BS * ((h + 2) * N + h + 1) + blk, -_dot_merge(D2, Y21, MERGE))
+                tl.store(sptr + BS * ((h + 3) * N + h) + blk,
+                         -(_dot_merge(X32, Y20, MERGE) + _dot_merge(D3, Y30, MERGE)))
+                tl.store(sptr + BS * ((h + 3) * N + h + 1) + blk,
+                         -(_dot_merge(X32, Y21, MERGE) + _dot_merge(D3, Y31, MERGE)))
+        if NB == 8:  # N = 128: the lower-left 64 x 64 quadrant -T1 L10 T0 from the two halves' inverses
+            tl.debug_barrier()
+            H2: tl.constexpr = N // 2
+            hr = tl.arange(0, H2)
+            lower = (hr[:, None] // BS) >= (hr[None, :] // BS)
+            T0 = tl.load(sptr + hr[:, None] * N + hr[None, :], mask=lower, other=0.0)
+            T1 = tl.load(sptr + (H2 + hr[:, None]) * N + H2 + hr[None, :], mask=lower, other=0.0)
+            L10 = tl.load(lptr + (H2 + hr[:, None]) * N + hr[None, :])
+            tl.store(sptr + (H2 + hr[:, None]) * N + hr[None, :],
+                     -_dot_merge(T1, _dot_merge(L10, T0, MERGE), MERGE))
         tl.debug_barrier()  # every block is stored before the whole inverse is read back
         r = tl.arange(0, N)
         out = tl.load(sptr + r[:, None] * N + r[None, :], mask=(r[:, None] // BS) >= (r[None, :] // BS), other=0.0)
@@ -380,7 +427,7 @@ def _intra_kernel(
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
-    GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0,
+    GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -406,6 +453,8 @@ def _intra_kernel(
     # GROUPED (with SCALED; ``chunk_dplr_fwd``'s ``grouped``: a's rows are k split into groups of channels, their
     # sum k, Head-in-Head's): the update's rows are a's, so only M_QA (without a's factors: they are in Y) and
     # T' = (I + D L_BA)^{-1} are formed, no M_QK or L_BK.
+    # HH (1: hmask [H, r, r], 2: [B, T, H, r, r]; ``chunk_dplr_fwd``'s ``hh_mask``): a and b are Head-in-Head's rows
+    # of k and this mask (``factors.hh_factors``'), formed from k here (``_hh_rows``) and not read.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -437,7 +486,7 @@ def _intra_kernel(
         if GATE < 2 and (SAVE or not TIED):  # tied, the output kernel forms M_QA U from M_QK itself
             if not TIED:  # tied, M_QA is M_QK times a's factors
                 M = _products(q, a, Gq, Ga, i_b, i_h, i_c, T, H, K, TC, 1, 1, RAB, RABP, False, GATE, BK, PRECISION,
-                              LP_QA)
+                              LP_QA, k, hmask, 0, 1 if HH else 0, HH)
             if ASC and not GROUPED:
                 M = M * fac_a[None, :]
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
@@ -445,7 +494,7 @@ def _intra_kernel(
         if GATE < 2:
             if not TIED:
                 P = _products(b, a, Gb, Ga, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RAB, RABP, True, GATE, BK,
-                              PRECISION, LP_BA)
+                              PRECISION, LP_BA, k, hmask, 2 if HH else 0, 1 if HH else 0, HH)
             L = P
             if SCALED:  # D L_BK: a's factors on the rows
                 L = L * fac_a[:, None]
@@ -471,7 +520,7 @@ def _intra_kernel(
         elif not SCALED:  # L_BK (the scaled forms read none)
             if GATE < 2:
                 L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK,
-                              PRECISION, LP_BK)
+                              PRECISION, LP_BK, k, hmask, 2 if HH else 0, 0, HH)
             else:
                 L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         if SCALED:  # T' itself, for the state kernel (in uv's place)
@@ -549,7 +598,10 @@ def _intra_kernel(
                 tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION),
                          mask=m_k[None, :])
         elif RAB > 0:
-            Bm = _load_rows(b, fa, va, o_k, m_k, K)
+            if HH:
+                Bm = _hh_rows(k, hmask, b, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, True)
+            else:
+                Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
                 W = _dot_ex(Tinv_b, Bm, PRECISION, E_B)
             elif GATE == 2:
@@ -630,7 +682,8 @@ def _output_kernel(
 # "merge" ("ieee", the default, or "tf32": the UT inverse's block merges), "tie_a_k" (0: a = k with factors
 # (``kda``) takes its four per-channel products apart, forward and backward, as before they were paired),
 # "neumann" (True / False: the UT inverse's diagonal blocks as Neumann products or by substitution; None, the
-# default: ``neumann_blocks``'s choice).
+# default: ``neumann_blocks``'s choice), "rows" (64 or 128: the rows of a chunk tile, tokens times the padded
+# rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``).
 _KNOBS: dict = {}
 
 
@@ -765,10 +818,13 @@ def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool,
             and (knob is None or bool(knob)))
 
 
-def fused_chunk_size(Rab: int, Rkv: int) -> int | None:
-    """Tokens per chunk of the fused forward (None: these ranks need the unfused path)."""
-    tc = MAX_ROWS // max(_pow2(Rab), _pow2(Rkv), 1)
-    return tc if tc >= 16 else None
+def fused_chunk_size(Rab: int, Rkv: int, rows: int | None = None) -> int | None:
+    """Tokens per chunk of the fused forward: ``rows`` (``_KNOBS["rows"]`` where not given, else ``MAX_ROWS``) rows
+    of a chunk tile over the padded rank, at most 64 tokens; None for ranks above 4, which need the unfused path."""
+    rank = max(_pow2(Rab), _pow2(Rkv), 1)
+    if rank > 4:
+        return None
+    return min(64, (rows or _KNOBS.get("rows") or MAX_ROWS) // rank)
 
 
 def _lowp(*xs) -> bool:
@@ -790,7 +846,8 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
 
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
-                   _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False):
+                   _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
+                   hh_mask=None):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
@@ -803,14 +860,17 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     (``factors.hdla_factors_fwd``'s ``a2_only``). ``grouped``: a's rows are k split into Rab groups of channels
     (``a_r = k ⊙ 1[group r]``, so that their sum is k: Head-in-Head's), with a decay per row and Rkv = 1; without
     ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Without ``save``, HDLA's
-    rows take the same form over its update rows [k, a2] (``scaled_update``). Returns (o [B, T, H, V] in q's
+    rows take the same form over its update rows [k, a2] (``scaled_update``). ``hh_mask`` ([H, r, r] or
+    [B, T, H, r, r]): a and b are Head-in-Head's rows of k and this mask (``factors.hh_factors``'), which the intra
+    kernel then forms from k and the mask instead of reading them (a scalar gate or none, Rkv = 1). Returns
+    (o [B, T, H, V] in q's
     dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
     (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
-    TC = fused_chunk_size(Rab, Rkv)
+    TC = fused_chunk_size(Rab, Rkv, (_config or {}).get("rows"))
     if TC is None:
         raise ValueError(f"the fused forward takes ranks up to 4, got Rab={Rab}, Rkv={Rkv}")
     NC = triton.cdiv(T, TC)
@@ -929,6 +989,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(q, a, g, mqa, strict=False, lowp=_lowp(q, a), scale=scale, y_scale=sa, **prod)
             channel_product(b, a, g, lba, strict=True, lowp=_lowp(b, a), y_scale=sa, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
+    # Head-in-Head's rows formed from k and the mask in the intra kernel (1: a static mask, 2: one per token), and
+    # a's in the state kernel (its GROUPED, reading k)
+    hh = hh_mask.dim() // 2 if hh_mask is not None and gate < 2 and Rkv == 1 and Rab > 0 and not scaled else 0
     if intra:
         neumann = neumann_blocks(cfg.get("neumann"))
         _intra_kernel[(NC, B * H)](
@@ -942,6 +1005,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
+            hmask=hh_mask if hh else None, HH=hh,
             NILP=16 // _pow2(Rab) if Rab and neumann else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
@@ -967,12 +1031,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
         opt(h0), opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf,
         opt(w), opt(uv),
-        opt(a if raw else ad), opt(s0),
+        opt(k if hh else a if raw else ad), opt(s0),
         opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
         PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
-        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(a), SAME_AK=same_ak, RAW_V=raw_v, o=o, FUSE_O=fuse,
-        STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped, bb=b if grouped else None, HDLA=hdla_scaled,
-        E_B=grouped and _is16(b), **out, **blocks,
+        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a), SAME_AK=same_ak, RAW_V=raw_v, o=o,
+        FUSE_O=fuse, STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh), bb=b if grouped else None,
+        HDLA=hdla_scaled, E_B=grouped and _is16(b), **out, **blocks,
     )
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))

@@ -94,6 +94,16 @@ def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def _group_rows(k, o_a, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
+                o_k, m_k, K: tl.constexpr):
+    """Rows o_a (token, j) of chunk n of a whose rows are k [B, T, H, 1, K] split into RAB groups of channels
+    (Head-in-Head's a_j = k ⊙ 1[group j]; zero for a padded rank), formed from k (as fp32)."""
+    tok, rk = o_a // RABP, o_a % RABP
+    Kr = _raw_rows(k, tok, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
+    return tl.where(o_k[None, :] // (K // RAB) == rk[:, None], Kr, 0.0)
+
+
+@triton.jit
 def _row_factor(s, flat, valid):
     """[rows] per-row factors (``a_scale`` / ``v_scale`` of ``dplr``) of a [B, T, H, R, D] tensor's rows."""
     return tl.load(s + flat, mask=valid, other=0.0).to(tl.float32)
@@ -177,8 +187,9 @@ def _state_fwd_kernel(
     # (sv ⊙ v - sa ⊙ U_n): S += K̃ᵀ Y and O = Q̃ S_n + M_QK Y (FUSE_O), or S_n and Y stored (STORE) for the output
     # kernel (its VALUES); w is not read. A decay per row (SAME_AK and TIED): k and v as given (RAW). A per-channel
     # gate (a = k with factors: ``kda``): vf is v as given, kg holds B ⊙ e^{G_{i-1}}, kd K̃, af D alone.
-    # GROUPED (with SCALED, RAW, Rkv = 1; ``chunk_fwd.chunk_dplr_fwd``'s ``grouped``): a's rows are k split into
-    # RAB groups of channels (Head-in-Head's), formed here from k; Y's rows are a's, (token, group), with
+    # GROUPED (RAW, Rkv = 1): a's rows are k split into RAB groups of channels (Head-in-Head's), formed here from k
+    # (``_group_rows``; without SCALED, ad is k: ``chunk_fwd.chunk_dplr_fwd``'s ``hh_mask``). With SCALED
+    # (``chunk_fwd.chunk_dplr_fwd``'s ``grouped``): Y's rows are a's, (token, group), with
     # Y = T' (sv ⊙ v - D e^{G_{i-1}} ⊙ B S_n) (bb: b as given, E_B: 16-bit), S += Ãᵀ Y and O = Q̃ S_n + M_QA Y
     # (M_QA passed as mqk).
     # HDLA (with SCALED, a per-channel gate; ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_scaled``): the rows are HDLA's
@@ -253,8 +264,7 @@ def _state_fwd_kernel(
                     # group, none for a padded rank) take Y
                     if GROUPED:
                         Pr = _raw_rows(bb, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
-                        Kr = _raw_rows(kd, tok, i_bh, n, T, H, TC, 1, 1, o_k, m_k, K)
-                        Kr = tl.where(o_k[None, :] // (K // RAB) == rk[:, None], Kr, 0.0)
+                        Kr = _group_rows(kd, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
                     else:
                         Kr = _raw_rows(kd, o_a, i_bh, n, T, H, TC, RKV, RKVP, o_k, m_k, K)
                         Pr = Kr
@@ -291,7 +301,10 @@ def _state_fwd_kernel(
                             Ma = Ma * _chunk_factor(sa, o_a, i_bh, n, T, H, TC, RAB, RABP)[None, :]
                         O -= _dot(Ma, Uc, PRECISION)
                     if RAW:
-                        Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                        if GROUPED:  # a's rows formed from k (ad is k)
+                            Ar = _group_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                        else:
+                            Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
                         fa = tl.load(af + c * CA + o_a, mask=m_a, other=0.0)
                         acc -= _dot_xe(tl.trans(Ar), Uc * fa[:, None], PRECISION, E_A)
                     else:
@@ -317,14 +330,15 @@ def _state_bwd_kernel(
     GATE: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr,
     FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr, E_DO: tl.constexpr,
     RAW: tl.constexpr = False, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_Q: tl.constexpr = False,
-    E_A: tl.constexpr = False,
+    E_A: tl.constexpr = False, GROUPED: tl.constexpr = False,
 ):
     # FROM_OUT: the outputs' share of dS_n and dU_n (Q̃ᵀ dO and -M_QAᵀ dO, with O = Q̃ S_n + ... - M_QA U_n)
     # is formed here from dO [B, T, H, V] and the chunk's Q̃ [TC, K] and M_QA [TC, CA] (the fused
     # forward's saved tensors); else it is read from ds0 and du. E_DO: dO is 16-bit (``_dot_ex``).
     # RAW (with FROM_OUT; a decay per row): qd and ad are q [B, T, H, K] and a [B, T, H, Rab, K]
     # as given, Q̃ = qf ⊙ q and Ã = af ⊙ a (``_state_fwd_kernel``'s RAW): Q̃ᵀ dO = qᵀ (qf ⊙ dO) and
-    # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A).
+    # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A). GROUPED (RAW): a's rows are k
+    # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -368,7 +382,10 @@ def _state_bwd_kernel(
             else:
                 dU = tl.load(du + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
             if RAW:
-                Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                if GROUPED:  # a's rows formed from k (ad is k)
+                    Ar = _group_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
+                else:
+                    Ar = _raw_rows(ad, o_a, i_bh, n, T, H, TC, RAB, RABP, o_k, m_k, K)
                 fa = tl.load(af + c * CA + o_a, mask=o_a < CA, other=0.0)
                 dU -= _dot_xe(Ar, dS, PRECISION, E_A) * fa[:, None]
             else:
