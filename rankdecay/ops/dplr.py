@@ -89,8 +89,10 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
     (``triton.chunk_fwd.grouped_update``); the caller vouches for it. ``hh_mask``: more so, a and b are
     Head-in-Head's rows of k and this mask (``triton.factors.hh_factors``' a and b, with a scalar gate or none), and
-    the fused kernels' backward carries their gradients on to k and the mask itself
-    (``triton.chunk_bwd.chunk_dplr``'s); the caller vouches for this too."""
+    the fused kernels with autograd (taken whenever it is given) form them from k and the mask themselves, so that a
+    and b may be placeholders (``triton.factors.hh_placeholders``), and their backward carries the rows' gradients
+    on to k and the mask (``triton.chunk_bwd.chunk_dplr``'s); the caller vouches for this too, and that the fused
+    kernels run."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -103,10 +105,15 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
-        a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
+        if hh_mask is not None:  # Head-in-Head's rows are not read: placeholders of the packed shape
+            a, b = (x_.new_zeros(()).expand(*q.shape[:3], *x_.shape[3:]) for x_ in (a, b))
+        else:
+            a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
         if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
             hh_mask = pack_varlen(hh_mask, index, valid)
     fused = mode == "triton" and _fused_applies(q, k, a, g)
+    if hh_mask is not None and not fused:
+        raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
     if not fused:  # the other paths take the factors multiplied in
         if sa is not None:
             a = a.to(dtype) * sa.to(dtype)[..., None]
@@ -122,7 +129,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd, padded_dplr
 
-        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)):
+        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)) or hh_mask is not None:
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                   hh_mask=hh_mask)
         else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)

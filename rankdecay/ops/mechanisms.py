@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._inputs import (check_chunk_size, check_devices, check_float, check_inplace_state, check_shape, compute_dtype,
                       resolve_scale)
-from .backends import check_triton_mode, recurrent_mode, resolve_mode, triton_runs_on
+from .backends import check_triton_mode, needs_grad, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import _dplr, dplr
 
 
@@ -393,19 +393,26 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.chunk_state import _precision
-        from .triton.factors import hh_factors, rows_dtype  # one kernel each way: no gather of the mask
+        from .triton.factors import hh_factors, hh_placeholders, rows_dtype  # one kernel each way: no gather
 
-        a, b = hh_factors(k, mask, b_dtype=rows_dtype(k, _precision(q)))
-        if g is None or g.dim() == 3:  # the fused backward carries a's and b's gradients on to k and the mask
+        b_dtype = rows_dtype(k, _precision(q))
+        if (g is None or g.dim() == 3) and r <= 4 and needs_grad((q, k, v, beta, mask, g, initial_state)):
+            # the fused kernels with autograd form the rows from k and the mask, and their backward carries the
+            # rows' gradients on to k and the mask: a and b are placeholders (H100 HH-GDN r=4 fwd+bwd 7.25 -> 7.01
+            # ms, peak 4447 -> 3935 MB; without autograd the scaled form reads them: BENCHMARKS.md session 39)
             hh_mask = mask
+            a, b = hh_placeholders(k.shape, r, k.dtype, b_dtype, k.device)
+        else:
+            a, b = hh_factors(k, mask, b_dtype=b_dtype)
     else:
         group = torch.arange(K, device=q.device) // (K // r)
         onehot = (group[None, :] == torch.arange(r, device=q.device)[:, None]).to(k.dtype)  # [r, K]
         a = k[..., None, :] * onehot  # k ⊙ 1[group j]: exact in k's dtype
         b = _up(k)[..., None, :] * _up(mask)[..., group]  # M[j, group(l)] k_l
     a, a_scale = _beta_alpha(a, beta, g)
-    # a's rows sum to k: without autograd the fused forward takes its scaled form over them (``grouped``); with it,
-    # the fused backward carries the rows' gradients on to k and the mask itself (``hh_mask``)
+    # a's rows sum to k: without autograd the fused forward takes its scaled form over them (``grouped``); with
+    # ``hh_mask`` the fused kernels form the rows from k and the mask, and their backward carries the rows' gradients
+    # on to k and the mask itself
     return _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale,
                  beta, inplace_final_state, grouped=True, hh_mask=hh_mask)
 

@@ -1085,7 +1085,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     is a multiple of 16 (32 / 2, 48 / 3, 64 / 4), step 4 runs by groups (``_grad_hh_kernel``), with key blocks of
     16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``),
     and with ``hh_inputs`` the inputs' kernel too (``_grad_inputs_kernel``'s HG); elsewhere it is the general
-    kernel."""
+    kernel. No hh_factors runs: the kernels form the rows from k and the mask."""
     from rankdecay.ops.triton import chunk_bwd, factors
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
@@ -1094,6 +1094,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     blocks = _hh_key_block_spy(monkeypatch)
     monkeypatch.setattr(factors._HHFactors, "backward", staticmethod(lambda ctx, *g: factor_bwd.append(1)))
+    _no_hh_factors(monkeypatch)
     gen = torch.Generator().manual_seed(K + r)
     B, T, H, V = (1, 37, 2, 8)
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
@@ -1126,7 +1127,8 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
 
 def test_hh_mask_only_for_head_in_head_rows():
     """``chunk_bwd.chunk_dplr``'s hh_mask (step 4 carrying Head-in-Head's rows' gradients on to k and the mask)
-    refuses a per-channel gate, which scales a's rows, and a call without rows."""
+    refuses a per-channel gate, which scales a's rows, and a call without rows; ``chunk_dplr_fwd`` refuses it with
+    ``grouped``, whose scaled form reads the rows."""
     from rankdecay.ops.triton.chunk_bwd import chunk_dplr
 
     q, k, v, a, b, g, _ = random_inputs(1, 5, 2, 16, 8, 2, 1, "channel")
@@ -1134,6 +1136,10 @@ def test_hh_mask_only_for_head_in_head_rows():
         chunk_dplr(q, k, v, a, b, g, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
     with pytest.raises(ValueError, match="hh_mask: Head-in-Head's rows a and b"):
         chunk_dplr(q, k, v, None, None, None, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
+    from rankdecay.ops.triton.chunk_fwd import chunk_dplr_fwd  # the scaled form over grouped rows reads them
+
+    with pytest.raises(ValueError, match="hh_mask and grouped"):
+        chunk_dplr_fwd(q, k, v, a, b, None, 0.25, None, grouped=True, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
 
 
 @pytest.mark.parametrize("K,r,static", [(64, 4, True), (48, 4, False), (24, 3, True)])
@@ -1168,6 +1174,18 @@ def test_hh_training_forms_rows_from_k(K, r, static):
     for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dsa", "dmask", "dh0"], got, ref):
         assert torch.isfinite(y).all(), name
         assert torch.equal(x, y), f"K={K} r={r} static={static}: {name}"
+
+
+def _no_hh_factors(monkeypatch) -> None:
+    """From now on ``factors.hh_factors`` fails the test: Head-in-Head on the fused kernels with autograd (a scalar
+    gate or none, r <= 4) forms its rows from k and the mask in the kernels, with placeholders for a and b
+    (``factors.hh_placeholders``), and no kernel of its own builds them."""
+    from rankdecay.ops.triton import factors
+
+    def fail(*args, **kw):
+        raise AssertionError("hh_factors built Head-in-Head's rows, which the fused kernels form themselves")
+
+    monkeypatch.setattr(factors, "hh_factors", fail)
 
 
 def _hh_rows_spy(monkeypatch) -> list:
@@ -1309,6 +1327,41 @@ def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
         assert got[0].shape[-1] == V and got[1].shape[-2:] == (K, V)
         for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
             assert_matches(x, y, 1e-5, f"{mechanism} padded {padded}, grads={grads}: {name}")
+
+
+@pytest.mark.parametrize("mechanism", ["hh", "hdla"])
+def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
+    """``chunk_fwd._KNOBS["rows"] = 128`` (a benchmarking knob, measured slower on the H100: BENCHMARKS.md session
+    39): chunk tiles of 128 rows, so Head-in-Head with r = 4 takes 32-token chunks and HDLA 64, and the UT inverse
+    runs at N = 128 (its third level of merges). Output, final state and every gradient match the PyTorch path at
+    fp32 accuracy, with autograd and without, T = 70 not a multiple of the chunk."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "rows", 128)
+    chunks = []  # the tokens per chunk each fused forward took
+    forward = chunk_bwd.chunk_dplr_fwd
+    monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", lambda *a, **kw: chunks.append(chunk_fwd.fused_chunk_size(
+        a[3].shape[-2], a[1].shape[-2])) or forward(*a, **kw))
+    gen = torch.Generator().manual_seed(128)
+    B, T, H, K, V = 1, 70, 1, 16, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
+    if mechanism == "hh":
+        mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen)).to(DEVICE)
+        fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
+            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    else:
+        fn = lambda q, k, v, g, beta, h0, mode: ops.hdla(q, k, v, g, beta, initial_state=h0,  # noqa: E731
+                                                         output_final_state=True, mode=mode)
+    for grads in (True, False):
+        got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
+        ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
+        for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+            assert_matches(x, y, 1e-5, f"{mechanism} at 128-row tiles, grads={grads}: {name}")
+    assert chunks and set(chunks) == {32 if mechanism == "hh" else 64}, chunks
 
 
 def test_clear_errors():

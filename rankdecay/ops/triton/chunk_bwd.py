@@ -36,12 +36,13 @@ import triton.language as tl
 
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
-from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _hh_mask_rows, _hh_rows, _load_rows, _lowp,
-                        _row_factor, _rows, _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products,
-                        log_cumsum_dtype, ties_keys)
+from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
+                        _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
+                        ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
-from .chunk_state import _blocks, _dot, _dot_ex, _dot_xe, _is16, _out_dtype, _precision, _state_bwd_kernel, bwd_stages
+from .chunk_state import (_blocks, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype, _precision,
+                          _state_bwd_kernel, bwd_stages)
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place

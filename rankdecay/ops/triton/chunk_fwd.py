@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _is16, _load_rows, _out_dtype,
-                          _precision, _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
+from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
+                          _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
 from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_products
 from .fused_recurrent import _pow2, gate_kind
 
@@ -82,30 +82,6 @@ def _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K: tl.constexpr):
     tokens' β. As fp32."""
     Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
     return Kt, tl.where((rka == 0)[:, None], be * Kt, _load_rows(a, fa, va & (rka == 1), o_k, m_k, K))
-
-
-@triton.jit
-def _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K: tl.constexpr, RAB: tl.constexpr, HH: tl.constexpr):
-    """The mask's entries M[j, group(l)] of a chunk's rows (token, j), columns o_k, as fp32 [rows, BK]."""
-    if HH == 2:  # mask[.., j, 0] of row (token, j)
-        pm = fa * RAB
-    else:
-        pm = (i_h * RAB + rka) * RAB
-    return tl.load(hmask + pm[:, None] + (o_k // (K // RAB))[None, :], mask=va[:, None] & m_k[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _hh_rows(k, hmask, ref, flat, valid, rk, i_h, o_k, m_k, K: tl.constexpr, R: tl.constexpr, HH: tl.constexpr,
-             B_ROWS: tl.constexpr):
-    """Head-in-Head's rows (token, j) of a chunk, columns o_k, formed from k [B, T, H, 1, K] and the mask (HH 1:
-    [H, r, r], 2: [B, T, H, r, r]) as ``factors.hh_factors`` forms them: a_j = k ⊙ 1[group j], or with B_ROWS
-    b_j = k ⊙ M[j, group(·)] rounded to the dtype of ``ref`` (b as that kernel stored it). As fp32 [rows, BK]."""
-    Kt = _load_rows(k, flat // R, valid, o_k, m_k, K)
-    if B_ROWS:
-        return (Kt * _hh_mask_rows(hmask, flat, valid, rk, i_h, o_k, m_k, K, R, HH)).to(ref.dtype.element_ty).to(
-            tl.float32)
-    return tl.where((o_k // (K // R))[None, :] == rk[:, None], Kt, 0.0)
 
 
 @triton.jit
@@ -861,8 +837,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     (``a_r = k ⊙ 1[group r]``, so that their sum is k: Head-in-Head's), with a decay per row and Rkv = 1; without
     ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Without ``save``, HDLA's
     rows take the same form over its update rows [k, a2] (``scaled_update``). ``hh_mask`` ([H, r, r] or
-    [B, T, H, r, r]): a and b are Head-in-Head's rows of k and this mask (``factors.hh_factors``'), which the intra
-    kernel then forms from k and the mask instead of reading them (a scalar gate or none, Rkv = 1). Returns
+    [B, T, H, r, r]): a and b are Head-in-Head's rows of k and this mask (``factors.hh_factors``'), which the kernels
+    then form from k and the mask instead of reading them (a scalar gate or none, Rkv = 1; not with ``grouped``):
+    only their shapes and dtypes count, and ``factors.hh_placeholders`` stand in for them. Returns
     (o [B, T, H, V] in q's
     dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
     (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
@@ -894,8 +871,15 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # products' operands between kernels
     st = dict(device=q.device, dtype=cfg.get("stored", stored_dtype(prec, K, q.device)))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    a = a.contiguous() if a is not None else None
-    b = b.contiguous() if b is not None else None
+    if hh_mask is not None:
+        if gate == 2 or Rkv != 1 or Rab < 1:
+            raise ValueError("hh_mask: Head-in-Head's rows a and b (Rab >= 1, Rkv = 1) with a scalar gate or none only")
+        if grouped:  # (its state kernel reads b's rows; formed there, the H100 forward took 1.82 ms against 1.37)
+            raise ValueError("hh_mask and grouped: the scaled form over grouped rows reads a and b; pass one of them")
+        hh_mask = hh_mask.contiguous()
+    # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``)
+    a = a.contiguous() if a is not None and hh_mask is None else a
+    b = b.contiguous() if b is not None and hh_mask is None else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
@@ -991,7 +975,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
     # Head-in-Head's rows formed from k and the mask in the intra kernel (1: a static mask, 2: one per token), and
     # a's in the state kernel (its GROUPED, reading k)
-    hh = hh_mask.dim() // 2 if hh_mask is not None and gate < 2 and Rkv == 1 and Rab > 0 and not scaled else 0
+    hh = hh_mask.dim() // 2 if hh_mask is not None else 0
     if intra:
         neumann = neumann_blocks(cfg.get("neumann"))
         _intra_kernel[(NC, B * H)](

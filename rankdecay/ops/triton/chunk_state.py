@@ -94,6 +94,30 @@ def _raw_rows(x, o_r, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K: tl.constexpr, RAB: tl.constexpr, HH: tl.constexpr):
+    """The mask's entries M[j, group(l)] of a chunk's rows (token, j), columns o_k, as fp32 [rows, BK]."""
+    if HH == 2:  # mask[.., j, 0] of row (token, j)
+        pm = fa * RAB
+    else:
+        pm = (i_h * RAB + rka) * RAB
+    return tl.load(hmask + pm[:, None] + (o_k // (K // RAB))[None, :], mask=va[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _hh_rows(k, hmask, ref, flat, valid, rk, i_h, o_k, m_k, K: tl.constexpr, R: tl.constexpr, HH: tl.constexpr,
+             B_ROWS: tl.constexpr):
+    """Head-in-Head's rows (token, j) of a chunk, columns o_k, formed from k [B, T, H, 1, K] and the mask (HH 1:
+    [H, r, r], 2: [B, T, H, r, r]) as ``factors.hh_factors`` forms them: a_j = k ⊙ 1[group j], or with B_ROWS
+    b_j = k ⊙ M[j, group(·)] rounded to the dtype of ``ref`` (b as that kernel stored it). As fp32 [rows, BK]."""
+    Kt = _load_rows(k, flat // R, valid, o_k, m_k, K)
+    if B_ROWS:
+        return (Kt * _hh_mask_rows(hmask, flat, valid, rk, i_h, o_k, m_k, K, R, HH)).to(ref.dtype.element_ty).to(
+            tl.float32)
+    return tl.where((o_k // (K // R))[None, :] == rk[:, None], Kt, 0.0)
+
+
+@triton.jit
 def _group_rows(k, o_a, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr,
                 o_k, m_k, K: tl.constexpr):
     """Rows o_a (token, j) of chunk n of a whose rows are k [B, T, H, 1, K] split into RAB groups of channels

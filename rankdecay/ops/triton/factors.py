@@ -352,3 +352,13 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor,
         raise ValueError(f"hh_factors expects mask [H, r, r] or [B, T, H, r, r] with r dividing K = {K}; "
                          f"got {list(mask.shape)}")
     return _HHFactors.apply(k.contiguous(), mask.contiguous(), b_dtype)
+
+
+def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
+                    device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for Head-in-Head's rows (``hh_factors``' a and b, ``[B, T, H, r, K]`` for ``shape`` = (B, T, H, K))
+    where the fused kernels form them from k and the mask themselves (``chunk_fwd.chunk_dplr_fwd``'s ``hh_mask``):
+    one element each, expanded, so no memory and no kernel, with the shapes and dtypes (a: k's, b: ``b_dtype``)
+    the kernels read off them. Their contents must never be read."""
+    B, T, H, K = shape
+    return tuple(torch.zeros((), dtype=dt, device=device).expand(B, T, H, r, K) for dt in (k_dtype, b_dtype))
