@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
 from ..ops._inputs import STATE_DTYPES
-from ..ops.mechanisms import l2norm
+from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
 
@@ -248,7 +248,7 @@ def _mamba2_decay_params(module: nn.Module, num_heads: int) -> None:
 
 
 def _mamba2_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
-    return -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias.float())  # [B, T, H]
+    return -_up(module.A_log).exp() * F.softplus(_up(a) + _up(module.dt_bias))  # [B, T, H]
 
 
 class DeltaNet(LinearMixer):
@@ -262,7 +262,7 @@ class DeltaNet(LinearMixer):
     decode_kernel = True
 
     def gates(self, x, mask):
-        beta = self.b_proj(x).float().sigmoid()
+        beta = _up(self.b_proj(x)).sigmoid()
         return {"beta": 2 * beta if self.allow_neg_eigval else beta}
 
     def decode_gates(self, x):
@@ -310,8 +310,8 @@ class KDA(DeltaNet):
 
     def gates(self, x, mask):
         B, T = x.shape[:2]
-        f = self.f_proj(x).float().view(B, T, self.num_heads, self.head_k_dim)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f + self.dt_bias.float().view(self.num_heads, -1))
+        f = _up(self.f_proj(x)).view(B, T, self.num_heads, self.head_k_dim)
+        g = -_up(self.A_log).exp()[:, None] * F.softplus(f + _up(self.dt_bias).view(self.num_heads, -1))
         return {**super().gates(x, mask), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -356,7 +356,7 @@ class GLA(LinearMixer):
 
     def gates(self, x, mask):
         B, T = x.shape[:2]
-        g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+        g = F.logsigmoid(_up(self.gk_proj(x))) / self.gate_logit_normalizer
         return {"g": self.masked_log_gate(g.view(B, T, self.num_heads, self.head_k_dim), mask)}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -414,9 +414,9 @@ class HDLA(LinearMixer):
 
     def gates(self, x, mask):
         B, T = x.shape[:2]
-        g = F.logsigmoid(self.lambda_proj(x).float()) / self.gate_logit_normalizer  # log λ
+        g = F.logsigmoid(_up(self.lambda_proj(x))) / self.gate_logit_normalizer  # log λ
         g = g.view(B, T, self.num_heads, self.head_k_dim)
-        beta = self.b_proj(x).float().sigmoid()
+        beta = _up(self.b_proj(x)).sigmoid()
         return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -463,7 +463,7 @@ class HeadInHead(GatedDeltaNet):
         else:
             B, T = x.shape[:2]
             m_org = self.mask_proj(x).view(B, T, self.num_heads, r, r)
-        gates["mask"] = ops.head_in_head_mask(F.softplus(m_org.float()))
+        gates["mask"] = ops.head_in_head_mask(F.softplus(_up(m_org)))
         return gates
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):

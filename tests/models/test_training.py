@@ -26,7 +26,11 @@ def test_tiny_model_learns_to_copy(mixer):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(200):
+    # plain linear attention (no decay, no delta rule) learns the copy more slowly: over seeds 0-7 it was below the
+    # bar at step 200 for 6 of 8 (seed 0: 1.37 averaged, seed 6: about 2.08) and at step 400 for all 8 (largest
+    # 0.72, seed 0); CI's seed 0 passed at 200 until session 39, on another CPU
+    steps = 400 if mixer == "linear_attn" else 200
+    for _ in range(steps):
         ids, labels = copy_batch(gen)
         loss = model(ids, labels=labels, use_cache=False).loss
         opt.zero_grad()
@@ -37,4 +41,4 @@ def test_tiny_model_learns_to_copy(mixer):
     final = sum(losses[-10:]) / 10
     # ln 8 = 2.08 is the loss of knowing the alphabet but not the sequence; below half of
     # that the model must be reading the copied symbols from its state.
-    assert final < 0.5 * math.log(SYMBOLS), f"{mixer}: copy loss {final:.3f} after 200 steps (start {losses[0]:.3f})"
+    assert final < 0.5 * math.log(SYMBOLS), f"{mixer}: copy loss {final:.3f} after {steps} steps (start {losses[0]:.3f})"
