@@ -89,10 +89,10 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
     (``triton.chunk_fwd.grouped_update``); the caller vouches for it. ``hh_mask``: more so, a and b are
     Head-in-Head's rows of k and this mask (``triton.factors.hh_factors``' a and b, with a scalar gate or none), and
-    the fused kernels with autograd (taken whenever it is given) form them from k and the mask themselves, so that a
-    and b may be placeholders (``triton.factors.hh_placeholders``), and their backward carries the rows' gradients
-    on to k and the mask (``triton.chunk_bwd.chunk_dplr``'s); the caller vouches for this too, and that the fused
-    kernels run."""
+    the fused kernels form them from k and the mask themselves, so that a and b may be placeholders
+    (``triton.factors.hh_placeholders``): with autograd both, without it a alone (the grouped forward's state kernel
+    reads b: ``triton.factors.hh_update_rows``); their backward carries the rows' gradients on to k and the mask
+    (``triton.chunk_bwd.chunk_dplr``'s). The caller vouches for this too, and that the fused kernels run."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -102,11 +102,14 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state, a_scale, v_scale), dtype)
     q, k, v, a, b, g, sa, sv = x.q, x.k, x.v, x.a, x.b, x.g, x.a_scale, x.v_scale
     tied = a is k and b is k  # the delta rule's a = b = k (one tensor): see chunk_fwd.ties_keys
+    # Head-in-Head without autograd: b is real (the grouped forward reads it), a a placeholder
+    hh_rows_b = hh_mask is not None and not needs_grad((q, k, v, g, x.initial_state, sa, sv, hh_mask))
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
-        if hh_mask is not None:  # Head-in-Head's rows are not read: placeholders of the packed shape
-            a, b = (x_.new_zeros(()).expand(*q.shape[:3], *x_.shape[3:]) for x_ in (a, b))
+        if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
+            a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
+            b = pack_varlen(b, index, valid) if hh_rows_b else b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
         else:
             a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
         if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
@@ -129,12 +132,13 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd, padded_dplr
 
-        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv)) or hh_mask is not None:
+        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv, hh_mask)):
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                   hh_mask=hh_mask)
         else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)
             def run(q, k, v, a, b, g, h0):
-                return chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa, v_scale=sv, grouped=grouped)
+                return chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa, v_scale=sv, grouped=grouped,
+                                      hh_mask=hh_mask)
 
             o, state = padded_dplr(run, q, k, v, a, b, g, x.initial_state,
                                    a.shape[-2] if grouped and a is not None else 1)

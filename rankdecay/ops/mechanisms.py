@@ -393,15 +393,18 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
     hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.chunk_state import _precision
-        from .triton.factors import hh_factors, hh_placeholders, rows_dtype  # one kernel each way: no gather
+        from .triton.factors import hh_factors, hh_placeholders, hh_update_rows, rows_dtype  # no gather
 
         b_dtype = rows_dtype(k, _precision(q))
-        if (g is None or g.dim() == 3) and r <= 4 and needs_grad((q, k, v, beta, mask, g, initial_state)):
-            # the fused kernels with autograd form the rows from k and the mask, and their backward carries the
-            # rows' gradients on to k and the mask: a and b are placeholders (H100 HH-GDN r=4 fwd+bwd 7.25 -> 7.01
-            # ms, peak 4447 -> 3935 MB; without autograd the scaled form reads them: BENCHMARKS.md session 39)
+        if (g is None or g.dim() == 3) and r <= 4:
+            # the fused kernels form the rows from k and the mask, and their backward carries the rows' gradients on
+            # to k and the mask: a and b are placeholders (H100 HH-GDN r=4 fwd+bwd 7.25 -> 7.01 ms, peak 4447 ->
+            # 3935 MB); without autograd the grouped forward's state kernel reads b (BENCHMARKS.md session 39)
             hh_mask = mask
-            a, b = hh_placeholders(k.shape, r, k.dtype, b_dtype, k.device)
+            if needs_grad((q, k, v, beta, mask, g, initial_state)):
+                a, b = hh_placeholders(k.shape, r, k.dtype, b_dtype, k.device)
+            else:
+                a, b = hh_update_rows(k, mask, b_dtype)
         else:
             a, b = hh_factors(k, mask, b_dtype=b_dtype)
     else:

@@ -1029,8 +1029,9 @@ def test_hdla_factor_kernel_matches_pytorch_construction(K, dtype, strong, scala
                                              (12, 3, torch.float32, False)])
 def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
     """Head-in-Head's a and b from the Triton kernel against the PyTorch construction in fp64, with the
-    gradients of k and of the mask (static [H, r, r]: summed over tokens; per token [B, T, H, r, r])."""
-    from rankdecay.ops.triton.factors import hh_factors
+    gradients of k and of the mask (static [H, r, r]: summed over tokens; per token [B, T, H, r, r]); and b alone
+    from ``hh_update_rows``."""
+    from rankdecay.ops.triton.factors import hh_factors, hh_update_rows
 
     B, T, H = 2, 7, 3
     gen = torch.Generator().manual_seed(2)
@@ -1055,6 +1056,9 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
     for name, x, y, want in zip(["a", "b", "dk", "dmask"], ours, ref, [dtype, torch.float32, dtype, torch.float32]):
         assert x.dtype == want and x.shape == y.shape, name
         assert_matches(x.double().cpu(), y, tol, name)
+    # b alone (the grouped forward's: ``hh_update_rows``), the same entries, and a a placeholder of a's shape and dtype
+    a1, b1 = hh_update_rows(k.to(DEVICE), mask.to(DEVICE), torch.float32)
+    assert torch.equal(b1, ours[1]) and a1.shape == ours[0].shape and a1.dtype == dtype
     if static and dtype == torch.float32:  # the mechanism through the kernel, with gradients
         q, v, beta = torch.randn(B, T, H, K), torch.randn(B, T, H, 8), torch.rand(B, T, H)
         g = F.logsigmoid(torch.randn(B, T, H))
@@ -1127,8 +1131,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
 
 def test_hh_mask_only_for_head_in_head_rows():
     """``chunk_bwd.chunk_dplr``'s hh_mask (step 4 carrying Head-in-Head's rows' gradients on to k and the mask)
-    refuses a per-channel gate, which scales a's rows, and a call without rows; ``chunk_dplr_fwd`` refuses it with
-    ``grouped``, whose scaled form reads the rows."""
+    refuses a per-channel gate, which scales a's rows, and a call without rows."""
     from rankdecay.ops.triton.chunk_bwd import chunk_dplr
 
     q, k, v, a, b, g, _ = random_inputs(1, 5, 2, 16, 8, 2, 1, "channel")
@@ -1136,10 +1139,6 @@ def test_hh_mask_only_for_head_in_head_rows():
         chunk_dplr(q, k, v, a, b, g, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
     with pytest.raises(ValueError, match="hh_mask: Head-in-Head's rows a and b"):
         chunk_dplr(q, k, v, None, None, None, 0.25, None, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
-    from rankdecay.ops.triton.chunk_fwd import chunk_dplr_fwd  # the scaled form over grouped rows reads them
-
-    with pytest.raises(ValueError, match="hh_mask and grouped"):
-        chunk_dplr_fwd(q, k, v, a, b, None, 0.25, None, grouped=True, hh_mask=torch.ones(2, 2, 2, device=DEVICE))
 
 
 @pytest.mark.parametrize("K,r,static", [(64, 4, True), (48, 4, False), (24, 3, True)])
@@ -1177,9 +1176,9 @@ def test_hh_training_forms_rows_from_k(K, r, static):
 
 
 def _no_hh_factors(monkeypatch) -> None:
-    """From now on ``factors.hh_factors`` fails the test: Head-in-Head on the fused kernels with autograd (a scalar
-    gate or none, r <= 4) forms its rows from k and the mask in the kernels, with placeholders for a and b
-    (``factors.hh_placeholders``), and no kernel of its own builds them."""
+    """From now on ``factors.hh_factors`` fails the test: Head-in-Head on the fused kernels (a scalar gate or none,
+    r <= 4) forms its rows from k and the mask in the kernels, with placeholders (``factors.hh_placeholders``) for a
+    and b, or without autograd for a alone (b from ``factors.hh_update_rows``)."""
     from rankdecay.ops.triton import factors
 
     def fail(*args, **kw):
@@ -1234,10 +1233,12 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
     Y = T' (β ⊙ v - D e^{G_{i-1}} ⊙ B S_n), the state and the outputs, a's rows formed from k. Outputs and final
     state against mode="chunk" from an initial state, T = 37 (a partial chunk); strong: log-gates of -30 per step
     and one of -1e4, β up to 2; varlen: three sequences packed by cu_seqlens, one of them empty. Checked: the
-    kernels were told the rows are grouped, and took that form."""
+    kernels were told the rows are grouped, and took that form, with a formed from k (a zero placeholder given) and
+    b alone built (``factors.hh_update_rows``, not ``hh_factors``)."""
     from rankdecay.ops.triton import chunk_fwd
 
     taken = _grouped_spy(monkeypatch)
+    _no_hh_factors(monkeypatch)
     B, T, H, V = (1 if varlen else 2), 37, 2, 8
     cu = torch.tensor([0, 10, 10, T], device=DEVICE) if varlen else None
     N = 3 if varlen else B

@@ -838,8 +838,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     ``save`` the forward then takes the scaled form over a's rows (``grouped_update``). Without ``save``, HDLA's
     rows take the same form over its update rows [k, a2] (``scaled_update``). ``hh_mask`` ([H, r, r] or
     [B, T, H, r, r]): a and b are Head-in-Head's rows of k and this mask (``factors.hh_factors``'), which the kernels
-    then form from k and the mask instead of reading them (a scalar gate or none, Rkv = 1; not with ``grouped``):
-    only their shapes and dtypes count, and ``factors.hh_placeholders`` stand in for them. Returns
+    then form from k and the mask instead of reading them (a scalar gate or none, Rkv = 1): only their shapes and
+    dtypes count, and ``factors.hh_placeholders`` stand in for them; but with ``grouped`` the state kernel of the
+    scaled form reads b (formed there, the H100 HH-GDN forward took 1.82 ms against 1.37: ``factors.hh_update_rows``
+    builds b alone). Returns
     (o [B, T, H, V] in q's
     dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
     (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
@@ -874,12 +876,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if hh_mask is not None:
         if gate == 2 or Rkv != 1 or Rab < 1:
             raise ValueError("hh_mask: Head-in-Head's rows a and b (Rab >= 1, Rkv = 1) with a scalar gate or none only")
-        if grouped:  # (its state kernel reads b's rows; formed there, the H100 forward took 1.82 ms against 1.37)
-            raise ValueError("hh_mask and grouped: the scaled form over grouped rows reads a and b; pass one of them")
         hh_mask = hh_mask.contiguous()
     # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``)
     a = a.contiguous() if a is not None and hh_mask is None else a
-    b = b.contiguous() if b is not None and hh_mask is None else b
+    b = b.contiguous() if b is not None and (hh_mask is None or grouped) else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None

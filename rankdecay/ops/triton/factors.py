@@ -263,7 +263,7 @@ def kda_factor(k: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.floa
 
 @triton.jit
 def _hh_factors_fwd_kernel(k, mask, a, b, N, H, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                           R: tl.constexpr, STATIC: tl.constexpr):
+                           R: tl.constexpr, STATIC: tl.constexpr, WRITE_A: tl.constexpr = True):
     o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     o_k = tl.arange(0, BK)
     m_n = o_n < N
@@ -273,7 +273,8 @@ def _hh_factors_fwd_kernel(k, mask, a, b, N, H, K: tl.constexpr, BK: tl.constexp
     p_m = ((o_n % H) if STATIC else o_n)[:, None] * R * R + group  # mask[.., j, group(l)] = p_m + j R
     for j in tl.static_range(R):
         p = (o_n[:, None] * R + j) * K + o_k[None, :]
-        tl.store(a + p, tl.where(group == j, k_, 0.0).to(a.dtype.element_ty), mask=m)
+        if WRITE_A:
+            tl.store(a + p, tl.where(group == j, k_, 0.0).to(a.dtype.element_ty), mask=m)
         m_j = tl.load(mask + p_m + j * R, mask=m, other=0.0).to(tl.float32)
         tl.store(b + p, k_.to(tl.float32) * m_j, mask=m)
 
@@ -362,3 +363,18 @@ def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
     the kernels read off them. Their contents must never be read."""
     B, T, H, K = shape
     return tuple(torch.zeros((), dtype=dt, device=device).expand(B, T, H, r, K) for dt in (k_dtype, b_dtype))
+
+
+def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hh_factors``' (a, b) without autograd for the fused forward with ``grouped`` and ``hh_mask``
+    (``chunk_fwd.chunk_dplr_fwd``), whose kernels form a from k and read b alone: (a placeholder, b). One kernel
+    writing b, half of ``hh_factors``' traffic."""
+    B, T, H, K = k.shape
+    R = mask.shape[-1]
+    N = k.numel() // K
+    k, mask = k.contiguous(), mask.contiguous()
+    b = torch.empty(B, T, H, R, K, dtype=b_dtype, device=k.device)
+    BK, rows, grid = _grid(N, K)
+    _hh_factors_fwd_kernel[grid](k, mask, b, b, N, H, K=K, BK=BK, ROWS=rows, R=R, STATIC=mask.dim() == 3,
+                                 WRITE_A=False)
+    return hh_placeholders(k.shape, R, k.dtype, b_dtype, k.device)[0], b
