@@ -102,8 +102,9 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         check_triton_mode(mode, q, (q, k, v, a, b, g, initial_state, a_scale, v_scale), dtype)
     q, k, v, a, b, g, sa, sv = x.q, x.k, x.v, x.a, x.b, x.g, x.a_scale, x.v_scale
     tied = a is k and b is k  # the delta rule's a = b = k (one tensor): see chunk_fwd.ties_keys
+    grad = needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv, hh_mask))  # (packing below keeps it)
     # Head-in-Head without autograd: b is real (the grouped forward reads it), a a placeholder
-    hh_rows_b = hh_mask is not None and not needs_grad((q, k, v, g, x.initial_state, sa, sv, hh_mask))
+    hh_rows_b = hh_mask is not None and not grad
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
@@ -132,7 +133,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd, padded_dplr
 
-        if needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv, hh_mask)):
+        if grad:
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
                                   hh_mask=hh_mask)
         else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)

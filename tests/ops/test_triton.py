@@ -1274,6 +1274,32 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
                                      a_scale=torch.ones(1, 4, 1, 4, device=DEVICE))
 
 
+def _mechanism_case(mechanism: str, B: int, T: int, H: int, K: int, V: int, seed: int, r: int = 2):
+    """Random inputs [q, k, v, g, beta, h0] on DEVICE (k L2-normalised, β up to 2) and fn(q, k, v, g, beta, h0,
+    mode) -> (o, final state) of one mechanism: "gdn", "hh" (a static mask of rank r), "hdla" (a per-channel gate)
+    or "dplr" (two rows of a and b, values of rank one: the general fused path)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
+    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
+    if mechanism == "hh":
+        mask = ops.head_in_head_mask(torch.rand(H, r, r, generator=gen)).to(DEVICE)
+        fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
+            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    elif mechanism == "dplr":
+        a = F.normalize(torch.randn(B, T, H, 2, K, generator=gen), dim=-1).to(DEVICE)
+        fn = lambda q, k, v, g, beta, h0, mode: ops.dplr(  # noqa: E731
+            q, k[..., None, :], v[..., None, :], a * beta[..., None, None], a, g, initial_state=h0,
+            output_final_state=True, mode=mode)
+    else:
+        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla)[mechanism]
+        fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
+                                                   output_final_state=True, mode=mode)
+    return inputs, fn
+
+
 @pytest.mark.parametrize("padded", ["values", "keys", "both"])
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
 def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
@@ -1299,26 +1325,8 @@ def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
                         lambda k, groups=1: -(-24 // groups) * groups - 16 if keys and k.shape[-1] == 16 else 0)
     monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", spy)  # the autograd nodes' forward
     monkeypatch.setattr(rt, "chunk_dplr_fwd", spy)  # dplr's forward without autograd
-    gen = torch.Generator().manual_seed(21)
     B, T, H, K, V = 1, 19, 2, 16, 8
-    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
-    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
-    inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
-    if mechanism == "hh":
-        mask = ops.head_in_head_mask(torch.rand(H, 2, 2, generator=gen)).to(DEVICE)
-        fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
-            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
-    elif mechanism == "dplr":  # two rows of a and b, values of rank one: the general fused path
-        a = F.normalize(torch.randn(B, T, H, 2, K, generator=gen), dim=-1).to(DEVICE)
-        fn = lambda q, k, v, g, beta, h0, mode: ops.dplr(  # noqa: E731
-            q, k[..., None, :], v[..., None, :], a * beta[..., None, None], a, g, initial_state=h0,
-            output_final_state=True, mode=mode)
-    else:
-        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla)[mechanism]
-        fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
-                                                   output_final_state=True, mode=mode)
+    inputs, fn = _mechanism_case(mechanism, B, T, H, K, V, seed=21, r=2)
     for grads in (True, False):
         widths.clear()
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
@@ -1343,20 +1351,7 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
     forward = chunk_bwd.chunk_dplr_fwd
     monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", lambda *a, **kw: chunks.append(chunk_fwd.fused_chunk_size(
         a[3].shape[-2], a[1].shape[-2])) or forward(*a, **kw))
-    gen = torch.Generator().manual_seed(128)
-    B, T, H, K, V = 1, 70, 1, 16, 8
-    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
-    beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
-    inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
-    if mechanism == "hh":
-        mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen)).to(DEVICE)
-        fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
-            q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
-    else:
-        fn = lambda q, k, v, g, beta, h0, mode: ops.hdla(q, k, v, g, beta, initial_state=h0,  # noqa: E731
-                                                         output_final_state=True, mode=mode)
+    inputs, fn = _mechanism_case(mechanism, 1, 70, 1, 16, 8, seed=128, r=4)
     for grads in (True, False):
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
         ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
