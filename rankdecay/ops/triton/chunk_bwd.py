@@ -41,8 +41,8 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
                         ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
-from .chunk_state import (_blocks, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype, _precision,
-                          _state_bwd_kernel, bwd_stages)
+from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
+                          _precision, _state_bwd_kernel, bwd_stages)
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
@@ -51,10 +51,11 @@ from .chunk_state import (_blocks, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_ro
 # 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
 # step 4 by groups (``_grad_hh_kernel``): 1 warp (H100 HH-GDN r=4: 0.93 ms against 1.22 on 2, 1.43 on 4, 3.59 on 8,
 # and 2.06 for the general step 4; BENCHMARKS.md sessions 38, 39); hh_grouped 0 takes the general one instead, hh_bk
-# caps its key block (benchmarks). hh_inputs 1: the inputs' kernel by groups too (its HG; off: there it took 2.15 ms
-# against the general form's 1.42, and step 4 gained 0.19; BENCHMARKS.md session 39)
+# caps its key block (benchmarks). hh_inputs 1: the inputs' kernel reduces dÃ and dB̃ to what step 4 by groups reads
+# before storing them (its HG): H100 HH-GDN r=4, inputs 1.41 -> 1.58 ms, step 4 0.93 -> 0.76, fwd+bwd the same
+# (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole)
 _CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=1,
-               hh_grouped=1, hh_bk=0, hh_inputs=0)
+               hh_grouped=1, hh_bk=0, hh_inputs=1)
 
 
 def _products_warps(C: int) -> int:
@@ -140,7 +141,7 @@ def _grad_hh_kernel(
     q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, yb, T, NC,
     H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr, E_Q: tl.constexpr, E_K: tl.constexpr,
-    HH: tl.constexpr, IG: tl.constexpr = False,
+    HH: tl.constexpr, IG: tl.constexpr = False, NKI: tl.constexpr = 1,
 ):
     """Step 4 of Head-in-Head (a scalar gate or none, one k row per token) for one chunk, a group of key channels at
     a time (``hh_key_block``: blocks of BK channels inside one group): ``_grad_kernel``'s results, with the rows'
@@ -161,9 +162,9 @@ def _grad_hh_kernel(
 
     Each [TC, TC] product with K or Q here stands for a [TC r, TC r] or [TC r, TC] one there. One program takes
     the whole chunk, so the mask's gradient, d sa and dg's sums are written once each, with no key blocks' shares
-    (H100 HH-GDN r=4: BENCHMARKS.md session 38). IG: the inputs' kernel ran by groups too (its HG, on the same key
-    blocks): Da per token (dad [B, H, NC, TC, K]), Σ_j m_j Db_j itself (dbd) and each rank's Db_j · k_t per key
-    block (yb) are read as they are."""
+    (H100 HH-GDN r=4: BENCHMARKS.md session 38). IG: the inputs' kernel reduced its tiles to what this kernel
+    reads (its HG): Da per token (dad [B, H, NC, TC, K]), Σ_j m_j Db_j itself (dbd) and each rank's Db_j · k_t per
+    group and inputs' key block (yb, NKI of them, added here) are read as they are."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -202,6 +203,11 @@ def _grad_hh_kernel(
         Z = Z * Dbs
         s_a = tl.zeros([TC], dtype=tl.float32)
         y = tl.zeros([TC, RABP], dtype=tl.float32)  # the mask's gradient dM_t[j, i0]
+        if IG:  # the ranks' Db_j · k_t over group i0, from the inputs' kernel's key blocks
+            for ki in range(NKI):
+                y += tl.load(yb + (((c * TC + r_q[:, None]) * RABP + r_j) * RAB + i0) * NKI + ki)
+            if GATE == 1:
+                y = y * eb
         for k0 in range(i0 * KR, (i0 + 1) * KR, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K  # (every block lies inside K)
@@ -215,13 +221,10 @@ def _grad_hh_kernel(
             tl.store(dq + fq[:, None] * K + o_k[None, :], _dot_ex(Pqk + Pqa * fac[None, :], Kr, PRECISION, E_K) + Dq,
                      mask=vq[:, None])
             Gram = _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
-            if IG:  # Σ_j m_j Db_j and the ranks' Db_j · k_t, from the inputs' kernel
+            if IG:  # Σ_j m_j Db_j, from the inputs' kernel
                 DbM = tl.load(dbd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
-                yd = tl.load(yb + ((c * TC + r_q[:, None]) * RABP + r_j) * (K // BK) + k0 // BK)
                 if GATE == 1:
                     DbM = DbM * eb
-                    yd = yd * eb
-                y += yd
             else:
                 DbM = tl.zeros([TC, BK], dtype=tl.float32)
             for j in range(RAB):
@@ -764,12 +767,12 @@ def _grad_inputs_kernel(
     stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
     ``_grad_values_kernel``).
 
-    HG (Head-in-Head by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per token; the
-    key block inside one group i0): only what step 4 reads of dÃ and dB̃ in group i0's channels, per token: dÃ's
-    rows (s, i0) to dad [B, H, NC, TC, K], Σ_j M_t[j, i0] dB̃_(t, j) = (Σ_j M_t[j, i0] dX_(t, j)) S_nᵀ to dbd
-    [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block = dX_(t, j) · (k_t S_n) to yb
-    [B, H, NC, TC, RABP, key blocks] (k [B, T, H, 1, K] as given): [TC, ·] products where the general form takes
-    [TC r, ·] ones."""
+    HG (Head-in-Head with step 4 by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per
+    token): dÃ and dB̃ are taken whole, as without it, and reduced to what step 4 reads before they are stored, a
+    quarter of them at r = 4: in channel l of group i, dÃ's row (t, i) to dad [B, H, NC, TC, K] and
+    Σ_j M_t[j, i] dB̃_(t, j) to dbd [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block's channels of
+    each group i to yb [B, H, NC, TC RABP, RAB, key blocks] (k [B, T, H, 1, K] as given; zero for a group the block
+    does not reach), whose key blocks step 4 adds."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -783,14 +786,7 @@ def _grad_inputs_kernel(
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
     Dd = tl.zeros([BK], dtype=tl.float32)
-    if HG:
-        i0 = (i_k * BK) // (K // RAB)  # the block's group
-        r_j = tl.arange(0, RABP)[None, :]
-        Kb = _load_rows(k, fq, vq, o_k, m_k, K)
-        Da = tl.zeros([TC, BK], dtype=tl.float32)
-        Db = tl.zeros([TC, BK], dtype=tl.float32)
-        y = tl.zeros([TC, RABP], dtype=tl.float32)
-    elif NA > 0:
+    if NA > 0:
         r_a = tl.arange(0, NA)
         Db = tl.zeros([NA, BK], dtype=tl.float32)
         if not TIED:
@@ -823,20 +819,7 @@ def _grad_inputs_kernel(
             Dk += _dot(Vf, tl.trans(dS), PRECISION)
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
-        if HG:
-            U = tl.load(u + (c * NA + r_q[:, None] * RABP + i0) * V + o_v[None, :], mask=m_v[None, :],
-                        other=0.0).to(tl.float32)
-            Da -= _dot(U, tl.trans(dS), PRECISION)
-            KS = _dot_xe(Kb, S0, PRECISION, E_K)  # k_t S_n over the block: [TC, BV]
-            XM = tl.zeros([TC, BV], dtype=tl.float32)
-            for j in range(RAB):
-                m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HG)
-                dXj = tl.load(dx + (c * NA + r_q[:, None] * RABP + j) * V + o_v[None, :], mask=m_v[None, :],
-                              other=0.0).to(tl.float32)
-                XM += m[:, None] * dXj
-                y += tl.where(r_j == j, tl.sum(dXj * KS, axis=1)[:, None], 0.0)
-            Db += _dot(XM, tl.trans(S0), PRECISION)
-        elif NA > 0:
+        if NA > 0:
             if not TIED:
                 U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                             other=0.0).to(tl.float32)
@@ -849,10 +832,23 @@ def _grad_inputs_kernel(
     tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
     if GATE > 0:
         tl.store(ddch + c * K + o_k, Dd, mask=m_k)
-    if HG:
+    if HG:  # what step 4 by groups reads, per token (rows past T or r have zero mask entries and k rows)
+        _, rka, _, va, fa = _chunk_rows(r_a, i_b, i_h, i_c, T, H, TC, RAB, RABP)
+        grp = (o_k // (K // RAB))[None, :]
+        Da = tl.where(grp == rka[:, None], Da, 0.0)
+        Dbk = Db * _load_rows(k, fa // RAB, va, o_k, m_k, K)
+        Db = Db * _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K, RAB, HG)
+        # the rows' sums per token and per group as products with 0/1 selections, two TF32 passes each (fp32
+        # accuracy); reshaped and summed instead, the H100 took 1.66 against 1.58 ms (BENCHMARKS.md session 40)
+        sel = tl.where(r_a[None, :] // RABP == r_q[:, None], 1.0, 0.0)  # [TC, NA]: row (t, j) to token t
+        Da = _dot_xe(sel, Da, "tf32x3", True)
+        Db = _dot_xe(sel, Db, "tf32x3", True)
+        r_i = tl.arange(0, 16)  # (a product's smallest width; the groups past RAB are not stored)
+        gsel = tl.where((o_k // (K // RAB))[:, None] == r_i[None, :], 1.0, 0.0)  # [BK, 16]: channel to group
+        tl.store(yb + ((c * NA + r_a[:, None]) * RAB + r_i[None, :]) * tl.num_programs(0) + i_k,
+                 _dot_ex(Dbk, gsel, "tf32x3", True), mask=r_i[None, :] < RAB)
         tl.store(dad + (c * TC + r_q[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
         tl.store(dbd + (c * TC + r_q[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
-        tl.store(yb + ((c * TC + r_q[:, None]) * RABP + r_j) * tl.num_programs(0) + i_k, y)
     elif NA > 0:
         if not TIED:
             tl.store(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
@@ -955,15 +951,16 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
     stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
     dqd, dkd = stc(C, K), stc(NK, K)
-    # Head-in-Head by groups in the inputs' kernel too (``hh_inputs``): dÃ's own rows and dB̃ summed with the mask
-    # per token, on step 4's key blocks
+    # Head-in-Head by groups: the inputs' kernel stores only what step 4 reads (``hh_inputs``), dÃ's own rows and
+    # dB̃ summed with the mask per token, and the ranks' dB̃ · k per group and key block
     ig = bool(bk_hh and _CONFIG["hh_inputs"])
     rows_in = C if ig else NA
     dad = stc(rows_in, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
     dbd = stc(rows_in, K) if Rab else None
     ddch = f32c(K) if g is not None else None
-    BKi = bk_hh if ig else _key_block("inputs_bk", K, prec, gate == 2)
-    yb = f32c(C, _pow2(Rab), K // BKi) if ig else None
+    BKi = _key_block("inputs_bk", K, prec, gate == 2)
+    NKI = triton.cdiv(K, BKi)
+    yb = f32c(NA, Rab, NKI) if ig else None
     _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
         opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
@@ -1001,7 +998,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_hh_kernel[(NC, B * H)](
             q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
             opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
-            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, num_warps=_CONFIG["grad_hh"],
+            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, num_warps=_CONFIG["grad_hh"],
             num_stages=1,
         )
     elif tied:
