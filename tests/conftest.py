@@ -8,6 +8,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the default: ``-n auto`` in pyproject.toml) each worker takes its share of the cores for
+# torch's own threads, so that the workers do not oversubscribe the machine.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| (root-mean-square error relative to the reference's RMS)."""
