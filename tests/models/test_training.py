@@ -41,4 +41,5 @@ def test_tiny_model_learns_to_copy(mixer):
     final = sum(losses[-10:]) / 10
     # ln 8 = 2.08 is the loss of knowing the alphabet but not the sequence; below half of
     # that the model must be reading the copied symbols from its state.
-    assert final < 0.5 * math.log(SYMBOLS), f"{mixer}: copy loss {final:.3f} after {steps} steps (start {losses[0]:.3f})"
+    assert final < 0.5 * math.log(SYMBOLS), (
+        f"{mixer}: copy loss {final:.3f} after {steps} steps (start {losses[0]:.3f})")

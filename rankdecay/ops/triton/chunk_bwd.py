@@ -755,7 +755,7 @@ def _grad_inputs_kernel(
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
     E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
-    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_K: tl.constexpr = False,
+    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
@@ -834,8 +834,8 @@ def _grad_inputs_kernel(
         tl.store(ddch + c * K + o_k, Dd, mask=m_k)
     if HG:  # what step 4 by groups reads, per token (rows past T or r have zero mask entries and k rows)
         _, rka, _, va, fa = _chunk_rows(r_a, i_b, i_h, i_c, T, H, TC, RAB, RABP)
-        grp = (o_k // (K // RAB))[None, :]
-        Da = tl.where(grp == rka[:, None], Da, 0.0)
+        grp = o_k // (K // RAB)  # each channel's group
+        Da = tl.where(grp[None, :] == rka[:, None], Da, 0.0)
         Dbk = Db * _load_rows(k, fa // RAB, va, o_k, m_k, K)
         Db = Db * _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K, RAB, HG)
         # the rows' sums per token and per group as products with 0/1 selections, two TF32 passes each (fp32
@@ -844,7 +844,7 @@ def _grad_inputs_kernel(
         Da = _dot_xe(sel, Da, "tf32x3", True)
         Db = _dot_xe(sel, Db, "tf32x3", True)
         r_i = tl.arange(0, 16)  # (a product's smallest width; the groups past RAB are not stored)
-        gsel = tl.where((o_k // (K // RAB))[:, None] == r_i[None, :], 1.0, 0.0)  # [BK, 16]: channel to group
+        gsel = tl.where(grp[:, None] == r_i[None, :], 1.0, 0.0)  # [BK, 16]: channel to group
         tl.store(yb + ((c * NA + r_a[:, None]) * RAB + r_i[None, :]) * tl.num_programs(0) + i_k,
                  _dot_ex(Dbk, gsel, "tf32x3", True), mask=r_i[None, :] < RAB)
         tl.store(dad + (c * TC + r_q[:, None]) * K + o_k[None, :], Da, mask=m_k[None, :])
@@ -961,12 +961,12 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     BKi = _key_block("inputs_bk", K, prec, gate == 2)
     NKI = triton.cdiv(K, BKi)
     yb = f32c(NA, Rab, NKI) if ig else None
-    _grad_inputs_kernel[(triton.cdiv(K, BKi), NC, B * H)](
+    _grad_inputs_kernel[(NKI, NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
         opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
         K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
-        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), num_warps=_CONFIG["inputs"], num_stages=1,
+        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), num_warps=_CONFIG["inputs"], num_stages=1,
     )
     # the gradients of the products
     dmqk = stc(C, NK)

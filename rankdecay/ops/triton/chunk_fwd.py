@@ -841,8 +841,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     then form from k and the mask instead of reading them (a scalar gate or none, Rkv = 1): only their shapes and
     dtypes count, and ``factors.hh_placeholders`` stand in for them; but with ``grouped`` the state kernel of the
     scaled form reads b (formed there, the H100 HH-GDN forward took 1.82 ms against 1.37: ``factors.hh_update_rows``
-    builds b alone). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
-    (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    builds b alone). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a
+    dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
