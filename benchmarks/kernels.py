@@ -303,8 +303,8 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, metavar=("B", "T", "H", "K", "V"), default=[8, 2048, 16, 128, 128])
     parser.add_argument("--decode-batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--scaling", action="store_true",
-                        help="also T = 2k, 8k, 32k at 16k tokens per batch (B = 1 at 32k), for gdn and hdla "
-                             "among --cases")
+                        help="also T = 2k, 8k, 32k at 16k tokens per batch (B = 1 at 32k), for every case among "
+                             "--cases but the decode steps")
     parser.add_argument("--json", default=None)
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "
@@ -333,7 +333,7 @@ def main() -> None:
         else:
             rows += run_case(key, B, T, H, K, V)
     if args.scaling:
-        for key in (k for k in args.cases if k in ("gdn", "hdla")):
+        for key in (k for k in args.cases if not CASES[k].decode):
             for t in (2048, 8192, 32768):
                 rows += run_case(key, max(1, 16384 // t), t, H, K, V)
     if args.json:

@@ -1360,6 +1360,85 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
     assert chunks and set(chunks) == {32 if mechanism == "hh" else 64}, chunks
 
 
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
+def test_segmented_state_walk(mechanism, monkeypatch):
+    """``chunk_fwd.segments``: the state kernel walks each sequence's chunks as segments in parallel, twice (first
+    every segment's state from 0 and transition, [H | P], then every segment from its entering state). Forced here
+    to 3 segments (the delta rule's 4 chunks fall into 2 of 2, HH's and HDLA's 7 into 3 of 3, 3 and 1): the output,
+    final state and every gradient match the PyTorch path at fp32 accuracy, with autograd (the outputs from the
+    output kernel) and without (from either kernel; Head-in-Head's and HDLA's scaled forms always take the state
+    kernel's), with and without an initial state. The gates are mild (the state remembers across segments, so a
+    wrong entering state shows) but for three steps of -30 inside the second segment, whose transition they nearly
+    zero."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 3)
+    walks = []  # the segments of each segmented walk
+    first = chunk_fwd._segment_states
+    monkeypatch.setattr(chunk_fwd, "_segment_states", lambda *a, **kw: walks.append(a[-2]) or first(*a, **kw))
+    inputs, fn = _mechanism_case(mechanism, 2, 200, 1, 16, 8, seed=41, r=2)
+    inputs[3] = 0.02 * inputs[3]
+    inputs[3][:, 150:153] = -30.0
+    runs = [(True, False), (False, False)] + ([(False, True)] if mechanism in ("gdn", "dplr") else [])
+    for grads, fuse in runs:
+        monkeypatch.setitem(chunk_fwd._KNOBS, "fuse_output", fuse)
+        got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
+        ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
+        for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+            assert_matches(x, y, 1e-5, f"{mechanism}, 3 segments, grads={grads}, fused outputs={fuse}: {name}")
+    got = fn(*inputs[:5], None, mode="triton")
+    ref = fn(*inputs[:5], None, mode="chunk")
+    for name, x, y in zip(["o", "s"], got, ref):
+        assert_matches(x, y, 1e-5, f"{mechanism}, 3 segments, no initial state: {name}")
+    assert walks == [2 if mechanism == "gdn" else 3] * (len(runs) + 1), walks
+
+
+@pytest.mark.parametrize("K", [16, 160], ids=["state-in-registers", "rows-by-blocks"])
+def test_segment_starts_kernel(K):
+    """``chunk_state._segment_starts_kernel``: S_0 = h0 (or 0), S_{i+1} = P_i S_i + H_i for [H_i | P_i] in ends, at
+    fp32 accuracy; K = 160 (a 256-wide key block) takes P's rows 32 at a time."""
+    import triton
+
+    from rankdecay.ops.triton.chunk_state import _segment_starts_kernel
+
+    B, H, NS, V = 2, 3, 3, 24
+    gen = torch.Generator().manual_seed(3)
+    ends = (torch.randn(NS, B, H, K, V + K, generator=gen) / K ** 0.5).to(DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    BK = triton.next_power_of_2(K)
+    for init in (h0, None):
+        starts = torch.empty(NS, B, H, K, V, device=DEVICE)
+        _segment_starts_kernel[(triton.cdiv(V, 16), B * H)](
+            ends if init is None else init, ends, starts, NS, K=K, V=V, BK=BK, BV=16, BR=BK if BK <= 128 else 32,
+            HAS_H0=init is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee")
+        S = torch.zeros(B, H, K, V, dtype=torch.float64, device=DEVICE) if init is None else init.double()
+        for i in range(NS):
+            assert_matches(starts[i], S, 1e-5, f"K = {K}, h0 {init is not None}: S_{i}")
+            S = ends[i, ..., V:].double() @ S + ends[i, ..., :V].double()
+
+
+def test_segments_rule(monkeypatch):
+    """``chunk_fwd.segments``: off on the CPU, forced by its knob (at most one segment per chunk, none empty); on a GPU
+    of 132 SMs (the H100) with K = V = 128 and H = 16, the measured rule (BENCHMARKS.md session 41): 8 segments at
+    B = 1 from T = 4k (64-token chunks) up, 4 at B = 2, none where two segments are all the grid leaves room for (B = 4)
+    or the grid is full (B = 8), nor for walks under 64 chunks."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert chunk_fwd.segments(512, 16, 128, cpu) == (1, 0)
+    assert chunk_fwd.segments(7, 4, 8, cpu, knob=3) == (3, 3)
+    assert chunk_fwd.segments(4, 4, 8, cpu, knob=3) == (2, 2)
+    assert chunk_fwd.segments(2, 4, 8, cpu, knob=5) == (2, 1)
+    assert chunk_fwd.segments(4, 4, 8, cpu, knob=1) == (1, 0)
+    monkeypatch.setattr(chunk_fwd, "_sm_count", lambda device: 132)
+    assert chunk_fwd.segments(512, 16, 128, gpu) == (8, 64)  # B1 T32k
+    assert chunk_fwd.segments(64, 16, 128, gpu) == (4, 16)  # B1 T4k: segments of 16 chunks at least
+    assert chunk_fwd.segments(128, 32, 128, gpu) == (4, 32)  # B2 T8k
+    assert chunk_fwd.segments(63, 16, 128, gpu) == (1, 0)  # a short walk
+    assert chunk_fwd.segments(256, 64, 128, gpu) == (1, 0)  # B4: two segments at most
+    assert chunk_fwd.segments(512, 128, 128, gpu) == (1, 0)  # B8: the grid is full
+
+
 def test_clear_errors():
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="computes in fp32"):
@@ -1648,6 +1727,35 @@ def test_gpu_long_sequence_stays_finite():
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert_matches(o, o_ref, 1e-5, "o")
     assert_matches(s, s_ref, 1e-5, "final state")
+
+
+@GPU
+@pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla"])
+def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypatch):
+    """At B = 1, H = 2 and T = 16k the forward walks its chunks as segments by ``chunk_fwd.segments``' own rule (Gated
+    DeltaNet's 256 chunks, Head-in-Head's at r = 4 1024, HDLA's 512): bf16 q, k, v at K = V = 128, mild gates (the
+    state carries across segments), β up to 2. The outputs and final state, against fp64 through the PyTorch path, are
+    no worse than the unsegmented walk's (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6; finite."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    walks = []
+    first = chunk_fwd._segment_states
+    monkeypatch.setattr(chunk_fwd, "_segment_states", lambda *a, **kw: walks.append(a[-2]) or first(*a, **kw))
+    inputs, fn = _mechanism_case(mechanism, 1, 16384, 2, 128, 128, seed=5, r=4)
+    inputs[3] = 0.05 * inputs[3]
+    inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
+    with torch.no_grad():
+        exact = fn(*[x.double() for x in inputs], mode="chunk")
+        got = fn(*inputs, mode="triton")
+        assert walks and walks[0] > 1, walks
+        monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 1)
+        plain = fn(*inputs, mode="triton")
+    assert len(walks) == 1, walks
+    for name, x, y, e in zip(["o", "s"], got, plain, exact):
+        assert torch.isfinite(x).all(), f"{name}: not finite"
+        err, ref_err = rel_rms(x, e), rel_rms(y, e)
+        assert err <= 1.5 * ref_err + 1e-6, f"{mechanism} {name}: segmented {err:.2e} vs one walk {ref_err:.2e}"
 
 
 @pytest.mark.parametrize("gate", [None, "scalar", "channel"])

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
-                          _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _state_fwd_kernel, _values_out)
+                          _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
+                          _state_fwd_kernel, _values_out)
 from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_products
 from .fused_recurrent import _pow2, gate_kind
 
@@ -659,7 +660,8 @@ def _output_kernel(
 # (``kda``) takes its four per-channel products apart, forward and backward, as before they were paired),
 # "neumann" (True / False: the UT inverse's diagonal blocks as Neumann products or by substitution; None, the
 # default: ``neumann_blocks``'s choice), "rows" (64 or 128: the rows of a chunk tile, tokens times the padded
-# rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``).
+# rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``), "segments" (the segments of each sequence's chunks that the
+# state kernel walks in parallel; 1: one walk; absent: ``segments``' rule).
 _KNOBS: dict = {}
 
 
@@ -794,6 +796,61 @@ def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool,
             and (knob is None or bool(knob)))
 
 
+def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None) -> tuple[int, int]:
+    """How many segments of each sequence's chunks the forward's state kernel walks in parallel, and the chunks of
+    each: (1, 0) but for long walks on a grid that leaves SMs idle.
+
+    The walk from chunk to chunk is sequential, and at B = 1 and T = 32k its 16 x (V / BV) programs each walk 512
+    chunks, one step at a time, most SMs idle. The state kernel is linear in its state, so a segment of chunks maps an
+    entering state S to P S + H, with P [K, K] its transition and H its state from 0. A first walk
+    (``_segment_states``) takes every segment at once from [0 | I], a state V + K wide, to [H | P]; the segments'
+    entering states follow one from another (``chunk_state._segment_starts_kernel``: NS - 1 [K, K] x [K, V]
+    products, fp32); the second walk, the usual one with
+    its outputs, takes every segment at once from its entering state. Twice the work on NS times the programs.
+    ``knob`` (``_KNOBS["segments"]``) forces NS (1: off)."""
+    if knob is not None:
+        ns = max(1, min(int(knob), NC))
+    elif device.type != "cuda" or NC < _SEGMENT_RULE["min_chunks"]:
+        ns = 1
+    else:
+        programs = triton.cdiv(V, 64) * sequences_heads
+        ns = 1
+        while (2 * ns * programs <= _SEGMENT_RULE["programs_per_sm"] * _sm_count(device)
+               and NC // (2 * ns) >= _SEGMENT_RULE["min_segment"]):
+            ns *= 2
+        if ns < _SEGMENT_RULE["min_segments"]:  # two segments did not pay for the first walk
+            ns = 1
+    if ns == 1:
+        return 1, 0
+    ls = triton.cdiv(NC, ns)
+    return triton.cdiv(NC, ls), ls
+
+
+# the automatic rule of ``segments``: walks of at least min_chunks chunks, split while the second walk's programs
+# stay within programs_per_sm per SM and each segment keeps min_segment chunks
+_SEGMENT_RULE = dict(min_chunks=64, programs_per_sm=2, min_segment=16, min_segments=4)
+
+
+def _segment_states(h0, rows, factors, dummy, kinds: dict, blocks: dict, dims: tuple, ns: int, ls: int):
+    """The first walk of ``segments``: every segment's [H | P] (``_state_fwd_kernel``'s EYE), and from them each
+    segment's entering state [NS, B, H, K, V] (fp32) and a buffer for their leaving states, the last of which is the
+    final state."""
+    B, H, K, V, NC, T = dims
+    VS = V + K
+    ends = torch.empty(ns, B, H, K, VS, device=dummy.device, dtype=torch.float32)
+    _state_fwd_kernel[(triton.cdiv(VS, blocks["BV"]), B * H * ns)](
+        dummy, *rows, dummy, dummy, ends, NC, *factors, T, HAS_H0=False, o=dummy, FUSE_O=False, STORE=False,
+        NS=ns, LS=ls, VS=VS, EYE=True, **kinds, **blocks,
+    )
+    starts = torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
+    BK = blocks["BK"]
+    BV = min(32, blocks["BV"])
+    _segment_starts_kernel[(triton.cdiv(V, BV), B * H)](
+        dummy if h0 is None else h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32,
+        HAS_H0=h0 is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee", num_warps=8, num_stages=2)
+    return starts, torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
+
+
 def fused_chunk_size(Rab: int, Rkv: int, rows: int | None = None) -> int | None:
     """Tokens per chunk of the fused forward: ``rows`` (``_KNOBS["rows"]`` where not given, else ``MAX_ROWS``) rows
     of a chunk tile over the padded rank, at most 64 tokens; None for ranks above 4, which need the unfused path."""
@@ -910,7 +967,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     scaled = (scalable and fuse) or channel_scaled or grouped or hdla_scaled
     # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
     # H100, as the 32-wide block with bf16 W tiles did in sessions 13 and 14; BENCHMARKS.md session 34)
-    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H, V, q.device)
+    blocks["BV"] = cfg.get("state_bv") or blocks["BV"]
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled or hdla_scaled) and Rab else None
     kg = torch.empty(B, H, NC, NK, K, **st) if channel_scaled else None  # B ⊙ e^{G_{i-1}}
@@ -1002,6 +1059,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
     ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
+    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"))
+    if ns == 1 and "state_bv" not in cfg:
+        blocks["BV"] = state_value_block(scalable and fuse, blocks["BV"], B * H, V, q.device)
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
@@ -1010,16 +1070,23 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     out = dict(qd=q if raw else qd, qf=opt(qf), mqk=mqa if hdla_scaled or grouped else mqk, mqa=opt(mqa), sv=opt(sv),
                sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
-    _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(h0), opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf,
-        opt(w), opt(uv),
-        opt(k if hh else a if raw else ad), opt(s0),
-        opt(u), ht, NC, opt(kf), opt(af), T, K=K, V=V, CR=NK, CA=NA, GATE=gate, HAS_H0=h0 is not None,
-        PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv, RKVP=_pow2(Rkv), RAB=max(Rab, 1),
-        RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a), SAME_AK=same_ak, RAW_V=raw_v, o=o,
-        FUSE_O=fuse, STORE=store, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh), bb=b if grouped else None,
-        HDLA=hdla_scaled, E_B=grouped and _is16(b), **out, **blocks,
+    rows = (opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf, opt(w),
+            opt(uv), opt(k if hh else a if raw else ad))
+    kinds = dict(K=K, V=V, CR=NK, CA=NA, GATE=gate, PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv,
+                 RKVP=_pow2(Rkv), RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a),
+                 SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
+                 bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b))
+    if ns > 1:  # long walks on few programs: segments walked in parallel, twice (``segments``)
+        h0, ht = _segment_states(h0, rows, (opt(kf), opt(af)), dummy, dict(kinds, **out), blocks, (B, H, K, V, NC, T),
+                                 ns, ls)
+        blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V,
+                                                                 q.device)
+    _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
+        opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
+        FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks,
     )
+    if ns > 1:
+        ht = ht[-1]  # the last segment's leaving state
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))
         BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))

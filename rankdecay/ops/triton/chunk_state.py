@@ -194,6 +194,7 @@ def _state_fwd_kernel(
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
     E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
     GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False, HDLA: tl.constexpr = False,
+    NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -219,15 +220,33 @@ def _state_fwd_kernel(
     # HDLA (with SCALED, a per-channel gate; ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_scaled``): the rows are HDLA's
     # update rows [k, a2], (token, rank), v on rank 0 alone; kd holds their Ã, kg B ⊙ e^{G_{i-1}}, af D = (β, 1),
     # and mqk is M_QA.
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    # NS, LS (``chunk_fwd.segments``; LS 0: all NC): each sequence's chunks fall into NS segments of LS chunks,
+    # walked by programs of their own; program axis 1 is (sequence x head, segment), and h0 / ht hold each segment's
+    # entering / leaving state [NS, B, H, K, VS]. VS: the state's width where it is not v's (v's columns from V on
+    # read as 0). EYE (VS = V + K, no h0, nothing stored): the state's column V + j starts as the identity's column
+    # j, so that the walk ends on [H | P], the segment's state from 0 and its transition: from an entering state S
+    # it leaves P S + H. The last segment's is not needed, and its programs stop at once.
+    VW: tl.constexpr = V if VS == 0 else VS
+    i_v, i_bs = tl.program_id(0), tl.program_id(1)
+    i_bh = i_bs // NS
+    n0 = (i_bs % NS) * LS
+    i_st = (i_bs % NS) * (tl.num_programs(1) // NS) + i_bh  # h0's and ht's: segment major
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
+    if EYE:
+        S = tl.where(o_k[:, None] == (o_v - V)[None, :], 1.0, 0.0)
     if HAS_H0:
-        S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
-    for n in range(NC):
+        S += tl.load(h0 + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], mask=m_k[:, None] & (o_v < VW)[None, :],
+                     other=0.0)
+    n1 = NC
+    if LS > 0:
+        n1 = tl.minimum(n0 + LS, NC)
+    if EYE and i_bs % NS == NS - 1:  # (the last segment's transition is not needed)
+        n1 = n0
+    for n in range(n0, n1):
         c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
         if STORE:
             tl.store(s0 + c * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
@@ -299,7 +318,7 @@ def _state_fwd_kernel(
                     acc += _dot_xe(tl.trans(Kr), Y * fk[:, None], PRECISION, E_K)
                 if FUSE_O:  # (mqk is M_QA where Y's rows are a's: GROUPED, HDLA)
                     O += _dot(_chunk_cols(mqk, c, r_q, o_a, m_a, TC, CA), Y, PRECISION)
-                else:  # Y for the output kernel (its VALUES); S_n is stored above
+                elif STORE:  # Y for the output kernel (its VALUES); S_n is stored above
                     tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Y, mask=m_av)
             else:
                 W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
@@ -344,7 +363,45 @@ def _state_fwd_kernel(
             t = n * TC + r_q
             tl.store(o + (((i_bh // H) * T + t[:, None]) * H + i_bh % H) * V + o_v[None, :], O,
                      mask=(t < T)[:, None] & m_v[None, :])
-    tl.store(ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+    tl.store(ht + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], S, mask=m_k[:, None] & (o_v < VW)[None, :])
+
+
+@triton.jit
+def _segment_starts_kernel(h0, ends, starts, NS, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, BR: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr):
+    """The segments' entering states (``chunk_fwd.segments``): S_0 = h0 (or 0), S_{i+1} = P_i S_i + H_i, where ends
+    [NS, B, H, K, V + K] holds each segment's [H_i | P_i] (``_state_fwd_kernel``'s EYE); starts [NS, B, H, K, V].
+    One program per (value block, sequence x head), fp32 accurate (PRECISION "tf32x3" or "ieee"). With BR = BK the
+    state stays in registers and each P_i is read whole; else (K > 128) S_i is read back from starts and S_{i+1}
+    formed BR rows at a time."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    BH = tl.num_programs(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+    tl.store(starts + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+    for i in range(NS - 1):
+        e = ends + (i * BH + i_bh) * K * (V + K)
+        nxt = starts + ((i + 1) * BH + i_bh) * K * V
+        if BR == BK:
+            P = tl.load(e + o_k[:, None] * (V + K) + V + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
+            S = _dot(P, S, PRECISION) + tl.load(e + o_k[:, None] * (V + K) + o_v[None, :], mask=m_h, other=0.0)
+            tl.store(nxt + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+        else:
+            tl.debug_barrier()  # S_i, stored by every thread of the program, read back whole
+            S = tl.load(starts + (i * BH + i_bh) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+            for r0 in tl.static_range(0, BK, BR):
+                o_r = r0 + tl.arange(0, BR)
+                m_r = o_r < K
+                P = tl.load(e + o_r[:, None] * (V + K) + V + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                            other=0.0)
+                Sr = _dot(P, S, PRECISION)
+                Sr += tl.load(e + o_r[:, None] * (V + K) + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+                tl.store(nxt + o_r[:, None] * V + o_v[None, :], Sr, mask=m_r[:, None] & m_v[None, :])
 
 
 @triton.jit
