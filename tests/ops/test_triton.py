@@ -1364,18 +1364,21 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
 def test_segmented_state_walk(mechanism, monkeypatch):
     """``chunk_fwd.segments``: the state kernel walks each sequence's chunks as segments in parallel, twice (first
     every segment's state from 0 and transition, [H | P], then every segment from its entering state). Forced here
-    to 3 segments (the delta rule's 4 chunks fall into 2 of 2, HH's and HDLA's 7 into 3 of 3, 3 and 1): the output,
-    final state and every gradient match the PyTorch path at fp32 accuracy, with autograd (the outputs from the
-    output kernel) and without (from either kernel; Head-in-Head's and HDLA's scaled forms always take the state
-    kernel's), with and without an initial state. The gates are mild (the state remembers across segments, so a
+    to 3 segments (the delta rule's 4 chunks fall into 2 of 2, HH's and HDLA's 7 into 3 of 3, 3 and 1), forward and
+    backward (whose state kernel walks dS the same way in reverse): the output, final state and every gradient match
+    the PyTorch path at fp32 accuracy, with autograd (the outputs from the output kernel) and without (from either
+    kernel; Head-in-Head's and HDLA's scaled forms always take the state kernel's), with and without an initial
+    state. The gates are mild (the state remembers across segments, so a
     wrong entering state shows) but for three steps of -30 inside the second segment, whose transition they nearly
     zero."""
-    from rankdecay.ops.triton import chunk_fwd
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 3)
-    walks = []  # the segments of each segmented walk
+    walks, back = [], []  # the segments of each segmented walk, forward and backward
     first = chunk_fwd._segment_states
     monkeypatch.setattr(chunk_fwd, "_segment_states", lambda *a, **kw: walks.append(a[-2]) or first(*a, **kw))
+    chain = chunk_bwd.chain_segments
+    monkeypatch.setattr(chunk_bwd, "chain_segments", lambda *a, **kw: back.append(a[1].shape[0]) or chain(*a, **kw))
     inputs, fn = _mechanism_case(mechanism, 2, 200, 1, 16, 8, seed=41, r=2)
     inputs[3] = 0.02 * inputs[3]
     inputs[3][:, 150:153] = -30.0
@@ -1391,12 +1394,14 @@ def test_segmented_state_walk(mechanism, monkeypatch):
     for name, x, y in zip(["o", "s"], got, ref):
         assert_matches(x, y, 1e-5, f"{mechanism}, 3 segments, no initial state: {name}")
     assert walks == [2 if mechanism == "gdn" else 3] * (len(runs) + 1), walks
+    assert back == [2 if mechanism == "gdn" else 3], back  # the one backward
 
 
 @pytest.mark.parametrize("K", [16, 160], ids=["state-in-registers", "rows-by-blocks"])
 def test_segment_starts_kernel(K):
-    """``chunk_state._segment_starts_kernel``: S_0 = h0 (or 0), S_{i+1} = P_i S_i + H_i for [H_i | P_i] in ends, at
-    fp32 accuracy; K = 160 (a 256-wide key block) takes P's rows 32 at a time."""
+    """``chunk_state._segment_starts_kernel``: S_0 = h0 (or 0), S_{i+1} = P_i S_i + H_i for [H_i | P_i] in ends (or in
+    reverse from S_{NS-1} = h0, as the backward chains them), at fp32 accuracy; K = 160 (a 256-wide key block) takes
+    P's rows 32 at a time."""
     import triton
 
     from rankdecay.ops.triton.chunk_state import _segment_starts_kernel
@@ -1406,14 +1411,14 @@ def test_segment_starts_kernel(K):
     ends = (torch.randn(NS, B, H, K, V + K, generator=gen) / K ** 0.5).to(DEVICE)
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
     BK = triton.next_power_of_2(K)
-    for init in (h0, None):
+    for init, reverse in ((h0, False), (None, False), (h0, True)):
         starts = torch.empty(NS, B, H, K, V, device=DEVICE)
         _segment_starts_kernel[(triton.cdiv(V, 16), B * H)](
             ends if init is None else init, ends, starts, NS, K=K, V=V, BK=BK, BV=16, BR=BK if BK <= 128 else 32,
-            HAS_H0=init is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee")
+            HAS_H0=init is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee", REVERSE=reverse)
         S = torch.zeros(B, H, K, V, dtype=torch.float64, device=DEVICE) if init is None else init.double()
-        for i in range(NS):
-            assert_matches(starts[i], S, 1e-5, f"K = {K}, h0 {init is not None}: S_{i}")
+        for i in (reversed(range(NS)) if reverse else range(NS)):
+            assert_matches(starts[i], S, 1e-5, f"K = {K}, h0 {init is not None}, reverse {reverse}: S_{i}")
             S = ends[i, ..., V:].double() @ S + ends[i, ..., :V].double()
 
 
@@ -1753,6 +1758,34 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
         plain = fn(*inputs, mode="triton")
     assert len(walks) == 1, walks
     for name, x, y, e in zip(["o", "s"], got, plain, exact):
+        assert torch.isfinite(x).all(), f"{name}: not finite"
+        err, ref_err = rel_rms(x, e), rel_rms(y, e)
+        assert err <= 1.5 * ref_err + 1e-6, f"{mechanism} {name}: segmented {err:.2e} vs one walk {ref_err:.2e}"
+
+
+@GPU
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla"])
+def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
+    """With autograd at B = 1, H = 2, T = 4096 both state kernels walk segments by ``chunk_fwd.segments``' own rule,
+    the forward's and the backward's in reverse (Gated DeltaNet's 64 chunks in 4, Head-in-Head's 256 at r = 4 in 16,
+    HDLA's 128 in 8): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The output, final state and
+    every gradient, against fp64 through the PyTorch path, are no worse than with one walk each
+    (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    back = []
+    chain = chunk_bwd.chain_segments
+    monkeypatch.setattr(chunk_bwd, "chain_segments", lambda *a, **kw: back.append(a[1].shape[0]) or chain(*a, **kw))
+    inputs, fn = _mechanism_case(mechanism, 1, 4096, 2, 128, 128, seed=6, r=4)
+    inputs[3] = 0.05 * inputs[3]
+    inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
+    exact = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, exact=True)
+    got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
+    assert back == [dict(gdn=4, hh=16, hdla=8)[mechanism]], back
+    monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 1)
+    plain = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
+    assert len(back) == 1, back
+    for name, x, y, e in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, plain, exact):
         assert torch.isfinite(x).all(), f"{name}: not finite"
         err, ref_err = rel_rms(x, e), rel_rms(y, e)
         assert err <= 1.5 * ref_err + 1e-6, f"{mechanism} {name}: segmented {err:.2e} vs one walk {ref_err:.2e}"

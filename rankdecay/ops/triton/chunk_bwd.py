@@ -37,8 +37,8 @@ import triton.language as tl
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products, log_cumsum_dtype,
-                        ties_keys)
+                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products,
+                        log_cumsum_dtype, segments, ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
@@ -914,15 +914,28 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dhn = torch.empty_like(s0)
     du = torch.empty_like(u)
     dh0 = torch.empty(B, H, K, V, **f32)
-    _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H)](
-        opt(dht.contiguous() if dht is not None else None), opt(dch), opt(w), opt(k if hh else a if raw else ad),
-        dummy, dummy,
-        dhn, opt(du if Rab else None), dh0, q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af), K=K, V=V,
-        CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch), HAS_DHT=dht is not None,
-        PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1),
-        E_Q=_is16(q), E_A=_is16(k if hh else a), GROUPED=bool(hh), num_warps=blocks["num_warps"],
-        num_stages=blocks["num_stages"],
-    )
+    dht = dht.contiguous() if dht is not None else None
+    rows = (opt(dch), opt(w), opt(k if hh else a if raw else ad))
+    outs = (q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af))
+    kinds = dict(K=K, V=V, CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch),
+                 PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1),
+                 RABP=max(_pow2(Rab), 1), E_Q=_is16(q), E_A=_is16(k if hh else a), GROUPED=bool(hh),
+                 num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+    # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
+    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"))
+    if ns > 1:
+        ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
+        _state_bwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
+            dummy, *rows, dummy, dummy, dummy, dummy, ends, *outs, HAS_DHT=False, NS=ns, LS=ls, VS=V + K, EYE=True,
+            STORE=False, **kinds)
+        starts = torch.empty(ns, B, H, K, V, **f32)
+        chain_segments(opt(dht), ends, starts, K, V, blocks["BK"], dht is not None, reverse=True)
+        dht, dh0 = starts, torch.empty(ns, B, H, K, V, **f32)
+    _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
+        opt(dht), *rows, dummy, dummy, dhn, opt(du if Rab else None), dh0, *outs, HAS_DHT=dht is not None, NS=ns,
+        LS=ls, **kinds)
+    if ns > 1:
+        dh0 = dh0[0]  # the first segment's leaving dS
     # dV and dX = Tᵀ dU
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
     dv = like(v)

@@ -843,12 +843,19 @@ def _segment_states(h0, rows, factors, dummy, kinds: dict, blocks: dict, dims: t
         NS=ns, LS=ls, VS=VS, EYE=True, **kinds, **blocks,
     )
     starts = torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
-    BK = blocks["BK"]
-    BV = min(32, blocks["BV"])
-    _segment_starts_kernel[(triton.cdiv(V, BV), B * H)](
-        dummy if h0 is None else h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32,
-        HAS_H0=h0 is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee", num_warps=8, num_stages=2)
+    chain_segments(dummy if h0 is None else h0, ends, starts, K, V, blocks["BK"], h0 is not None)
     return starts, torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
+
+
+def chain_segments(h0, ends, starts, K: int, V: int, BK: int, has_h0: bool, reverse: bool = False) -> None:
+    """The segments' entering states into starts [NS, B, H, K, V] from their [H | P] in ends [NS, B, H, K, V + K]
+    and h0 [B, H, K, V] (read where has_h0): ``chunk_state._segment_starts_kernel``, from the first segment or, with
+    ``reverse`` (the backward's walk), from the last."""
+    ns, B, H = ends.shape[:3]
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    _segment_starts_kernel[(triton.cdiv(V, BV), B * H)](
+        h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32, HAS_H0=has_h0,
+        PRECISION="tf32x3" if ends.is_cuda else "ieee", REVERSE=reverse, num_warps=8, num_stages=2)
 
 
 def fused_chunk_size(Rab: int, Rkv: int, rows: int | None = None) -> int | None:

@@ -368,12 +368,14 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _segment_starts_kernel(h0, ends, starts, NS, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, BR: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr):
+                           BV: tl.constexpr, BR: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+                           REVERSE: tl.constexpr = False):
     """The segments' entering states (``chunk_fwd.segments``): S_0 = h0 (or 0), S_{i+1} = P_i S_i + H_i, where ends
     [NS, B, H, K, V + K] holds each segment's [H_i | P_i] (``_state_fwd_kernel``'s EYE); starts [NS, B, H, K, V].
     One program per (value block, sequence x head), fp32 accurate (PRECISION "tf32x3" or "ieee"). With BR = BK the
     state stays in registers and each P_i is read whole; else (K > 128) S_i is read back from starts and S_{i+1}
-    formed BR rows at a time."""
+    formed BR rows at a time. REVERSE (the backward's walk, ``_state_bwd_kernel``): the segments chain from the
+    last, S_{NS-1} = h0 (dht) and S_{i-1} = P_i S_i + H_i."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     BH = tl.num_programs(1)
     o_k = tl.arange(0, BK)
@@ -383,17 +385,20 @@ def _segment_starts_kernel(h0, ends, starts, NS, K: tl.constexpr, V: tl.constexp
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
-    tl.store(starts + i_bh * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
+    j0 = NS - 1 if REVERSE else 0
+    step = -1 if REVERSE else 1
+    tl.store(starts + (j0 * BH + i_bh) * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
     for i in range(NS - 1):
-        e = ends + (i * BH + i_bh) * K * (V + K)
-        nxt = starts + ((i + 1) * BH + i_bh) * K * V
+        j = j0 + step * i  # this segment; its [H | P] takes S_j to the next one's
+        e = ends + (j * BH + i_bh) * K * (V + K)
+        nxt = starts + ((j + step) * BH + i_bh) * K * V
         if BR == BK:
             P = tl.load(e + o_k[:, None] * (V + K) + V + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
             S = _dot(P, S, PRECISION) + tl.load(e + o_k[:, None] * (V + K) + o_v[None, :], mask=m_h, other=0.0)
             tl.store(nxt + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
         else:
             tl.debug_barrier()  # S_i, stored by every thread of the program, read back whole
-            S = tl.load(starts + (i * BH + i_bh) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
+            S = tl.load(starts + (j * BH + i_bh) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
             for r0 in tl.static_range(0, BK, BR):
                 o_r = r0 + tl.arange(0, BR)
                 m_r = o_r < K
@@ -412,7 +417,11 @@ def _state_bwd_kernel(
     FROM_OUT: tl.constexpr, H: tl.constexpr, TC: tl.constexpr, E_DO: tl.constexpr,
     RAW: tl.constexpr = False, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_Q: tl.constexpr = False,
     E_A: tl.constexpr = False, GROUPED: tl.constexpr = False,
+    NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False, STORE: tl.constexpr = True,
 ):
+    # NS, LS, VS, EYE: ``_state_fwd_kernel``'s, the walk in reverse: dht / dh0 hold each segment's entering (at its
+    # last chunk) / leaving (before its first) dS [NS, B, H, K, VS], and the first segment's transition is the one
+    # not needed. STORE: dS_{n+1} and the total dU_n are stored (not in the EYE walk).
     # FROM_OUT: the outputs' share of dS_n and dU_n (Q̃ᵀ dO and -M_QAᵀ dO, with O = Q̃ S_n + ... - M_QA U_n)
     # is formed here from dO [B, T, H, V] and the chunk's Q̃ [TC, K] and M_QA [TC, CA] (the fused
     # forward's saved tensors); else it is read from ds0 and du. E_DO: dO is 16-bit (``_dot_ex``).
@@ -420,18 +429,31 @@ def _state_bwd_kernel(
     # as given, Q̃ = qf ⊙ q and Ã = af ⊙ a (``_state_fwd_kernel``'s RAW): Q̃ᵀ dO = qᵀ (qf ⊙ dO) and
     # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A). GROUPED (RAW): a's rows are k
     # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    VW: tl.constexpr = V if VS == 0 else VS
+    i_v, i_bs = tl.program_id(0), tl.program_id(1)
+    i_bh = i_bs // NS
+    n0 = (i_bs % NS) * LS
+    i_st = (i_bs % NS) * (tl.num_programs(1) // NS) + i_bh  # dht's and dh0's: segment major
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
+    m_s = m_k[:, None] & (o_v < VW)[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if EYE:
+        dS = tl.where(o_k[:, None] == (o_v - V)[None, :], 1.0, 0.0)
     if HAS_DHT:
-        dS += tl.load(dht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0)
-    for i in range(NC):
-        n = NC - 1 - i
+        dS += tl.load(dht + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], mask=m_s, other=0.0)
+    n1 = NC
+    if LS > 0:
+        n1 = tl.minimum(n0 + LS, NC)
+    if EYE and i_bs % NS == 0:  # (the first segment's transition is not needed)
+        n1 = n0
+    for i in range(n1 - n0):
+        n = n1 - 1 - i
         c = i_bh * NC + n
-        tl.store(dh_next + c * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
+        if STORE:
+            tl.store(dh_next + c * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
         if FROM_OUT:
             r_q = tl.arange(0, TC)
             t = n * TC + r_q
@@ -472,11 +494,12 @@ def _state_bwd_kernel(
             else:
                 Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 dU -= _dot(Ad, dS, PRECISION)
-            tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
+            if STORE:
+                tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
             dS_prev += _dot(tl.trans(W), dU, PRECISION)
         dS = dS_prev
-    tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], dS, mask=m_h)
+    tl.store(dh0 + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], dS, mask=m_s)
 
 
 # launch knobs of the state kernels (benchmarks/bwd_variants.py sweeps them: --set state_stages=2 ...);
