@@ -913,7 +913,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     blocks = dict(_blocks(K, V, NK, NA, backward=True, precision=prec), num_stages=bwd_stages(prec, K, e_do))
     dhn = torch.empty_like(s0)
     du = torch.empty_like(u)
-    dh0 = torch.empty(B, H, K, V, **f32)
     dht = dht.contiguous() if dht is not None else None
     rows = (opt(dch), opt(w), opt(k if hh else a if raw else ad))
     outs = (q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af))
@@ -923,6 +922,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                  num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
     ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"))
+    dh0 = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
     if ns > 1:
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
         _state_bwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
@@ -930,12 +930,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             STORE=False, **kinds)
         starts = torch.empty(ns, B, H, K, V, **f32)
         chain_segments(opt(dht), ends, starts, K, V, blocks["BK"], dht is not None, reverse=True)
-        dht, dh0 = starts, torch.empty(ns, B, H, K, V, **f32)
+        dht = starts
     _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
         opt(dht), *rows, dummy, dummy, dhn, opt(du if Rab else None), dh0, *outs, HAS_DHT=dht is not None, NS=ns,
         LS=ls, **kinds)
-    if ns > 1:
-        dh0 = dh0[0]  # the first segment's leaving dS
+    dh0 = dh0[0]
     # dV and dX = Tᵀ dU
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
     dv = like(v)

@@ -797,8 +797,8 @@ def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool,
 
 
 def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None) -> tuple[int, int]:
-    """How many segments of each sequence's chunks the forward's state kernel walks in parallel, and the chunks of
-    each: (1, 0) but for long walks on a grid that leaves SMs idle.
+    """How many segments of each sequence's chunks the state kernels (the forward's, and the backward's in reverse)
+    walk in parallel, and the chunks of each: (1, 0) but for long walks on a grid that leaves SMs idle.
 
     The walk from chunk to chunk is sequential, and at B = 1 and T = 32k its 16 x (V / BV) programs each walk 512
     chunks, one step at a time, most SMs idle. The state kernel is linear in its state, so a segment of chunks maps an
@@ -833,8 +833,7 @@ _SEGMENT_RULE = dict(min_chunks=64, programs_per_sm=2, min_segment=16, min_segme
 
 def _segment_states(h0, rows, factors, dummy, kinds: dict, blocks: dict, dims: tuple, ns: int, ls: int):
     """The first walk of ``segments``: every segment's [H | P] (``_state_fwd_kernel``'s EYE), and from them each
-    segment's entering state [NS, B, H, K, V] (fp32) and a buffer for their leaving states, the last of which is the
-    final state."""
+    segment's entering state [NS, B, H, K, V] (fp32)."""
     B, H, K, V, NC, T = dims
     VS = V + K
     ends = torch.empty(ns, B, H, K, VS, device=dummy.device, dtype=torch.float32)
@@ -844,7 +843,7 @@ def _segment_states(h0, rows, factors, dummy, kinds: dict, blocks: dict, dims: t
     )
     starts = torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
     chain_segments(dummy if h0 is None else h0, ends, starts, K, V, blocks["BK"], h0 is not None)
-    return starts, torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
+    return starts
 
 
 def chain_segments(h0, ends, starts, K: int, V: int, BK: int, has_h0: bool, reverse: bool = False) -> None:
@@ -974,7 +973,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     scaled = (scalable and fuse) or channel_scaled or grouped or hdla_scaled
     # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
     # H100, as the 32-wide block with bf16 W tiles did in sessions 13 and 14; BENCHMARKS.md session 34)
-    blocks["BV"] = cfg.get("state_bv") or blocks["BV"]
+    blocks["BV"] = cfg.get("state_bv") or blocks["BV"]  # (the first walk of ``segments`` takes this one)
     kf = torch.empty(B, H, NC, NK, **f32) if raw else None
     af = torch.empty(B, H, NC, NA, **f32) if (raw or channel_scaled or hdla_scaled) and Rab else None
     kg = torch.empty(B, H, NC, NK, K, **st) if channel_scaled else None  # B ⊙ e^{G_{i-1}}
@@ -1064,11 +1063,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
-    ht = torch.empty(B, H, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"))
-    if ns == 1 and "state_bv" not in cfg:
-        blocks["BV"] = state_value_block(scalable and fuse, blocks["BV"], B * H, V, q.device)
+    ht = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
@@ -1084,16 +1081,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                  SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
                  bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b))
     if ns > 1:  # long walks on few programs: segments walked in parallel, twice (``segments``)
-        h0, ht = _segment_states(h0, rows, (opt(kf), opt(af)), dummy, dict(kinds, **out), blocks, (B, H, K, V, NC, T),
-                                 ns, ls)
-        blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V,
-                                                                 q.device)
+        h0 = _segment_states(h0, rows, (opt(kf), opt(af)), dummy, dict(kinds, **out), blocks, (B, H, K, V, NC, T), ns,
+                             ls)
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device)
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
         FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks,
     )
-    if ns > 1:
-        ht = ht[-1]  # the last segment's leaving state
+    ht = ht[-1]
     if not fuse:
         BKo = min(64, max(16, triton.next_power_of_2(K)))
         BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))

@@ -182,6 +182,25 @@ def _query_state(qd, qf, S, c, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, K:
 
 
 @triton.jit
+def _segment(NS, LS, NC, EYE: tl.constexpr, SKIP_LAST: tl.constexpr):
+    """A state kernel's program on axis 1 as (sequence x head, segment) (``chunk_fwd.segments``): returns its sequence
+    x head, the row of its segment's entering / leaving state in [NS, B, H, ...] (segment major), and the chunks
+    [n0, n1) it walks (LS 0: all NC). In the EYE walk the segment whose transition is not needed (SKIP_LAST: the last,
+    as the forward goes; else the first) walks nothing."""
+    i_bs = tl.program_id(1)
+    seg = i_bs % NS
+    i_bh = i_bs // NS
+    n0 = seg * LS
+    n1 = NC
+    if LS > 0:
+        n1 = tl.minimum(n0 + LS, NC)
+    if EYE:
+        if seg == (NS - 1 if SKIP_LAST else 0):
+            n1 = n0
+    return i_bh, seg * (tl.num_programs(1) // NS) + i_bh, n0, n1
+
+
+@triton.jit
 def _state_fwd_kernel(
     h0, d, kd, vf, w, uv, ad, s0, u, ht, NC, kf, af, T,
     K: tl.constexpr, V: tl.constexpr, CR: tl.constexpr, CA: tl.constexpr,
@@ -225,12 +244,10 @@ def _state_fwd_kernel(
     # entering / leaving state [NS, B, H, K, VS]. VS: the state's width where it is not v's (v's columns from V on
     # read as 0). EYE (VS = V + K, no h0, nothing stored): the state's column V + j starts as the identity's column
     # j, so that the walk ends on [H | P], the segment's state from 0 and its transition: from an entering state S
-    # it leaves P S + H. The last segment's is not needed, and its programs stop at once.
+    # it leaves P S + H. The last segment's is not needed, and its programs stop at once (``_segment``).
     VW: tl.constexpr = V if VS == 0 else VS
-    i_v, i_bs = tl.program_id(0), tl.program_id(1)
-    i_bh = i_bs // NS
-    n0 = (i_bs % NS) * LS
-    i_st = (i_bs % NS) * (tl.num_programs(1) // NS) + i_bh  # h0's and ht's: segment major
+    i_v = tl.program_id(0)
+    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, True)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -241,11 +258,6 @@ def _state_fwd_kernel(
     if HAS_H0:
         S += tl.load(h0 + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], mask=m_k[:, None] & (o_v < VW)[None, :],
                      other=0.0)
-    n1 = NC
-    if LS > 0:
-        n1 = tl.minimum(n0 + LS, NC)
-    if EYE and i_bs % NS == NS - 1:  # (the last segment's transition is not needed)
-        n1 = n0
     for n in range(n0, n1):
         c = i_bh * NC + n  # chunk row of [B, H, NC, ...]
         if STORE:
@@ -430,10 +442,8 @@ def _state_bwd_kernel(
     # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A). GROUPED (RAW): a's rows are k
     # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
     VW: tl.constexpr = V if VS == 0 else VS
-    i_v, i_bs = tl.program_id(0), tl.program_id(1)
-    i_bh = i_bs // NS
-    n0 = (i_bs % NS) * LS
-    i_st = (i_bs % NS) * (tl.num_programs(1) // NS) + i_bh  # dht's and dh0's: segment major
+    i_v = tl.program_id(0)
+    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, False)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -444,11 +454,6 @@ def _state_bwd_kernel(
         dS = tl.where(o_k[:, None] == (o_v - V)[None, :], 1.0, 0.0)
     if HAS_DHT:
         dS += tl.load(dht + i_st * K * VW + o_k[:, None] * VW + o_v[None, :], mask=m_s, other=0.0)
-    n1 = NC
-    if LS > 0:
-        n1 = tl.minimum(n0 + LS, NC)
-    if EYE and i_bs % NS == 0:  # (the first segment's transition is not needed)
-        n1 = n0
     for i in range(n1 - n0):
         n = n1 - 1 - i
         c = i_bh * NC + n
