@@ -48,7 +48,7 @@ def main() -> None:
     print("| case | variant | fwd ms | bwd ms |\n|---|---|---:|---:|")
     for case in args.cases:
         rab, products = CASES[case]
-        TC = fused_chunk_size(rab, 1)
+        TC = fused_chunk_size(rab, 1, per_channel=True)
         for variant in args.variants:
             knobs = parse(variant)
             channel._CHANNEL.clear()

@@ -678,9 +678,9 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
 
 def test_log_cumsum_launch_by_chunk_size(monkeypatch):
     """The log-cumsum kernel's key block and warps by tokens per chunk (``chunk_fwd.log_cumsum_launch``): HDLA's
-    32-token chunks on their own launch, measured faster there (BENCHMARKS.md session 32); 64-token chunks, and
-    sizes without a measurement of their own, on 64's. Checked on the launch itself: its grid over key blocks and
-    its warps."""
+    32-token chunks on their own launch, measured faster there (BENCHMARKS.md session 32), and 16-token ones
+    (HDLA's under ``_KNOBS["channel_rows"]``, session 42); 64-token chunks, and sizes without a measurement of their
+    own, on 64's. Checked on the launch itself: its grid over key blocks and its warps."""
     from rankdecay.ops.triton import chunk_fwd
 
     seen = []
@@ -692,13 +692,14 @@ def test_log_cumsum_launch_by_chunk_size(monkeypatch):
     monkeypatch.setattr(chunk_fwd, "_chunk_log_cumsum_kernel", Capture())
     B, T, H, K = 1, 40, 2, 128
     g, q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, 1, K)
-    for C in (32, 64, 16):
+    for C in (32, 64, 16, 8):
         NC = -(-T // C)
         qd, kd, dch = torch.empty(B, H, NC, C, K), torch.empty(B, H, NC, C, K), torch.empty(B, H, NC, K)
         chunk_fwd.chunk_log_cumsum(g, C, torch.float32)
         chunk_fwd.chunk_log_cumsum(g, C, torch.float32, prep=(q, k, qd, kd, dch, 0.1))
-    # K = 128 over the key block: (plain, PREP) at 32 tokens, then at 64, then 16 (64's launch)
-    assert seen == [(2, 2, False), (4, 1, True), (8, 2, False), (8, 8, True), (8, 2, False), (8, 8, True)]
+    # K = 128 over the key block: (plain, PREP) at 32 tokens, then at 64, 16, and 8 (64's launch)
+    assert seen == [(2, 2, False), (4, 1, True), (8, 2, False), (8, 8, True), (2, 1, False), (4, 1, True),
+                    (8, 2, False), (8, 8, True)]
 
 
 @pytest.mark.parametrize("stored", [None, torch.float16], ids=["fp32-between", "16-bit-between"])
@@ -1276,12 +1277,12 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
 
 def _mechanism_case(mechanism: str, B: int, T: int, H: int, K: int, V: int, seed: int, r: int = 2):
     """Random inputs [q, k, v, g, beta, h0] on DEVICE (k L2-normalised, β up to 2) and fn(q, k, v, g, beta, h0,
-    mode) -> (o, final state) of one mechanism: "gdn", "hh" (a static mask of rank r), "hdla" (a per-channel gate)
-    or "dplr" (two rows of a and b, values of rank one: the general fused path)."""
+    mode) -> (o, final state) of one mechanism: "gdn", "hh" (a static mask of rank r), "hdla" and "kda" (a per-channel
+    gate) or "dplr" (two rows of a and b, values of rank one: the general fused path)."""
     gen = torch.Generator().manual_seed(seed)
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism == "hdla" else (B, T, H)), generator=gen))
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism in ("hdla", "kda") else (B, T, H)), generator=gen))
     beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
     inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
     if mechanism == "hh":
@@ -1294,7 +1295,7 @@ def _mechanism_case(mechanism: str, B: int, T: int, H: int, K: int, V: int, seed
             q, k[..., None, :], v[..., None, :], a * beta[..., None, None], a, g, initial_state=h0,
             output_final_state=True, mode=mode)
     else:
-        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla)[mechanism]
+        op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla, kda=ops.kda)[mechanism]
         fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
                                                    output_final_state=True, mode=mode)
     return inputs, fn
@@ -1358,6 +1359,31 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
         for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
             assert_matches(x, y, 1e-5, f"{mechanism} at 128-row tiles, grads={grads}: {name}")
     assert chunks and set(chunks) == {32 if mechanism == "hh" else 64}, chunks
+
+
+@pytest.mark.parametrize("mechanism,tokens", [("hdla", 16), ("kda", 32), ("gdn", 64)])
+def test_channel_rows_knob_halves_per_channel_chunks(mechanism, tokens, monkeypatch):
+    """``chunk_fwd._KNOBS["channel_rows"] = 32`` (measured faster on the H100, not yet the default: BENCHMARKS.md
+    session 42): a per-channel gate with a low-rank decay takes chunk tiles of 32 rows, so HDLA 16-token chunks and
+    KDA 32, while a scalar gate (Gated DeltaNet) keeps its 64. Output, final state and every gradient match the
+    PyTorch path at fp32 accuracy, with autograd and without (the scaled forms), T = 70 not a multiple of the chunk,
+    mild gates with a -30 span in them."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", 32)
+    chunks = []  # the tokens per chunk each fused forward took (its call names the gate and the knobs)
+    size = chunk_fwd.fused_chunk_size
+    monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
+                        lambda *a: (lambda tc: len(a) == 4 and chunks.append(tc) or tc)(size(*a)))
+    inputs, fn = _mechanism_case(mechanism, 1, 70, 1, 16, 8, seed=42)
+    inputs[3][:, 20:24] = -30.0
+    for grads in (True, False):
+        got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
+        ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
+        for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+            assert torch.isfinite(x).all(), name
+            assert_matches(x, y, 1e-5, f"{mechanism} at channel_rows=32, grads={grads}: {name}")
+    assert chunks and set(chunks) == {tokens}, chunks
 
 
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
