@@ -1401,8 +1401,8 @@ def test_segmented_state_walk(mechanism, monkeypatch):
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 3)
     walks, back = [], []  # the segments of each segmented walk, forward and backward
-    first = chunk_fwd._segment_states
-    monkeypatch.setattr(chunk_fwd, "_segment_states", lambda *a, **kw: walks.append(a[-2]) or first(*a, **kw))
+    first = chunk_fwd.chain_segments
+    monkeypatch.setattr(chunk_fwd, "chain_segments", lambda *a, **kw: walks.append(a[1].shape[0]) or first(*a, **kw))
     chain = chunk_bwd.chain_segments
     monkeypatch.setattr(chunk_bwd, "chain_segments", lambda *a, **kw: back.append(a[1].shape[0]) or chain(*a, **kw))
     inputs, fn = _mechanism_case(mechanism, 2, 200, 1, 16, 8, seed=41, r=2)
@@ -1771,8 +1771,8 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
     from rankdecay.ops.triton import chunk_fwd
 
     walks = []
-    first = chunk_fwd._segment_states
-    monkeypatch.setattr(chunk_fwd, "_segment_states", lambda *a, **kw: walks.append(a[-2]) or first(*a, **kw))
+    first = chunk_fwd.chain_segments
+    monkeypatch.setattr(chunk_fwd, "chain_segments", lambda *a, **kw: walks.append(a[1].shape[0]) or first(*a, **kw))
     inputs, fn = _mechanism_case(mechanism, 1, 16384, 2, 128, 128, seed=5, r=4)
     inputs[3] = 0.05 * inputs[3]
     inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]

@@ -928,9 +928,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _state_bwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
             dummy, *rows, dummy, dummy, dummy, dummy, ends, *outs, HAS_DHT=False, NS=ns, LS=ls, VS=V + K, EYE=True,
             STORE=False, **kinds)
-        starts = torch.empty(ns, B, H, K, V, **f32)
-        chain_segments(opt(dht), ends, starts, K, V, blocks["BK"], dht is not None, reverse=True)
-        dht = starts
+        dht = chain_segments(dht, ends, K, V, blocks["BK"], reverse=True)
     _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
         opt(dht), *rows, dummy, dummy, dhn, opt(du if Rab else None), dh0, *outs, HAS_DHT=dht is not None, NS=ns,
         LS=ls, **kinds)

@@ -807,11 +807,10 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
 
     The walk from chunk to chunk is sequential, and at B = 1 and T = 32k its 16 x (V / BV) programs each walk 512
     chunks, one step at a time, most SMs idle. The state kernel is linear in its state, so a segment of chunks maps an
-    entering state S to P S + H, with P [K, K] its transition and H its state from 0. A first walk
-    (``_segment_states``) takes every segment at once from [0 | I], a state V + K wide, to [H | P]; the segments'
-    entering states follow one from another (``chunk_state._segment_starts_kernel``: NS - 1 [K, K] x [K, V]
-    products, fp32); the second walk, the usual one with
-    its outputs, takes every segment at once from its entering state. Twice the work on NS times the programs.
+    entering state S to P S + H, with P [K, K] its transition and H its state from 0. A first walk (the
+    state kernel's EYE) takes every segment at once from [0 | I], a state V + K wide, to [H | P]; the segments'
+    entering states follow one from another (``chain_segments``: NS - 1 [K, K] x [K, V] products, fp32); the second
+    walk, the usual one with its outputs, takes every segment at once from its entering state. Twice the work on NS times the programs.
     ``knob`` (``_KNOBS["segments"]``) forces NS (1: off)."""
     if knob is not None:
         ns = max(1, min(int(knob), NC))
@@ -836,30 +835,19 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
 _SEGMENT_RULE = dict(min_chunks=64, programs_per_sm=2, min_segment=16, min_segments=4)
 
 
-def _segment_states(h0, rows, factors, dummy, kinds: dict, blocks: dict, dims: tuple, ns: int, ls: int):
-    """The first walk of ``segments``: every segment's [H | P] (``_state_fwd_kernel``'s EYE), and from them each
-    segment's entering state [NS, B, H, K, V] (fp32)."""
-    B, H, K, V, NC, T = dims
-    VS = V + K
-    ends = torch.empty(ns, B, H, K, VS, device=dummy.device, dtype=torch.float32)
-    _state_fwd_kernel[(triton.cdiv(VS, blocks["BV"]), B * H * ns)](
-        dummy, *rows, dummy, dummy, ends, NC, *factors, T, HAS_H0=False, o=dummy, FUSE_O=False, STORE=False,
-        NS=ns, LS=ls, VS=VS, EYE=True, **kinds, **blocks,
-    )
-    starts = torch.empty(ns, B, H, K, V, device=dummy.device, dtype=torch.float32)
-    chain_segments(dummy if h0 is None else h0, ends, starts, K, V, blocks["BK"], h0 is not None)
-    return starts
-
-
-def chain_segments(h0, ends, starts, K: int, V: int, BK: int, has_h0: bool, reverse: bool = False) -> None:
-    """The segments' entering states into starts [NS, B, H, K, V] from their [H | P] in ends [NS, B, H, K, V + K]
-    and h0 [B, H, K, V] (read where has_h0): ``chunk_state._segment_starts_kernel``, from the first segment or, with
-    ``reverse`` (the backward's walk), from the last."""
+def chain_segments(h0, ends, K: int, V: int, BK: int, reverse: bool = False) -> torch.Tensor:
+    """The segments' entering states [NS, B, H, K, V] (fp32) from their [H | P] in ends [NS, B, H, K, V + K] (the
+    first walk of ``segments``, the state kernel's EYE) and h0 [B, H, K, V] or None:
+    ``chunk_state._segment_starts_kernel``, from the first segment or, with ``reverse`` (the backward's walk, h0 its
+    dht), from the last."""
     ns, B, H = ends.shape[:3]
+    starts = torch.empty(ns, B, H, K, V, device=ends.device, dtype=torch.float32)
     BV = min(32, max(16, triton.next_power_of_2(V)))
     _segment_starts_kernel[(triton.cdiv(V, BV), B * H)](
-        h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32, HAS_H0=has_h0,
-        PRECISION="tf32x3" if ends.is_cuda else "ieee", REVERSE=reverse, num_warps=8, num_stages=2)
+        ends if h0 is None else h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32,
+        HAS_H0=h0 is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee", REVERSE=reverse, num_warps=8,
+        num_stages=2)
+    return starts
 
 
 def fused_chunk_size(Rab: int, Rkv: int, per_channel: bool = False, knobs: dict | None = None) -> int | None:
@@ -1096,8 +1084,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                  SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
                  bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b))
     if ns > 1:  # long walks on few programs: segments walked in parallel, twice (``segments``)
-        h0 = _segment_states(h0, rows, (opt(kf), opt(af)), dummy, dict(kinds, **out), blocks, (B, H, K, V, NC, T), ns,
-                             ls)
+        ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
+        _state_fwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
+            dummy, *rows, dummy, dummy, ends, NC, opt(kf), opt(af), T, HAS_H0=False, o=dummy, FUSE_O=False,
+            STORE=False, NS=ns, LS=ls, VS=V + K, EYE=True, **kinds, **out, **blocks)
+        h0 = chain_segments(h0, ends, K, V, blocks["BK"])
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device)
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
