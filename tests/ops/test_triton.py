@@ -355,7 +355,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     """HDLA with autograd on the kernels is one node of autograd (``chunk_bwd._HDLA``): it builds a and b itself,
     takes their products as six of token rows (``channel.hdla_products`` and ``hdla_products_bwd``, forced here: by
     default only at the bf16 products' precision) and carries the rows' gradients on to k, g and β. Against the
-    PyTorch path: T = 1 and 77 (chunks of 32 tokens: a partial last chunk), log-gates of -30
+    PyTorch path: T = 1 and 77 (chunks of 16 tokens: a partial last chunk), log-gates of -30
     per step and one of -1e4, β in [0, 2] with β = 0 and β = 2, a per-channel gate or a per-head one (expanded
     over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None). ``stored``: the
     tensors between the kernels in 16 bits, as on a GPU at the bf16 products' precision (the products' gradients
@@ -678,8 +678,8 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
 
 def test_log_cumsum_launch_by_chunk_size(monkeypatch):
     """The log-cumsum kernel's key block and warps by tokens per chunk (``chunk_fwd.log_cumsum_launch``): HDLA's
-    32-token chunks on their own launch, measured faster there (BENCHMARKS.md session 32), and 16-token ones
-    (HDLA's under ``_KNOBS["channel_rows"]``, session 42); 64-token chunks, and sizes without a measurement of their
+    32-token chunks (at 64-row tiles; KDA's now) on their own launch, measured faster there (BENCHMARKS.md session
+    32), and 16-token ones (HDLA's, session 42); 64-token chunks, and sizes without a measurement of their
     own, on 64's. Checked on the launch itself: its grid over key blocks and its warps."""
     from rankdecay.ops.triton import chunk_fwd
 
@@ -1361,16 +1361,18 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
     assert chunks and set(chunks) == {32 if mechanism == "hh" else 64}, chunks
 
 
-@pytest.mark.parametrize("mechanism,tokens", [("hdla", 16), ("kda", 32), ("gdn", 64)])
-def test_channel_rows_knob_halves_per_channel_chunks(mechanism, tokens, monkeypatch):
-    """``chunk_fwd._KNOBS["channel_rows"] = 32`` (measured faster on the H100, not yet the default: BENCHMARKS.md
-    session 42): a per-channel gate with a low-rank decay takes chunk tiles of 32 rows, so HDLA 16-token chunks and
-    KDA 32, while a scalar gate (Gated DeltaNet) keeps its 64. Output, final state and every gradient match the
-    PyTorch path at fp32 accuracy, with autograd and without (the scaled forms), T = 70 not a multiple of the chunk,
-    mild gates with a -30 span in them."""
+@pytest.mark.parametrize("rows,mechanism,tokens", [(None, "hdla", 16), (None, "kda", 32), (None, "gdn", 64),
+                                                   (64, "hdla", 32), (64, "kda", 64)])
+def test_channel_rows_per_channel_chunks(rows, mechanism, tokens, monkeypatch):
+    """A per-channel gate with a low-rank decay takes chunk tiles of 32 rows by default (``fused_chunk_size``,
+    measured faster on the H100: BENCHMARKS.md sessions 42, 43), so HDLA 16-token chunks and KDA 32, while a scalar
+    gate (Gated DeltaNet) keeps its 64; ``chunk_fwd._KNOBS["channel_rows"] = 64`` gives HDLA 32 and KDA 64. Output,
+    final state and every gradient match the PyTorch path at fp32 accuracy, with autograd and without (the scaled
+    forms), T = 70 not a multiple of the chunk, mild gates with a -30 span in them."""
     from rankdecay.ops.triton import chunk_fwd
 
-    monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", 32)
+    if rows is not None:
+        monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", rows)
     chunks = []  # the tokens per chunk each fused forward took (its call names the gate and the knobs)
     size = chunk_fwd.fused_chunk_size
     monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
@@ -1382,8 +1384,43 @@ def test_channel_rows_knob_halves_per_channel_chunks(mechanism, tokens, monkeypa
         ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
         for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
             assert torch.isfinite(x).all(), name
-            assert_matches(x, y, 1e-5, f"{mechanism} at channel_rows=32, grads={grads}: {name}")
+            assert_matches(x, y, 1e-5, f"{mechanism} at channel_rows={rows}, grads={grads}: {name}")
     assert chunks and set(chunks) == {tokens}, chunks
+
+
+def test_backward_widths_by_chunk_size(monkeypatch):
+    """The backward's launches chosen by tokens per chunk, measured on the H100 (BENCHMARKS.md session 43): HDLA's
+    16-token chunks take the inputs' kernel on 2 warps and its step 4 (which carries the rows' gradients on) on 4;
+    KDA's 32-token chunks and Head-in-Head's 16-token ones (a scalar gate) keep the inputs' kernel on 4, and HDLA in
+    32-token chunks (``channel_rows`` = 64) its step 4 on 8. The per-channel products' forward at 16 tokens on 2
+    warps, at 32 on 4. Checked on the launches themselves, the kernels run as usual."""
+    from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "hdla_products", True)  # HDLA's fused rows, as at the bf16 precision
+    warps = {}
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                warps[self.kernel.fn.__name__] = kw["num_warps"]
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    for name in ("_grad_inputs_kernel", "_grad_kernel"):
+        monkeypatch.setattr(chunk_bwd, name, Spy(getattr(chunk_bwd, name)))
+    cases = [("hdla", None, dict(_grad_inputs_kernel=2, _grad_kernel=4)),
+             ("hdla", 64, dict(_grad_inputs_kernel=4, _grad_kernel=8)),
+             ("kda", None, dict(_grad_inputs_kernel=4)), ("hh", None, dict(_grad_inputs_kernel=4))]
+    for mechanism, rows, want in cases:
+        monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", rows or 32)
+        warps.clear()
+        inputs, fn = _mechanism_case(mechanism, 1, 40, 1, 16, 8, seed=43, r=4)
+        _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
+        assert {k: warps[k] for k in want} == want, (mechanism, rows, warps)
+    assert channel._knob("warps", 16) == 2 and channel._knob("warps", 32) == 4
 
 
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
@@ -1794,7 +1831,7 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
 def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     """With autograd at B = 1, H = 2, T = 4096 both state kernels walk segments by ``chunk_fwd.segments``' own rule,
     the forward's and the backward's in reverse (Gated DeltaNet's 64 chunks in 4, Head-in-Head's 256 at r = 4 in 16,
-    HDLA's 128 in 8): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The output, final state and
+    HDLA's 256 at 16 tokens in 16): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The output, final state and
     every gradient, against fp64 through the PyTorch path, are no worse than with one walk each
     (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
@@ -1807,7 +1844,7 @@ def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
     exact = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, exact=True)
     got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
-    assert back == [dict(gdn=4, hh=16, hdla=8)[mechanism]], back
+    assert back == [dict(gdn=4, hh=16, hdla=16)[mechanism]], back
     monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 1)
     plain = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
     assert len(back) == 1, back

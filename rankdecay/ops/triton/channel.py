@@ -61,7 +61,8 @@ _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_c
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
-_LAUNCH = {64: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=4)}
+# (HDLA's at 16 tokens, session 43: its products' forward 0.66 -> 0.54 ms on 2 warps, 1.12 on 8)
+_LAUNCH = {64: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=4), 16: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=2)}
 _LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
 
 

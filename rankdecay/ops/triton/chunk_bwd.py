@@ -48,13 +48,14 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
 # of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28).
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
-# 32): 8 warps (H100 HDLA: 1.075 -> 0.870 ms against 4; 2.36 on 2; BENCHMARKS.md session 37). grad_hh: Head-in-Head's
+# 32): by chunk size (``_grad_hdla_warps``: 8 at 32 tokens, 4 at 16; sessions 37, 43). grad_hh: Head-in-Head's
 # step 4 by groups (``_grad_hh_kernel``): 1 warp (H100 HH-GDN r=4: 0.93 ms against 1.22 on 2, 1.43 on 4, 3.59 on 8,
 # and 2.06 for the general step 4; BENCHMARKS.md sessions 38, 39); hh_grouped 0 takes the general one instead, hh_bk
 # caps its key block (benchmarks). hh_inputs 1: the inputs' kernel reduces dÃ and dB̃ to what step 4 by groups reads
 # before storing them (its HG): H100 HH-GDN r=4, inputs 1.41 -> 1.58 ms, step 4 0.93 -> 0.76, fwd+bwd the same
-# (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole)
-_CONFIG = dict(values=4, products=0, inputs=4, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=8, grad_bk=0, grad_hh=1,
+# (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
+# inputs 0: by chunk size and gate (``_inputs_warps``).
+_CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1)
 
 
@@ -63,6 +64,20 @@ def _products_warps(C: int) -> int:
     smaller ones (ranks above 1), where it was measured faster (H100: HH-GDN 0.98 -> 0.71 ms, HDLA 0.41 -> 0.30,
     against GDN 0.18 -> 0.21 at 64 tokens; BENCHMARKS.md session 28)."""
     return _CONFIG["products"] or (4 if C >= 64 else 2)
+
+
+def _inputs_warps(C: int, gate: int) -> int:
+    """The inputs' kernel's width: ``_CONFIG``'s where set, else 2 for a per-channel gate in chunks of 16 tokens or
+    fewer (HDLA) and 4 otherwise (H100, bf16, K = 128: HDLA 1.19 -> 0.95 ms on 2; KDA at 32 tokens 0.68 / 0.66, and
+    Head-in-Head r = 4 at 16 tokens 1.58 -> 3.31 ms, so they keep 4; BENCHMARKS.md session 43)."""
+    return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 else 4)
+
+
+def _grad_hdla_warps(C: int) -> int:
+    """Step 4's width where it carries HDLA's rows' gradients on: ``_CONFIG``'s where set, else 8 for 32-token chunks
+    (H100: 1.075 -> 0.870 ms against 4; BENCHMARKS.md session 37) and 4 for 16-token ones (0.87 -> 0.77 ms; 1.01 on
+    2; session 43)."""
+    return _CONFIG["grad_hdla"] or (4 if C <= 16 else 8)
 
 
 def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
@@ -976,7 +991,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
         K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
-        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), num_warps=_CONFIG["inputs"], num_stages=1,
+        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), num_warps=_inputs_warps(C, gate), num_stages=1,
     )
     # the gradients of the products
     dmqk = stc(C, NK)
@@ -1056,7 +1071,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
-            num_warps=_CONFIG["grad_hdla" if one else "grad_channel" if gate == 2 else "grad"], num_stages=1,
+            num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
     if gate == 1:
