@@ -2,7 +2,7 @@
 
     cd benchmarks && python channel_variants.py [--shape B T H K] [--variants "bk=64" "warps=8,rows=32" ...]
 
-For GLA (M_QK only, 64-token chunks) and HDLA (M_QK, M_QA, L_BA, L_BK; Rab = 2, 32-token chunks),
+For GLA (M_QK only, 64-token chunks) and HDLA (M_QK, M_QA, L_BA, L_BK; Rab = 2, 16-token chunks),
 the forward (``channel_product``, every product) and backward (``channel_product_bwd``) in ms,
 bf16 inputs at matmul precision "medium", for each variant of ``channel._CHANNEL`` (comma-separated
 NAME=VALUE; log_cumsum=float64 / float32 sets the log-cumsums' dtype). Prints a Markdown table.

@@ -1342,16 +1342,18 @@ def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
 @pytest.mark.parametrize("mechanism", ["hh", "hdla"])
 def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
     """``chunk_fwd._KNOBS["rows"] = 128`` (a benchmarking knob, measured slower on the H100: BENCHMARKS.md session
-    39): chunk tiles of 128 rows, so Head-in-Head with r = 4 takes 32-token chunks and HDLA 64, and the UT inverse
-    runs at N = 128 (its third level of merges). Output, final state and every gradient match the PyTorch path at
-    fp32 accuracy, with autograd and without, T = 70 not a multiple of the chunk."""
-    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+    39; with ``channel_rows`` = 128 for HDLA's per-channel gate): chunk tiles of 128 rows, so Head-in-Head with r = 4
+    takes 32-token chunks and HDLA 64, and the UT inverse runs at N = 128 (its third level of merges). Output, final
+    state and every gradient match the PyTorch path at fp32 accuracy, with autograd and without, T = 70 not a
+    multiple of the chunk."""
+    from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "rows", 128)
-    chunks = []  # the tokens per chunk each fused forward took
-    forward = chunk_bwd.chunk_dplr_fwd
-    monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", lambda *a, **kw: chunks.append(chunk_fwd.fused_chunk_size(
-        a[3].shape[-2], a[1].shape[-2])) or forward(*a, **kw))
+    monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", 128)
+    chunks = []  # the tokens per chunk each fused forward took (its call names the gate and the knobs)
+    size = chunk_fwd.fused_chunk_size
+    monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
+                        lambda *a: (lambda tc: len(a) == 4 and chunks.append(tc) or tc)(size(*a)))
     inputs, fn = _mechanism_case(mechanism, 1, 70, 1, 16, 8, seed=128, r=4)
     for grads in (True, False):
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
@@ -1386,6 +1388,21 @@ def test_channel_rows_per_channel_chunks(rows, mechanism, tokens, monkeypatch):
             assert torch.isfinite(x).all(), name
             assert_matches(x, y, 1e-5, f"{mechanism} at channel_rows={rows}, grads={grads}: {name}")
     assert chunks and set(chunks) == {tokens}, chunks
+
+
+def test_fused_chunk_size_by_gate_and_rank():
+    """Tokens per chunk of the fused path (``chunk_fwd.fused_chunk_size``): 64 rows over the padded rank for a decay
+    per row or a per-channel gate without a low-rank decay (GLA), 32 rows for a per-channel gate with one but never
+    fewer than 16 tokens, so that a padded rank of 4 keeps the 16-token chunks it took before; None past rank 4."""
+    from rankdecay.ops.triton.chunk_fwd import fused_chunk_size
+
+    scalar = {(0, 1): 64, (1, 1): 64, (2, 1): 32, (2, 2): 32, (3, 1): 16, (4, 4): 16, (5, 1): None}
+    channel = {(0, 1): 64, (1, 1): 32, (2, 1): 16, (2, 2): 16, (3, 1): 16, (4, 1): 16, (4, 4): 16, (1, 8): None}
+    assert {r: fused_chunk_size(*r) for r in scalar} == scalar
+    assert {r: fused_chunk_size(*r, per_channel=True) for r in channel} == channel
+    old = {(1, 1): 64, (2, 1): 32, (4, 1): 16}  # channel_rows = 64: the tiles before session 43
+    assert {r: fused_chunk_size(*r, True, {"channel_rows": 64}) for r in old} == old
+    assert fused_chunk_size(2, 1, True, {"rows": 128}) == 16  # rows does not reach a per-channel gate's tiles
 
 
 def test_backward_widths_by_chunk_size(monkeypatch):
@@ -1831,8 +1848,8 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
 def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     """With autograd at B = 1, H = 2, T = 4096 both state kernels walk segments by ``chunk_fwd.segments``' own rule,
     the forward's and the backward's in reverse (Gated DeltaNet's 64 chunks in 4, Head-in-Head's 256 at r = 4 in 16,
-    HDLA's 256 at 16 tokens in 16): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The output, final state and
-    every gradient, against fp64 through the PyTorch path, are no worse than with one walk each
+    HDLA's 256 at 16 tokens in 16): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The
+    output, final state and every gradient, against fp64 through the PyTorch path, are no worse than with one walk each
     (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
@@ -2070,15 +2087,17 @@ def _channel_product_reference(x, y, g, TC, strict):
 @pytest.mark.parametrize("RX,RY,strict,scaled", [(1, 1, False, False), (1, 2, False, True), (2, 2, True, True),
                                                  (3, 1, True, False), (4, 4, True, False)])
 @pytest.mark.parametrize("T,strong", [(45, False), (37, True)])
-def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong):
+@pytest.mark.parametrize("rows", [64, 32])
+def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong, rows):
     """``channel.channel_product`` (sub-blocks through a reference token, levels on the diagonal) and its
     backward against the fp64 reference and its autograd; awkward T, padded ranks, log-gates of -30 per
-    step; the chunk sizes the fused path uses for these ranks (64 / max padded rank tokens)."""
+    step; the chunk sizes the fused path takes for these ranks with a per-channel gate at either tile height
+    (``fused_chunk_size``'s ``channel_rows``: 64 or 32 rows over the largest padded rank, at least 16 tokens)."""
     from rankdecay.ops.triton.channel import channel_product, channel_product_bwd
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
 
     B, H, K = 1, 2, 20
-    TC = fused_chunk_size(RX, RY)
+    TC = fused_chunk_size(RX, RY, True, {"channel_rows": rows})
     gen = torch.Generator().manual_seed(RX + 10 * RY + T)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
     x, y = rnd(B, T, H, RX, K), rnd(B, T, H, RY, K)

@@ -300,7 +300,8 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 
 # the log-cumsum kernel's (key block, warps), alone and with PREP, by tokens per chunk (other sizes take 64's;
 # benchmarks/prep_variants.py). H100, bf16, B8 T2048 H16 K128 (BENCHMARKS.md session 32): at 32-token chunks
-# (HDLA's at 64-row tiles, KDA's now) PREP took 248 µs on 64's launch and 190 on (32, 1), the plain kernel 83 µs and 76 on (64, 2).
+# (HDLA's at 64-row tiles, KDA's now) PREP took 248 µs on 64's launch and 190 on (32, 1), the plain kernel 83 µs
+# and 76 on (64, 2).
 # At 16-token chunks (HDLA's), PREP took 275 µs on 64's launch and 144 on
 # (32, 1), the plain kernel 85 µs and 73 on (64, 1) (BENCHMARKS.md session 42).
 _LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8)), 32: dict(plain=(64, 2), prep=(32, 1)),
@@ -664,8 +665,8 @@ def _output_kernel(
 # "neumann" (True / False: the UT inverse's diagonal blocks as Neumann products or by substitution; None, the
 # default: ``neumann_blocks``'s choice), "rows" (32, 64 or 128: the rows of a chunk tile, tokens times the padded
 # rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``), "channel_rows" (the same for a per-channel gate with a
-# low-rank decay, before "rows": 32, the default, gives KDA 32-token chunks and HDLA 16; 64 gives them 64 and 32), "segments" (the
-# segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent: ``segments``'
+# low-rank decay, before "rows": 32, the default, gives KDA 32-token chunks and HDLA 16; 64 gives them 64 and 32),
+# "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent: ``segments``'
 # rule).
 _KNOBS: dict = {}
 
@@ -854,8 +855,9 @@ def fused_chunk_size(Rab: int, Rkv: int, per_channel: bool = False, knobs: dict 
     """Tokens per chunk of the fused forward: the rows of a chunk tile over the padded rank, at most 64 tokens; None
     for ranks above 4, which need the unfused path. The rows: ``knobs["channel_rows"]`` (``_KNOBS`` where not given)
     for a ``per_channel`` gate with a low-rank decay (Rab > 0: KDA, HDLA) where set, else ``knobs["rows"]``, else
-    ``MAX_ROWS``; ``channel_rows`` is 32 where not given. So Gated DeltaNet and GLA take 64 tokens, KDA 32, HDLA 16,
-    Head-in-Head at r = 4 16.
+    ``MAX_ROWS``; ``channel_rows`` is 32 where not given, and takes no fewer than 16 tokens (a padded rank of 4
+    keeps 64 rows, as before: chunks of 8 tokens would give the kernels [8, 8] tiles). So Gated DeltaNet and GLA
+    take 64 tokens, KDA 32, HDLA 16, Head-in-Head at r = 4 16.
 
     32 rows for a per-channel gate against 64 (H100, B8 T2048 H16 K=V=128 bf16, the same session): HDLA 1.87 / 7.38
     -> 1.54 / 7.05 ms forward / forward+backward, KDA 1.41 / 5.55 -> 1.37 / 5.44; its per-channel products cost per
@@ -864,8 +866,9 @@ def fused_chunk_size(Rab: int, Rkv: int, per_channel: bool = False, knobs: dict 
     if rank > 4:
         return None
     knobs = _KNOBS if knobs is None else knobs
-    channel = knobs.get("channel_rows", 32) if per_channel and Rab > 0 else None
-    return min(64, (channel or knobs.get("rows") or MAX_ROWS) // rank)
+    if per_channel and Rab > 0 and knobs.get("channel_rows", 32):
+        return min(64, max(16, knobs.get("channel_rows", 32) // rank))
+    return min(64, (knobs.get("rows") or MAX_ROWS) // rank)
 
 
 def _lowp(*xs) -> bool:
