@@ -275,13 +275,14 @@ def markdown_row(r: dict) -> str:
 KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat16 (the tensors between kernels), "
              "output_bv=128, output_warps=8, intra_warps=8; channel._CHANNEL's with a ch_ prefix: ch_rows=32, "
              "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products); chunk_bwd._CONFIG's "
-             "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles)")
+             "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles); "
+             "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 
 def apply_knobs(pairs: list[str]) -> None:
     """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with the prefix
     ``ch_`` into ``channel._CHANNEL``, ``bwd_`` into ``chunk_bwd._CONFIG`` and ``state_`` into
-    ``chunk_state._LAUNCH`` (integers)."""
+    ``chunk_state._LAUNCH`` (integers); ``fwd_`` names ``chunk_fwd._KNOBS`` explicitly (``fwd_state_stages``)."""
     from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
 
     tables = {"ch_": channel._CHANNEL, "bwd_": chunk_bwd._CONFIG, "state_": chunk_state._LAUNCH}
@@ -294,6 +295,7 @@ def apply_knobs(pairs: list[str]) -> None:
                 raise SystemExit(f"--knob {name}: the {prefix} table has {sorted(table)}")
             table[key] = int(value)
         else:
+            name = name.removeprefix("fwd_")
             chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
 
 

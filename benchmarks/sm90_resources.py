@@ -2,6 +2,7 @@
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
     python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla} [--shape B T H K V]
+        [--knob ch_bk=32 state_stages=1 bwd_inputs=4 ...]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
 precision, outputs from the state kernel, no backward: the scaled form) on CPU tensors with its Triton
@@ -32,6 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
+from kernels import KNOB_HELP, apply_knobs  # noqa: E402  (run from benchmarks/)
 from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state, factors
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64"}
@@ -184,13 +186,16 @@ def compile_sm90(fn, args, kw, with_kernel: bool = False) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
-    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help="chunk_fwd._KNOBS, Python literals")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="chunk_fwd._KNOBS, Python literals; with --backward, kernels.py's --knob: " + KNOB_HELP)
     parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla"], default=None,
                         help="this case's forward that saves for the backward and its backward, instead of the GDN "
                              "forward alone")
     args = parser.parse_args()
     if args.backward:
-        print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products")
+        apply_knobs(args.knob)
+        print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products"
+              + (f", knobs {args.knob}" if args.knob else ""))
         for part, launches in zip(("forward (saving)", "backward"), capture_training(args.backward, args.shape)):
             print(f"{part}:")
             for name, (fn, a, kw) in sorted(launches.items()):
