@@ -2,7 +2,7 @@
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
     python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla} [--shape B T H K V]
-        [--knob ch_bk=32 state_stages=1 bwd_inputs=4 ...]
+        [--knob ch_bk=32 fwd_state_stages=1 bwd_inputs=4 ...]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
 precision, outputs from the state kernel, no backward: the scaled form) on CPU tensors with its Triton

@@ -1301,6 +1301,25 @@ def _mechanism_case(mechanism: str, B: int, T: int, H: int, K: int, V: int, seed
     return inputs, fn
 
 
+def _spy_chunk_sizes(monkeypatch) -> list:
+    """The tokens per chunk each fused forward takes, as ``chunk_dplr_fwd`` asks ``fused_chunk_size`` (its call
+    names the gate and the knobs: four arguments), appended to the list returned."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    chunks, size = [], chunk_fwd.fused_chunk_size
+    monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
+                        lambda *a: (lambda tc: len(a) == 4 and chunks.append(tc) or tc)(size(*a)))
+    return chunks
+
+
+def _spy_segments(monkeypatch, module) -> list:
+    """The segments of each segmented walk that ``module`` (``chunk_fwd``: the forward's, ``chunk_bwd``: the
+    backward's) chains through ``chain_segments``, appended to the list returned."""
+    walks, chain = [], module.chain_segments
+    monkeypatch.setattr(module, "chain_segments", lambda *a, **kw: walks.append(a[1].shape[0]) or chain(*a, **kw))
+    return walks
+
+
 @pytest.mark.parametrize("padded", ["values", "keys", "both"])
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
 def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
@@ -1350,10 +1369,7 @@ def test_rows_knob_takes_128_row_tiles(mechanism, monkeypatch):
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "rows", 128)
     monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", 128)
-    chunks = []  # the tokens per chunk each fused forward took (its call names the gate and the knobs)
-    size = chunk_fwd.fused_chunk_size
-    monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
-                        lambda *a: (lambda tc: len(a) == 4 and chunks.append(tc) or tc)(size(*a)))
+    chunks = _spy_chunk_sizes(monkeypatch)
     inputs, fn = _mechanism_case(mechanism, 1, 70, 1, 16, 8, seed=128, r=4)
     for grads in (True, False):
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
@@ -1375,10 +1391,7 @@ def test_channel_rows_per_channel_chunks(rows, mechanism, tokens, monkeypatch):
 
     if rows is not None:
         monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", rows)
-    chunks = []  # the tokens per chunk each fused forward took (its call names the gate and the knobs)
-    size = chunk_fwd.fused_chunk_size
-    monkeypatch.setattr(chunk_fwd, "fused_chunk_size",
-                        lambda *a: (lambda tc: len(a) == 4 and chunks.append(tc) or tc)(size(*a)))
+    chunks = _spy_chunk_sizes(monkeypatch)
     inputs, fn = _mechanism_case(mechanism, 1, 70, 1, 16, 8, seed=42)
     inputs[3][:, 20:24] = -30.0
     for grads in (True, False):
@@ -1454,11 +1467,7 @@ def test_segmented_state_walk(mechanism, monkeypatch):
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 3)
-    walks, back = [], []  # the segments of each segmented walk, forward and backward
-    first = chunk_fwd.chain_segments
-    monkeypatch.setattr(chunk_fwd, "chain_segments", lambda *a, **kw: walks.append(a[1].shape[0]) or first(*a, **kw))
-    chain = chunk_bwd.chain_segments
-    monkeypatch.setattr(chunk_bwd, "chain_segments", lambda *a, **kw: back.append(a[1].shape[0]) or chain(*a, **kw))
+    walks, back = _spy_segments(monkeypatch, chunk_fwd), _spy_segments(monkeypatch, chunk_bwd)
     inputs, fn = _mechanism_case(mechanism, 2, 200, 1, 16, 8, seed=41, r=2)
     inputs[3] = 0.02 * inputs[3]
     inputs[3][:, 150:153] = -30.0
@@ -1824,9 +1833,7 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
     no worse than the unsegmented walk's (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6; finite."""
     from rankdecay.ops.triton import chunk_fwd
 
-    walks = []
-    first = chunk_fwd.chain_segments
-    monkeypatch.setattr(chunk_fwd, "chain_segments", lambda *a, **kw: walks.append(a[1].shape[0]) or first(*a, **kw))
+    walks = _spy_segments(monkeypatch, chunk_fwd)
     inputs, fn = _mechanism_case(mechanism, 1, 16384, 2, 128, 128, seed=5, r=4)
     inputs[3] = 0.05 * inputs[3]
     inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
@@ -1853,9 +1860,7 @@ def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
-    back = []
-    chain = chunk_bwd.chain_segments
-    monkeypatch.setattr(chunk_bwd, "chain_segments", lambda *a, **kw: back.append(a[1].shape[0]) or chain(*a, **kw))
+    back = _spy_segments(monkeypatch, chunk_bwd)
     inputs, fn = _mechanism_case(mechanism, 1, 4096, 2, 128, 128, seed=6, r=4)
     inputs[3] = 0.05 * inputs[3]
     inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]

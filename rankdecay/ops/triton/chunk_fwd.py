@@ -666,8 +666,8 @@ def _output_kernel(
 # default: ``neumann_blocks``'s choice), "rows" (32, 64 or 128: the rows of a chunk tile, tokens times the padded
 # rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``), "channel_rows" (the same for a per-channel gate with a
 # low-rank decay, before "rows": 32, the default, gives KDA 32-token chunks and HDLA 16; 64 gives them 64 and 32),
-# "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent: ``segments``'
-# rule).
+# "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent:
+# ``segments``' rule).
 _KNOBS: dict = {}
 
 
@@ -811,7 +811,8 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
     entering state S to P S + H, with P [K, K] its transition and H its state from 0. A first walk (the
     state kernel's EYE) takes every segment at once from [0 | I], a state V + K wide, to [H | P]; the segments'
     entering states follow one from another (``chain_segments``: NS - 1 [K, K] x [K, V] products, fp32); the second
-    walk, the usual one with its outputs, takes every segment at once from its entering state. Twice the work on NS times the programs.
+    walk, the usual one with its outputs, takes every segment at once from its entering state. Twice the work on NS
+    times the programs.
     ``knob`` (``_KNOBS["segments"]``) forces NS (1: off)."""
     if knob is not None:
         ns = max(1, min(int(knob), NC))
@@ -866,8 +867,9 @@ def fused_chunk_size(Rab: int, Rkv: int, per_channel: bool = False, knobs: dict 
     if rank > 4:
         return None
     knobs = _KNOBS if knobs is None else knobs
-    if per_channel and Rab > 0 and knobs.get("channel_rows", 32):
-        return min(64, max(16, knobs.get("channel_rows", 32) // rank))
+    channel = knobs.get("channel_rows", 32) if per_channel and Rab > 0 else None
+    if channel:
+        return min(64, max(16, channel // rank))
     return min(64, (knobs.get("rows") or MAX_ROWS) // rank)
 
 
