@@ -1,7 +1,7 @@
 """Where an op's GPU time goes: torch.profiler's table for one case of benchmarks/kernels.py.
 
     python benchmarks/profile_op.py gdn [--backward] [--shape B T H K V] [--rows 25] [--matmul-precision medium]
-                                        [--resources] [--peer fla]
+                                        [--resources] [--peer fla] [--knob form_a2=0 ...]
 
 ``--peer`` profiles that peer's call of the case (``kernels.py``'s ``peers``) instead of ours.
 
@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels import CASES, measure  # noqa: E402  (run from benchmarks/ or with it on sys.path)
+from kernels import CASES, KNOB_HELP, apply_knobs, measure  # noqa: E402  (run from benchmarks/ or with it on sys.path)
 
 
 def main() -> None:
@@ -27,7 +27,9 @@ def main() -> None:
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest")
     parser.add_argument("--resources", action="store_true", help="registers / shared memory per kernel")
     parser.add_argument("--peer", default=None, help="profile this peer's call (e.g. fla) instead of ours")
+    parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help="kernels.py's: " + KNOB_HELP)
     args = parser.parse_args()
+    apply_knobs(args.knob)
     torch.set_float32_matmul_precision(args.matmul_precision)
     case = CASES[args.case]
     inputs = case.make(*args.shape, "cuda", torch.bfloat16)

@@ -401,6 +401,41 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
 
 
+def test_hdla_forward_alone_builds_no_rows(monkeypatch):
+    """HDLA without autograd, its products in one kernel (as at the bf16 products' precision): no factor kernel
+    runs and a is a placeholder; the kernels form a2 from k, the log-cumsums, β and c (``chunk_fwd.chunk_dplr_fwd``'s
+    hdla_form_a2), and the result is the one with a2 built (``_KNOBS["form_a2"] = 0``), a partial last chunk and
+    strong decays included."""
+    chunk_bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
+    knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
+    monkeypatch.setitem(knobs, "hdla_products", True)
+    built = []
+    factors = chunk_bwd.hdla_factors_fwd
+    monkeypatch.setattr(chunk_bwd, "hdla_factors_fwd", lambda *a, **kw: built.append(1) or factors(*a, **kw))
+    gen = torch.Generator().manual_seed(21)
+    B, T, H, K, V = 1, 37, 2, 40, 24
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    k = F.normalize(k, dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 1)
+    g[:, 10:13] = -30.0
+    beta = 2 * torch.rand(B, T, H, generator=gen)
+    beta[:, 4] = 2.0
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    xs = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    results = []
+    for form in (1, 0):
+        monkeypatch.setitem(knobs, "form_a2", form)
+        built.clear()
+        with torch.no_grad():
+            results.append(ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="triton"))
+        assert built == ([] if form else [1]), f"form_a2={form}: the factor kernel ran {len(built)} times"
+    ref = ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="chunk")
+    for name, x, y, z in zip(["o", "final_state"], *results, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-6, f"{name}: a2 formed against a2 built")
+        assert_matches(x, z, 1e-5, f"{name}: a2 formed against the PyTorch path")
+
+
 @pytest.mark.parametrize("pairs", [0, 1], ids=["levels", "pairs"])
 @pytest.mark.parametrize("K", [16, 37])
 def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
@@ -441,6 +476,23 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], ours, ref):
         assert torch.isfinite(x).all(), f"{name}: entries not written"
         assert_matches(x, y, 1e-6, name)
+    # a2 formed in the kernel (the forward without autograd: ``chunk_dplr_fwd``'s hdla_form_a2) from c's key-block
+    # shares, which the log-cumsum kernel writes beside the same log-cumsums; a a placeholder never read
+    from rankdecay.ops.triton.factors import hdla_placeholder
+
+    qd, dch = torch.empty(B, H, NC, C, K, device=DEVICE), torch.empty(B, H, NC, K, device=DEVICE)
+    gc2, parts = chunk_log_cumsum(g, C, torch.float64, prep=(q, k[..., None, :], qd, None, dch, 0.3), c_parts=True)
+    assert torch.equal(gc2, gc)
+    c = (k * g.exp() * k).sum(-1)  # kᵀ(λ ⊙ k) [B, T, H]
+    c_chunks = F.pad(c, (0, 0, 0, NC * C - T)).unflatten(1, (NC, C)).permute(0, 3, 1, 2)  # [B, H, NC, C]
+    assert parts.shape[3] == (2 if K == 37 else 1)  # K = 37: two key blocks' shares, summed by the kernels
+    assert_matches(parts.sum(3), c_chunks, 1e-6, "c's shares")
+    formed = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+    hdla_products(q, k, hdla_placeholder(k, torch.float32), gc, beta, *formed, T=T, TC=C, precision="ieee",
+                  scale=0.3, c_parts=parts)
+    for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], formed, ref):
+        assert torch.isfinite(x).all(), f"{name}: entries not written (a2 formed)"
+        assert_matches(x, y, 1e-6, f"{name} (a2 formed)")
     # the backward (``hdla_products_bwd``) against ``channel_product_bwd``'s four, given the products' gradients
     # everywhere (the entries outside the causal pattern must be ignored), a1 = β k's share folded into k and β
     dps = [torch.randn(x.shape, generator=gen).to(DEVICE) for x in ref]

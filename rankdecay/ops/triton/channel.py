@@ -346,14 +346,33 @@ def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.co
 
 
 @triton.jit
+def hdla_c(cp, c, tok, ok, NKB: tl.constexpr, TC: tl.constexpr):
+    """HDLA's c = kᵀ(λ ⊙ k) [rows] at chunk c's tokens tok where ok (else 0): the sum of the log-cumsum kernel's
+    key-block shares (``chunk_fwd.chunk_log_cumsum``'s c_parts, cp [B, H, NC, NKB, TC])."""
+    s = tl.load(cp + c * NKB * TC + tok, mask=ok, other=0.0)
+    for j in tl.static_range(1, NKB):
+        s += tl.load(cp + (c * NKB + j) * TC + tok, mask=ok, other=0.0)
+    return s
+
+
+@triton.jit
+def hdla_a2(Kr, lam, be, cc):
+    """HDLA's a2 = β (λ ⊙ k - β c k) = β k ⊙ (λ - β c) [rows, BK] from k's rows and λ (fp32; λ = e^{G_t - G_{t-1}}
+    from the log-cumsums: the gate of the row's token), β and c per row."""
+    return Kr * (be[:, None] * (lam - (be * cc)[:, None]))
+
+
+@triton.jit
 def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
                           H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
                           KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
-                          SCALED: tl.constexpr = False):
+                          SCALED: tl.constexpr = False, cp=None, NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False):
     # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
     # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
     # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
     # one exp serves q and b1, one b2, one both y's. a1 = β k, so the columns of a1 are β times those of k.
+    # FORM_A2: a is not read; a2 is formed from k, the log-cumsums, β and c (``hdla_a2``; c from the log-cumsum
+    # kernel's shares in cp: ``hdla_c``)
     i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -378,16 +397,25 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
     e4 = tl.zeros([TB], dtype=tl.float32)
     e5 = tl.zeros([TB], dtype=tl.float32)
     e6 = tl.zeros([TB], dtype=tl.float32)
+    if FORM_A2:
+        cc = hdla_c(cp, c, tok, vx, NKB, TC)
+        if PAIRS:  # the token before each odd row's: its β and c
+            bep = tl.load(beta + fx - H, mask=odd, other=0.0).to(tl.float32)
+            ccp = hdla_c(cp, c, tok - 1, odd, NKB, TC)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         Q = _load_rows(q, fx, vx, o_k, m_k, K)
         Kr = _load_rows(k, fx, vx, o_k, m_k, K)
-        A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
-        d1 += tl.sum(Q * Kr, axis=1)
-        d2 += tl.sum(Q * A2, axis=1)
         G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
         G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
+        if FORM_A2:
+            lam = tl.exp((G0 - G1).to(tl.float32))  # λ_t, and the pairs' e^{G_t - G_{t-1}}
+            A2 = hdla_a2(Kr, lam, be, cc)
+        else:
+            A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
+        d1 += tl.sum(Q * Kr, axis=1)
+        d2 += tl.sum(Q * A2, axis=1)
         for lvl in tl.static_range(LEVELS - 1 if PAIRS else LEVELS):
             L1, L2, L3, L4, L5, L6 = _hdla_level(Q, Kr, A2, G0, G1, g, tok, o_k, m_k, K, TB >> lvl, PRECISION)
             P1 += L1
@@ -398,8 +426,13 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
             P6 += L6
         if PAIRS:  # x_t against y_{t-1}: q and b1 through e^{G_t - G_{t-1}}, b2 as it is
             Kp = _load_rows(k, fx - H, odd, o_k, m_k, K)
-            Ap = _load_rows(a, 2 * (fx - H) + 1, odd, o_k, m_k, K)
-            E = tl.exp(tl.where(odd[:, None], G0 - G1, 0.0).to(tl.float32))
+            if FORM_A2:  # (λ on the even rows too: their Kp and Ap are 0)
+                G2 = _gc_at(g, tok - 2, odd & (tok > 1), o_k, m_k, K)
+                Ap = hdla_a2(Kp, tl.exp((G1 - G2).to(tl.float32)), bep, ccp)
+                E = lam
+            else:
+                Ap = _load_rows(a, 2 * (fx - H) + 1, odd, o_k, m_k, K)
+                E = tl.exp(tl.where(odd[:, None], G0 - G1, 0.0).to(tl.float32))
             Qx = Q * E
             B1 = Kr * E
             e1 += tl.sum(Qx * Kp, axis=1)
@@ -436,17 +469,24 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         B2f = Kf * tl.exp((_gc_at(g, tok - 1, tok > 0, o_f, m_f, K) - Gr).to(tl.float32))
         for jb in range(0, i_r):
             tokj, vj, fj = _tok_rows(jb * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
-            Ey = tl.exp((Gr - _gc_at(g, tokj, tokj >= 0, o_f, m_f, K)).to(tl.float32))
-            Ky = tl.trans(_load_rows(k, fj, vj, o_f, m_f, K) * Ey)
-            Ay = tl.trans(_load_rows(a, 2 * fj + 1, vj, o_f, m_f, K) * Ey)
+            Gj = _gc_at(g, tokj, tokj >= 0, o_f, m_f, K)
+            Ey = tl.exp((Gr - Gj).to(tl.float32))
+            Kj = _load_rows(k, fj, vj, o_f, m_f, K)
             bej = tl.load(beta + fj, mask=vj, other=0.0).to(tl.float32)
+            if FORM_A2:
+                Aj = hdla_a2(Kj, tl.exp((Gj - _gc_at(g, tokj - 1, tokj > 0, o_f, m_f, K)).to(tl.float32)), bej,
+                             hdla_c(cp, c, tokj, vj, NKB, TC))
+            else:
+                Aj = _load_rows(a, 2 * fj + 1, vj, o_f, m_f, K)
+            Ky = tl.trans(Kj * Ey)
+            Ay = tl.trans(Aj * Ey)
             _hdla_store(_dot(Qf, Ky, PRECISION), _dot(Qf, Ay, PRECISION), _dot(B1f, Ky, PRECISION),
                         _dot(B1f, Ay, PRECISION), _dot(B2f, Ky, PRECISION), _dot(B2f, Ay, PRECISION),
                         bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
 
 
 def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float,
-                  scaled: bool = False) -> None:
+                  scaled: bool = False, c_parts=None) -> None:
     """HDLA's four per-channel products in one kernel: what ``channel_product`` gives for M_QK = P(q, k),
     M_QA = P(q, a), L_BA = P(b, a) and L_BK = P(b, k) (strict) with a = [β k, a2] and b = [λ ⊙ k, k]
     (``triton.factors.hdla_factors``), written into mqk [B, H, NC, TC, TC], mqa [.., TC, 2 TC], lba
@@ -458,7 +498,9 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); beta [B, T, H]. ``scaled``: the forward's scaled form (``chunk_fwd.chunk_dplr_fwd``'s
     ``hdla_scaled``), whose update rows are [k, a2]: M_QA and L_BA without β (L_BA then takes it on its rows in
-    the intra kernel), M_QK and L_BK not written."""
+    the intra kernel), M_QK and L_BK not written. ``c_parts`` ([B, H, NC, key blocks, TC] fp32:
+    ``chunk_fwd.chunk_log_cumsum``'s): a2 is formed from k, gc, β and c = kᵀ(λ ⊙ k) (those shares' sum) in the
+    kernel, and a is not read (a placeholder of its shape will do)."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
@@ -466,7 +508,8 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC, H=H, K=K, TC=TC, TB=TB,
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
         PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
-        num_stages=1,
+        num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
+        FORM_A2=c_parts is not None,
     )
 
 

@@ -39,7 +39,7 @@ from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
                         _scalar_cumsums, chain_segments, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products,
                         log_cumsum_dtype, segments, ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, rows_dtype
+from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, hdla_placeholder, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
                           _precision, _state_bwd_kernel, bwd_stages)
@@ -1274,6 +1274,12 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
                             initial_state)
     if needs_grad((q, k, v, g, beta, initial_state)):
         return _HDLA.apply(q, k, v, g, beta, initial_state, scale)
+    precision = _KNOBS.get("precision", _precision(q))
+    if hdla_fused_products(precision) and _KNOBS.get("form_a2", 1):
+        # no rows built: the kernels form a1, b and a2 from k, g and β (and c, from the log-cumsum kernel)
+        a = hdla_placeholder(k, rows_dtype(k, precision))
+        return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, None, g, scale, initial_state, hdla_beta=beta,
+                              hdla_form_a2=True)
     a, b = _hdla_factors(q, k, g, beta)
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
                           _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
                           _state_fwd_kernel, _values_out)
-from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_products
+from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_products
 from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -317,11 +317,12 @@ def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
 def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
                              RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False,
-                             KDO: tl.constexpr = True):
+                             KDO: tl.constexpr = True, cp=None, CPART: tl.constexpr = False):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
     # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
-    # of B)
+    # of B). CPART (HDLA, RKV 1): this key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp
+    # [B, H, NC, key blocks, TC] (``hdla_c``), from which the products' and intra kernels form a2 themselves
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -358,9 +359,13 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
                 tl.store(kg + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :],
                          Br * tl.exp((G64 - x.to(tl.float64)).to(tl.float32)), mask=m_k[None, :])
         tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
+        if CPART:
+            Kr = tl.load(k + rows, mask=m_t, other=0.0).to(tl.float32)
+            tl.store(cp + (c * tl.num_programs(0) + i_k) * TC + r, tl.sum(Kr * Kr * tl.exp(x.to(tl.float32)), axis=1))
 
 
-def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64, prep=None) -> torch.Tensor:
+def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64, prep=None,
+                     c_parts: bool = False):
     """Chunk-local inclusive log-cumsums of a per-channel log-gate, summed in fp64.
 
     g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] in ``dtype`` (fp64, or
@@ -371,20 +376,29 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     prep: None, or (q, k, qd, kd, dch, scale[, kg, b]) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
     tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K] (or None: not formed), dch [B, H, NC, K] to fill
     with scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
-    in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape)."""
+    in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape).
+
+    c_parts (with prep, k of one row per token: HDLA's): also each key block's share of c = kᵀ(λ ⊙ k) per token,
+    λ = e^g, and return (gc, those shares [B, H, NC, key blocks, chunk_size] fp32), from which the products' and intra
+    kernels form HDLA's a2 = β k ⊙ (λ - β c) themselves (``chunk_dplr_fwd``'s ``hdla_form_a2``)."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
     knob = log_cumsum_launch(chunk_size, prep is not None)
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
+    NKB = triton.cdiv(K, BK)
     q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
                                        else (gc, gc[..., None, :], gc, gc, gc, 1.0, None, None))
+    if c_parts and (prep is None or k.shape[-2] != 1):
+        raise ValueError("c_parts: HDLA's shares of c need prep with one row of k per token")
+    cp = torch.empty(B, H, NC, NKB, chunk_size, device=g.device, dtype=torch.float32) if c_parts else None
     kdo = kd is not None
-    _chunk_log_cumsum_kernel[(triton.cdiv(K, BK), NC, B * H)](
+    _chunk_log_cumsum_kernel[(NKB, NC, B * H)](
         g.contiguous(), gc, T, q, k, qd, kd if kdo else gc, dch, scale, H=H, K=K, TC=chunk_size, BK=BK,
         PREP=prep is not None, RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg,
-        b=gc if kg is None else b, KGO=kg is not None, KDO=kdo, num_warps=knob[1])
-    return gc
+        b=gc if kg is None else b, KGO=kg is not None, KDO=kdo, cp=gc if cp is None else cp, CPART=c_parts,
+        num_warps=knob[1])
+    return (gc, cp) if c_parts else gc
 
 
 def log_cumsum_dtype(precision: str) -> torch.dtype:
@@ -408,7 +422,8 @@ def _intra_kernel(
     LP_QK: tl.constexpr, LP_QA: tl.constexpr, LP_BA: tl.constexpr, LP_BK: tl.constexpr, SAVE: tl.constexpr,
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
-    GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0,
+    GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
+    NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -436,6 +451,8 @@ def _intra_kernel(
     # T' = (I + D L_BA)^{-1} are formed, no M_QK or L_BK.
     # HH (1: hmask [H, r, r], 2: [B, T, H, r, r]; ``chunk_dplr_fwd``'s ``hh_mask``): a and b are Head-in-Head's rows
     # of k and this mask (``factors.hh_factors``'), formed from k here (``_hh_rows``) and not read.
+    # FORM_A2 (with HDLA; ``chunk_dplr_fwd``'s ``hdla_form_a2``): a is not read either; a2 = β k ⊙ (λ - β c) is
+    # formed from k, the log-cumsums, β and c (the log-cumsum kernel's shares in cp: ``channel.hdla_c``).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -564,10 +581,27 @@ def _intra_kernel(
             be = tl.full([NA, 1], 1.0, tl.float32)
         else:
             be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
+        if FORM_A2:  # a2's β and c, per row
+            bt = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)
+            ct = hdla_c(cp, c, toka, va, NKB, TC)
     for k0 in tl.static_range(0, K if not SCALED or HDLA else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if HDLA:
+        if HDLA and FORM_A2:
+            Gt = _gc_at(gc, toka, toka >= 0, o_k, m_k, KG)
+            Gp = _gc_at(gc, toka - 1, toka > 0, o_k, m_k, KG)  # G_{-1} = 0
+            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
+            A = tl.where((rka == 0)[:, None], be * Kt, hdla_a2(Kt, tl.exp((Gt - Gp).to(tl.float32)), bt, ct))
+            Gc = _gc_at(gc, toka * 0 + TC - 1, toka >= 0, o_k, m_k, KG)  # to the chunk's end
+            A = A * tl.exp((Gc - Gt).to(tl.float32))
+            tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
+            Bm = Kt * tl.exp(tl.where((rka == 0)[:, None], Gt, Gp).to(tl.float32))
+            if SCALED:
+                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], Bm, mask=m_k[None, :])
+            else:
+                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION),
+                         mask=m_k[None, :])
+        elif HDLA:
             Kt, A = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
             A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
@@ -667,7 +701,8 @@ def _output_kernel(
 # rank, ``fused_chunk_size``'s; absent: ``MAX_ROWS``), "channel_rows" (the same for a per-channel gate with a
 # low-rank decay, before "rows": 32, the default, gives KDA 32-token chunks and HDLA 16; 64 gives them 64 and 32),
 # "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent:
-# ``segments``' rule).
+# ``segments``' rule), "form_a2" (0: HDLA's forward without autograd builds a2 with the factor kernel, as before
+# its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``).
 _KNOBS: dict = {}
 
 
@@ -893,7 +928,7 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
-                   hh_mask=None):
+                   hh_mask=None, hdla_form_a2: bool = False):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
@@ -911,8 +946,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     then form from k and the mask instead of reading them (a scalar gate or none, Rkv = 1): only their shapes and
     dtypes count, and ``factors.hh_placeholders`` stand in for them; but with ``grouped`` the state kernel of the
     scaled form reads b (formed there, the H100 HH-GDN forward took 1.82 ms against 1.37: ``factors.hh_update_rows``
-    builds b alone). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a
-    dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    builds b alone). ``hdla_form_a2`` (with ``hdla_beta`` where its products take one kernel, without ``save``):
+    a's a2 rows are not read either but formed where they are needed, a2 = β k ⊙ (λ - β c), from k, the
+    log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
+    (``factors.hdla_placeholder``), and no factor kernel runs. Returns (o [B, T, H, V] in q's dtype, final state
+    [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
+    (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
@@ -945,8 +984,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         if gate == 2 or Rkv != 1 or Rab < 1:
             raise ValueError("hh_mask: Head-in-Head's rows a and b (Rab >= 1, Rkv = 1) with a scalar gate or none only")
         hh_mask = hh_mask.contiguous()
-    # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``)
-    a = a.contiguous() if a is not None and hh_mask is None else a
+    # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``; so may
+    # HDLA's a, formed from k, the log-cumsums, β and c: ``hdla_form_a2``)
+    a = a.contiguous() if a is not None and hh_mask is None and not hdla_form_a2 else a
     b = b.contiguous() if b is not None and (hh_mask is None or grouped) else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
@@ -969,6 +1009,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # and HDLA's over its rows [k, a2] (a1 = β k: the writes k vᵀ lie on them), its products taken without β
     fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
     hdla_scaled = fused and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
+    if hdla_form_a2 and (not fused or save):
+        raise ValueError("hdla_form_a2: HDLA's a2 is formed in the kernels only with hdla_beta, its products in one "
+                         "kernel (hdla_fused_products) and no save (the backward reads a2)")
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
     if grouped and (Rab < 1 or K % Rab):
         raise ValueError(f"grouped: a's Rab = {Rab} rows are k's channels in equal groups, so Rab must divide K = {K}")
@@ -1020,14 +1063,17 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")
     if gate == 2:  # the kernels read per-channel decays as differences of these
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale,
-                                                                      kg if channel_scaled else None, b))
+                                                                      kg if channel_scaled else None, b),
+                             c_parts=hdla_form_a2)
+        g, cparts = g if hdla_form_a2 else (g, None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
         if fused:
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
-            hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled, **prod)
+            hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled,
+                          c_parts=cparts, **prod)
         elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
             channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
@@ -1057,7 +1103,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             VSC=sv is not None,
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
-            hmask=hh_mask if hh else None, HH=hh,
+            hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
+            NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2,
             NILP=16 // _pow2(Rab) if Rab and neumann else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),

@@ -365,6 +365,12 @@ def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
     return tuple(torch.zeros((), dtype=dt, device=device).expand(B, T, H, r, K) for dt in (k_dtype, b_dtype))
 
 
+def hdla_placeholder(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in for HDLA's rows a ([B, T, H, 2, K] for k [B, T, H, K], in ``dtype``) where the fused forward forms
+    a2 in its kernels (``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``): one element, expanded, never read."""
+    return torch.zeros((), dtype=dtype, device=k.device).expand(*k.shape[:-1], 2, k.shape[-1])
+
+
 def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``hh_factors``' (a, b) without autograd for the fused forward with ``grouped`` and ``hh_mask``
     (``chunk_fwd.chunk_dplr_fwd``), whose kernels form a from k and read b alone: (a placeholder, b). One kernel
