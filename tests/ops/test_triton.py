@@ -401,6 +401,36 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
 
 
+@pytest.mark.parametrize("mechanism", ["hdla", "kda", "gla"])
+def test_backward_reuses_the_forwards_log_cumsums(mechanism, monkeypatch):
+    """A per-channel gate's chunk-local log-cumsums are saved by the forward with autograd and read by the backward,
+    which takes none of its own (``chunk_bwd._backward``); the gradients are the PyTorch path's."""
+    chunk_bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
+    taken = []
+    log_cumsum = chunk_bwd.chunk_log_cumsum
+    monkeypatch.setattr(chunk_bwd, "chunk_log_cumsum", lambda *a, **kw: taken.append(1) or log_cumsum(*a, **kw))
+    gen = torch.Generator().manual_seed(22)
+    B, T, H, K, V = 1, 21, 2, 16, 16
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    k = F.normalize(k, dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 1)
+    g[:, 5:7] = -30.0
+    beta = torch.rand(B, T, H, generator=gen)
+    results = []
+    for mode in ("triton", "chunk"):
+        xs = [x.to(DEVICE).clone().requires_grad_() for x in (q, k, v, g, beta)]
+        if mechanism == "gla":
+            xs = xs[:4]
+        op = dict(hdla=ops.hdla, kda=ops.kda, gla=ops.gla)[mechanism]
+        o = op(*xs, mode=mode, chunk_size=16)[0]
+        (o * torch.linspace(-1, 1, V, device=o.device)).sum().backward()
+        results.append([o.detach()] + [x.grad for x in xs])
+        if mode == "triton":
+            assert taken == [], f"the backward took the log-cumsums again ({len(taken)} calls)"
+    for x, y in zip(*results, strict=True):
+        assert_matches(x, y, 1e-5, mechanism)
+
+
 def test_hdla_forward_alone_builds_no_rows(monkeypatch):
     """HDLA without autograd, its products in one kernel (as at the bf16 products' precision): no factor kernel
     runs and a is a placeholder; the kernels form a2 from k, the log-cumsums, β and c (``chunk_fwd.chunk_dplr_fwd``'s

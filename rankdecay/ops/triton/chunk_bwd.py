@@ -86,7 +86,8 @@ def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
     fp32 accuracy (64 was slower there, session 9) and in step 4 with a per-channel gate."""
     wide = precision.startswith("bf16") and not (knob == "grad_bk" and per_channel)
     return min(_CONFIG[knob] or (64 if wide else 32), max(16, triton.next_power_of_2(K)))
-_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec")
+_SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec",
+          "gc")
 
 
 @triton.jit
@@ -909,7 +910,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
         a = b = k
-    qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec = saved
+    qd, mqk, mqa, kd, vf, w, ad, dch, tinv, lba, lbk, s0, u, qf, af, kdec, gc_saved = saved
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
@@ -1033,8 +1034,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             num_warps=_CONFIG["grad"], num_stages=1,
         )
     else:
-        # per channel: the decays' log-cumsums
-        gc = chunk_log_cumsum(g, C, log_cumsum_dtype(prec)) if gate == 2 else g
+        # per channel: the decays' log-cumsums, as the forward left them (the same kernel's, not taken again)
+        gc = (gc_saved if gc_saved is not None else chunk_log_cumsum(g, C, log_cumsum_dtype(prec))) if gate == 2 \
+            else g
         pq = pk = pa = pb = dbeta_rows = None
         if b is None and Rab and not one:
             raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do "

@@ -1155,6 +1155,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         )
     if not save:
         return o, ht
+    # Ũ is not needed: dL_BA = -dX Uᵀ. A per-channel gate's log-cumsums (gc) are kept rather than taken again in the
+    # backward: the same values, one kernel fewer
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, qf=qf, af=af, kdec=kdec, TC=TC, paired=paired)  # Ũ is not needed: dL_BA = -dX Uᵀ
+                 u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired)
     return o, ht, saved
