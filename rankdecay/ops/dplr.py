@@ -84,7 +84,7 @@ def dplr(
 
 
 def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale, v_scale,
-          inplace_final_state, grouped: bool = False, hh_mask=None):
+          inplace_final_state, grouped: bool = False, hh_mask=None, kda_b: bool = False):
     """``dplr`` itself. ``grouped``: a's rows are k split into groups of channels (Head-in-Head's
     ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
     (``triton.chunk_fwd.grouped_update``); the caller vouches for it. ``hh_mask``: more so, a and b are
@@ -92,7 +92,9 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     the fused kernels form them from k and the mask themselves, so that a and b may be placeholders
     (``triton.factors.hh_placeholders``): with autograd both, without it a alone (the grouped forward's state kernel
     reads b: ``triton.factors.hh_update_rows``); their backward carries the rows' gradients on to k and the mask
-    (``triton.chunk_bwd.chunk_dplr``'s). The caller vouches for this too, and that the fused kernels run."""
+    (``triton.chunk_bwd.chunk_dplr``'s). The caller vouches for this too, and that the fused kernels run.
+    ``kda_b``: without autograd, b is e^g ⊙ k (``kda``'s) and may be a placeholder, which the fused forward forms
+    where it needs it (``triton.chunk_fwd.chunk_dplr_fwd``'s); the caller vouches that the fused kernels run."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -118,6 +120,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     if hh_mask is not None and not fused:
         raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
+    if kda_b and (grad or not fused):
+        raise RuntimeError("kda_b: KDA's b is formed in the fused forward without autograd, which these inputs miss")
     if not fused:  # the other paths take the factors multiplied in
         if sa is not None:
             a = a.to(dtype) * sa.to(dtype)[..., None]
@@ -139,7 +143,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)
             def run(q, k, v, a, b, g, h0):
                 return chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa, v_scale=sv, grouped=grouped,
-                                      hh_mask=hh_mask)
+                                      hh_mask=hh_mask, kda_b=kda_b)
 
             o, state = padded_dplr(run, q, k, v, a, b, g, x.initial_state,
                                    a.shape[-2] if grouped and a is not None else 1)

@@ -1016,21 +1016,30 @@ def test_kda_forward_scaled_matches_pytorch_chunk(strong, output_form, monkeypat
     """kda's forward without the backward takes the scaled form (``chunk_fwd``'s channel_scaled): M_QK and L_BK
     alone from the products (no scaled twins), T' = (I + D L_BK)^{-1} from the intra kernel, the value update
     Y = T' (β ⊙ v - D (B ⊙ e^{G_{i-1}}) S_n) in the state kernel, the outputs from it or from the output kernel
-    (VALUES). Outputs and final state against mode="chunk" on ``_kda_inputs``. Checked: the products ran unpaired."""
-    from rankdecay.ops.triton import chunk_fwd
+    (VALUES). Outputs and final state against mode="chunk" on ``_kda_inputs``. Checked: the products ran unpaired,
+    and b = e^g ⊙ k was never built (``chunk_dplr_fwd``'s kda_b: L_BK as k's product with itself through G_t, B ⊙
+    e^{G_{i-1}} as k ⊙ e^G from the log-cumsum kernel). Off the scaled form (``_KNOBS["scaled"] = False``) the
+    forward builds b itself, once, and the results are the same."""
+    from rankdecay.ops.triton import chunk_fwd, factors
 
-    dual = []
-    product = chunk_fwd.channel_product
-    monkeypatch.setattr(chunk_fwd, "channel_product",
-                        lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
+    dual, x_at_t, built = [], [], []
+    product, factor = chunk_fwd.channel_product, factors.kda_factor
+    monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(kw.get("out_scaled") is not None)
+                        or x_at_t.append(kw.get("x_at_t", False)) or product(*a, **kw))
+    monkeypatch.setattr(factors, "kda_factor", lambda *a, **kw: built.append(1) or factor(*a, **kw))
     *x, h0 = [t.to(DEVICE) for t in _kda_inputs(seed=6, strong=strong)]
     with torch.no_grad():
         got = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
-        assert dual == [False, False]
+        assert dual == [False, False] and x_at_t == [False, True] and built == [], (dual, x_at_t, built)
         ref = ops.kda(*x, initial_state=h0, output_final_state=True, mode="chunk")
-    for name, a, b in zip(["o", "final_state"], got, ref):
+        monkeypatch.setitem(chunk_fwd._KNOBS, "scaled", False)
+        dual.clear()
+        unscaled = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
+        assert built == [1] and dual == [True, True], (built, dual)  # b built once, the products paired
+    for name, a, b, c in zip(["o", "final_state"], got, ref, unscaled):
         assert torch.isfinite(a).all(), name
         assert_matches(a, b, 1e-5, f"kda forward strong={strong} {output_form}: {name}")
+        assert_matches(c, b, 1e-5, f"kda forward strong={strong} {output_form}, not scaled: {name}")
 
 
 @pytest.mark.parametrize("K,dtype", [(16, torch.float32), (20, torch.bfloat16)])

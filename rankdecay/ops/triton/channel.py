@@ -183,11 +183,12 @@ def _channel_product_kernel(
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, KP: tl.constexpr,
-    DUAL: tl.constexpr,
+    DUAL: tl.constexpr, XSTRICT: tl.constexpr,
 ):
     # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
     # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale. DUAL (with YSC):
-    # p takes P times scale and p2 (p's shape) P ⊙ sy times scale, from one product.
+    # p takes P times scale and p2 (p's shape) P ⊙ sy times scale, from one product. XSTRICT: x's exponent is
+    # G_{t-1} (STRICT, as a rule), else G_t (STRICT alone masks a token against itself: ``channel_product``'s x_at_t).
     # Off the diagonal, x's side is scaled once over all of K (KP = pow2 >= K), then meets y's earlier
     # sub-blocks one at a time: half the exps and loads of one product against every y row with the
     # later ones masked (H100: GLA 0.75 -> 0.44 ms; BENCHMARKS.md session 20).
@@ -218,12 +219,12 @@ def _channel_product_kernel(
         if not STRICT:  # a token against itself: no decay
             dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
         if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
-            Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
+            Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, XSTRICT)
             for lvl in tl.static_range(LEVELS):
                 dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
         else:
             for lvl in tl.static_range(LEVELS):
-                dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, STRICT, PRECISION)
+                dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, XSTRICT, PRECISION)
     # the diagonal block in its own columns and zeros after it (the earlier columns come below)
     blk = (tl.arange(0, NB) == i_r).to(tl.float32)
     out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
@@ -241,7 +242,7 @@ def _channel_product_kernel(
         m_kf = o_kf < K
         Gr = tl.load(g + ref * KG + o_kf, mask=m_kf, other=0.0)
         Xs = _load_rows(x, fx, vx, o_kf, m_kf, K) * tl.exp(
-            (_x_exponent(g, tokx, o_kf, m_kf, KG, STRICT) - Gr[None, :]).to(tl.float32))
+            (_x_exponent(g, tokx, o_kf, m_kf, KG, XSTRICT) - Gr[None, :]).to(tl.float32))
         for j in range(0, i_r):
             o_j = j * YR + tl.arange(0, YR)
             tokj, vj, fj = _tok_rows(o_j, i_b, i_h, i_c, T, H, TC, RY, RYP)
@@ -261,14 +262,16 @@ def _sub_block(TC: int, rx: int, ry: int) -> int:
 
 
 def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str, lowp: bool,
-                    scale: float = 1.0, y_scale=None, out_scaled=None) -> torch.Tensor:
+                    scale: float = 1.0, y_scale=None, out_scaled=None, x_at_t: bool = False) -> torch.Tensor:
     """Writes P ⊙ y_scale (columns) times ``scale`` into ``out`` [B, H, NC, TC*Rxp, TC*Ryp] (any float dtype).
 
     x [B, T, H, Rx, K], y [B, T, H, Ry, K] (contiguous, as given; [B, T, H, K]: rank 1); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); y_scale [B, T, H, Ry] fp32 or None; lowp: x and y are 16-bit of one
     dtype (a token against itself is then taken in that dtype, exactly). ``out_scaled`` (out's shape, with
     y_scale): ``out`` then takes P times ``scale`` and ``out_scaled`` P ⊙ y_scale times ``scale``, both from one
-    product (the products of a row set with y and with y's scaled rows, as a = k with a_scale: ``kda``)."""
+    product (the products of a row set with y and with y's scaled rows, as a = k with a_scale: ``kda``).
+    ``x_at_t`` (with ``strict``): x's rows decay through G_t rather than G_{t-1}, a token still not against itself:
+    KDA's L_BK with b = e^g ⊙ k is this product of k with itself, since b_t e^{G_{t-1}} = k_t e^{G_t}."""
     x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
     B, _, H, RX, K = x.shape
     RY = y.shape[-2]
@@ -281,7 +284,7 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
         x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled, scale, T, NC,
         H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK,
         PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
-        DUAL=out_scaled is not None, num_warps=_knob("warps", TC), num_stages=1,
+        DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, num_warps=_knob("warps", TC), num_stages=1,
     )
     return out
 

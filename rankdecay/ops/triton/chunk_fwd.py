@@ -317,11 +317,12 @@ def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
 def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
                              RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False,
-                             KDO: tl.constexpr = True, cp=None, CPART: tl.constexpr = False):
+                             KDO: tl.constexpr = True, cp=None, CPART: tl.constexpr = False,
+                             KG_K: tl.constexpr = False):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
     # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
-    # of B). CPART (HDLA, RKV 1): this key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp
+    # of B; KG_K: b = e^g ⊙ k, KDA's, is not read, and kg is k ⊙ e^{G_t}, the same). CPART (HDLA, RKV 1): this key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp
     # [B, H, NC, key blocks, TC] (``hdla_c``), from which the products' and intra kernels form a2 themselves
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -351,13 +352,15 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
                     Kr = tl.zeros([TC, BK], dtype=tl.float32)
                 tl.store(kd + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Kr * dk, mask=m_k[None, :])
             if KGO:
-                if rk < RKV:
-                    Br = tl.load(b + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
-                                 other=0.0).to(tl.float32)
+                if rk >= RKV:
+                    Bg = tl.zeros([TC, BK], dtype=tl.float32)
+                elif KG_K:  # b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}
+                    Bg = tl.load(k + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
+                                 other=0.0).to(tl.float32) * tl.exp(G64.to(tl.float32))
                 else:
-                    Br = tl.zeros([TC, BK], dtype=tl.float32)
-                tl.store(kg + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :],
-                         Br * tl.exp((G64 - x.to(tl.float64)).to(tl.float32)), mask=m_k[None, :])
+                    Bg = tl.load(b + (((i_b * T + t[:, None]) * H + i_h) * RKV + rk) * K + o_k[None, :], mask=m_t,
+                                 other=0.0).to(tl.float32) * tl.exp((G64 - x.to(tl.float64)).to(tl.float32))
+                tl.store(kg + ((c * TC + r[:, None]) * RKVP + rk) * K + o_k[None, :], Bg, mask=m_k[None, :])
         tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
         if CPART:
             Kr = tl.load(k + rows, mask=m_t, other=0.0).to(tl.float32)
@@ -376,7 +379,8 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     prep: None, or (q, k, qd, kd, dch, scale[, kg, b]) with q [B, T, H, K], k [B, T, H, Rkv, K] and the chunk
     tensors qd [B, H, NC, C, K], kd [B, H, NC, C * pow2(Rkv), K] (or None: not formed), dch [B, H, NC, K] to fill
     with scale q ⊙ e^G, k ⊙ e^{G_C - G} and e^{G_C} (``chunk_dplr_fwd``'s forms for a per-channel gate)
-    in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape).
+    in the same pass, and kg (kd's shape, or None) with b ⊙ e^{G_{t-1}} (b of k's shape; b None: b = e^g ⊙ k,
+    KDA's, and kg = k ⊙ e^G, b not read).
 
     c_parts (with prep, k of one row per token: HDLA's): also each key block's share of c = kᵀ(λ ⊙ k) per token,
     λ = e^g, and return (gc, those shares [B, H, NC, key blocks, chunk_size] fp32), from which the products' and intra
@@ -396,8 +400,8 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     _chunk_log_cumsum_kernel[(NKB, NC, B * H)](
         g.contiguous(), gc, T, q, k, qd, kd if kdo else gc, dch, scale, H=H, K=K, TC=chunk_size, BK=BK,
         PREP=prep is not None, RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg,
-        b=gc if kg is None else b, KGO=kg is not None, KDO=kdo, cp=gc if cp is None else cp, CPART=c_parts,
-        num_warps=knob[1])
+        b=gc if kg is None or b is None else b, KGO=kg is not None, KDO=kdo, cp=gc if cp is None else cp,
+        CPART=c_parts, KG_K=kg is not None and b is None, num_warps=knob[1])
     return (gc, cp) if c_parts else gc
 
 
@@ -928,7 +932,7 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
 
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
-                   hh_mask=None, hdla_form_a2: bool = False):
+                   hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
@@ -949,7 +953,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     builds b alone). ``hdla_form_a2`` (with ``hdla_beta`` where its products take one kernel, without ``save``):
     a's a2 rows are not read either but formed where they are needed, a2 = β k ⊙ (λ - β c), from k, the
     log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
-    (``factors.hdla_placeholder``), and no factor kernel runs. Returns (o [B, T, H, V] in q's dtype, final state
+    (``factors.hdla_placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
+    ranks 1): b is e^g ⊙ k (``kda``'s) and may be a placeholder. Where the forward takes its scaled form it reads no
+    b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere b is built here (``factors.kda_factor``). Returns (o [B, T, H, V] in q's dtype, final state
     [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
     (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -987,7 +993,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``; so may
     # HDLA's a, formed from k, the log-cumsums, β and c: ``hdla_form_a2``)
     a = a.contiguous() if a is not None and hh_mask is None and not hdla_form_a2 else a
-    b = b.contiguous() if b is not None and (hh_mask is None or grouped) else b
+    b = b.contiguous() if b is not None and (hh_mask is None or grouped) and not kda_b else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
@@ -1006,6 +1012,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the same scaled form for a per-channel gate where a is k with factors (``kda``): paired, not saved, the rows
     # one block of the state kernel's; its outputs from either kernel (the output kernel reads S_n and Y)
     channel_scaled = paired and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
+    if kda_b:
+        if gate != 2 or Rkv != 1 or Rab != 1:
+            raise ValueError("kda_b: b = e^g ⊙ k (kda's) with a per-channel gate and ranks 1")
+        if not channel_scaled:  # these forms read b (as do heads padded to the kernels' widths: a is not k there)
+            from .factors import kda_factor, rows_dtype
+
+            b = kda_factor(k, g.contiguous().view(k.shape), dtype=rows_dtype(k, prec))
     # and HDLA's over its rows [k, a2] (a1 = β k: the writes k vᵀ lie on them), its products taken without β
     fused = gate == 2 and hdla_beta is not None and hdla_fused_products(prec, cfg)
     hdla_scaled = fused and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
@@ -1062,8 +1075,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if b is None and Rab and not fused:
         raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do without it")
     if gate == 2:  # the kernels read per-channel decays as differences of these
+        # (KDA's b not built: PREP forms kg = k ⊙ e^G)
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale,
-                                                                      kg if channel_scaled else None, b),
+                                                                      kg if channel_scaled else None,
+                                                                      None if kda_b and channel_scaled else b),
                              c_parts=hdla_form_a2)
         g, cparts = g if hdla_form_a2 else (g, None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
@@ -1076,7 +1091,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                           c_parts=cparts, **prod)
         elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
-            channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
+            if kda_b:  # b = e^g ⊙ k through G_{t-1} is k through G_t
+                channel_product(k, k, g, lbk, strict=True, lowp=_lowp(k, k), x_at_t=True, **prod)
+            else:
+                channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
         elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
                             **prod)
