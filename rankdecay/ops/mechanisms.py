@@ -208,7 +208,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
 
     As DPLR: ``a = β k`` (``a = k``, ``a_scale = β``), ``b = e^{g} ⊙ k``, writes ``k (β v)ᵀ``. With ``a`` the keys
     themselves, the fused forward takes each of the decay's intra-chunk products with its write's product
-    (``q a`` with ``q k``, ``b a`` with ``b k``): two per-channel products instead of four.
+    (``q a`` with ``q k``, ``b a`` with ``b k``): two per-channel products instead of four. Without autograd it
+    builds no ``b`` at all: ``b_t e^{G_{t-1}} = k_t e^{G_t}`` for the chunk's log-cumsums G.
     """
     _check_qkv(q, k, v)
     _check_beta(beta, q)
