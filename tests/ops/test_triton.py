@@ -896,6 +896,29 @@ def test_cu_seqlens():
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
 
 
+def test_kda_cu_seqlens_without_and_with_autograd():
+    """kda with cu_seqlens on the kernels against mode="chunk": without autograd its b is a placeholder that the
+    sequences' packing copies and the fused forward never reads (``chunk_dplr_fwd``'s kda_b); with it, b is built and
+    differentiated. Three sequences, one empty, strong decays, an initial state per sequence."""
+    q, k, v, g, beta, _ = _kda_inputs(seed=9, strong=True)
+    h0 = torch.randn(3, 2, 16, 8)
+    cu = torch.tensor([0, 23, 23, 70])
+    for grad in (False, True):
+        results = []
+        for mode in ("triton", "chunk"):
+            xs = [x.to(DEVICE).clone().requires_grad_(grad) for x in (q, k, v, g, beta, h0)]
+            with torch.set_grad_enabled(grad):
+                o, s = ops.kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu.to(DEVICE),
+                               mode=mode)
+                if grad:
+                    ((o * torch.linspace(-1, 1, 8, device=o.device)).sum() + s.sin().sum()).backward()
+            results.append([o.detach(), s.detach()] + ([x.grad for x in xs] if grad else []))
+        labels = ["o", "final_state"] + (["dq", "dk", "dv", "dg", "dbeta", "dh0"] if grad else [])
+        for name, x, y in zip(labels, *results, strict=True):
+            assert torch.isfinite(x).all(), name
+            assert_matches(x, y, 1e-5, f"kda cu_seqlens autograd={grad}: {name}")
+
+
 def test_mechanisms_route_through_triton():
     """Every mechanism function reaches the kernels through mode="triton"."""
     B, T, H, K = 1, 20, 2, 16
