@@ -322,8 +322,9 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
     # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
-    # of B; KG_K: b = e^g ⊙ k, KDA's, is not read, and kg is k ⊙ e^{G_t}, the same). CPART (HDLA, RKV 1): this key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp
-    # [B, H, NC, key blocks, TC] (``hdla_c``), from which the products' and intra kernels form a2 themselves
+    # of B; KG_K: b = e^g ⊙ k, KDA's, is not read, and kg is k ⊙ e^{G_t}, the same). CPART (HDLA, RKV 1): this
+    # key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp [B, H, NC, key blocks, TC] (``hdla_c``), from
+    # which the products' and intra kernels form a2 themselves
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -955,9 +956,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
     (``factors.hdla_placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
     ranks 1): b is e^g ⊙ k (``kda``'s) and may be a placeholder. Where the forward takes its scaled form it reads no
-    b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere b is built here (``factors.kda_factor``). Returns (o [B, T, H, V] in q's dtype, final state
-    [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the backward needs
-    (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere b is built here (``factors.kda_factor``). Returns (o
+    [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
+    backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
