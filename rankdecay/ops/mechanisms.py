@@ -228,14 +228,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     formed = False
     if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
         from .triton.chunk_state import _precision
-        from .triton.factors import kda_factor, rows_dtype  # one kernel each way, no fp32 copy of k for autograd
+        from .triton.factors import kda_factor, placeholder, rows_dtype  # one kernel each way, no fp32 k for autograd
 
         dtype = rows_dtype(k, _precision(q))
         # without autograd the fused forward forms what it needs of b from k and the gate itself (its scaled form
         # reads none: b_t e^{G_{t-1}} = k_t e^{G_t}), so b is a placeholder and no factor kernel runs
         formed = not needs_grad((q, k, v, g, beta, initial_state))
-        b = (torch.zeros((), dtype=dtype, device=k.device).expand(k1.shape) if formed
-             else kda_factor(k1, g[..., None, :], dtype=dtype))
+        b = placeholder(k1.shape, dtype, k.device) if formed else kda_factor(k1, g[..., None, :], dtype=dtype)
     else:
         b = _up(k1) * _gate_factor(g)
     return _dplr(q, k1, v[..., None, :], k1, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,

@@ -401,32 +401,41 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
 
 
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Wraps ``module.name`` so that each call appends 1 to the list returned (and then runs the original)."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
+def _channel_gate_inputs(seed: int, B: int, T: int, H: int, K: int, V: int, strong: slice):
+    """(q, k, v, g, β) on the CPU for a per-channel gate: k L2-normalised, log-gates of -30 per step over the tokens
+    ``strong``, β in [0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 1)
+    g[:, strong] = -30.0
+    return q, F.normalize(k, dim=-1), v, g, torch.rand(B, T, H, generator=gen)
+
+
 @pytest.mark.parametrize("mechanism", ["hdla", "kda", "gla"])
 def test_backward_reuses_the_forwards_log_cumsums(mechanism, monkeypatch):
     """A per-channel gate's chunk-local log-cumsums are saved by the forward with autograd and read by the backward,
-    which takes none of its own (``chunk_bwd._backward``); the gradients are the PyTorch path's."""
-    chunk_bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
-    taken = []
-    log_cumsum = chunk_bwd.chunk_log_cumsum
-    monkeypatch.setattr(chunk_bwd, "chunk_log_cumsum", lambda *a, **kw: taken.append(1) or log_cumsum(*a, **kw))
-    gen = torch.Generator().manual_seed(22)
-    B, T, H, K, V = 1, 21, 2, 16, 16
-    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
-    k = F.normalize(k, dim=-1)
-    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 1)
-    g[:, 5:7] = -30.0
-    beta = torch.rand(B, T, H, generator=gen)
+    which takes none of its own (``chunk_bwd._backward``): one log-cumsum kernel per forward+backward; the
+    gradients are the PyTorch path's."""
+    taken = _count_calls(monkeypatch, importlib.import_module("rankdecay.ops.triton.chunk_fwd"), "chunk_log_cumsum")
+    inputs = _channel_gate_inputs(22, B=1, T=21, H=2, K=16, V=16, strong=slice(5, 7))
     results = []
     for mode in ("triton", "chunk"):
-        xs = [x.to(DEVICE).clone().requires_grad_() for x in (q, k, v, g, beta)]
+        xs = [x.to(DEVICE).clone().requires_grad_() for x in inputs]
         if mechanism == "gla":
             xs = xs[:4]
         op = dict(hdla=ops.hdla, kda=ops.kda, gla=ops.gla)[mechanism]
         o = op(*xs, mode=mode, chunk_size=16)[0]
-        (o * torch.linspace(-1, 1, V, device=o.device)).sum().backward()
+        (o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum().backward()
         results.append([o.detach()] + [x.grad for x in xs])
         if mode == "triton":
-            assert taken == [], f"the backward took the log-cumsums again ({len(taken)} calls)"
+            assert taken == [1], f"{len(taken)} log-cumsum kernels for one forward+backward (the forward's alone: 1)"
     for x, y in zip(*results, strict=True):
         assert_matches(x, y, 1e-5, mechanism)
 
@@ -436,21 +445,13 @@ def test_hdla_forward_alone_builds_no_rows(monkeypatch):
     runs and a is a placeholder; the kernels form a2 from k, the log-cumsums, β and c (``chunk_fwd.chunk_dplr_fwd``'s
     hdla_form_a2), and the result is the one with a2 built (``_KNOBS["form_a2"] = 0``), a partial last chunk and
     strong decays included."""
-    chunk_bwd = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
     knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
     monkeypatch.setitem(knobs, "hdla_products", True)
-    built = []
-    factors = chunk_bwd.hdla_factors_fwd
-    monkeypatch.setattr(chunk_bwd, "hdla_factors_fwd", lambda *a, **kw: built.append(1) or factors(*a, **kw))
-    gen = torch.Generator().manual_seed(21)
-    B, T, H, K, V = 1, 37, 2, 40, 24
-    q, k, v = (torch.randn(B, T, H, d, generator=gen) for d in (K, K, V))
-    k = F.normalize(k, dim=-1)
-    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 1)
-    g[:, 10:13] = -30.0
-    beta = 2 * torch.rand(B, T, H, generator=gen)
+    built = _count_calls(monkeypatch, importlib.import_module("rankdecay.ops.triton.chunk_bwd"), "hdla_factors_fwd")
+    q, k, v, g, beta = _channel_gate_inputs(21, B=1, T=37, H=2, K=40, V=24, strong=slice(10, 13))
+    beta = 2 * beta
     beta[:, 4] = 2.0
-    h0 = torch.randn(B, H, K, V, generator=gen)
+    h0 = torch.randn(1, 2, 40, 24, generator=torch.Generator().manual_seed(23))
     xs = [x.to(DEVICE) for x in (q, k, v, g, beta)]
     results = []
     for form in (1, 0):
@@ -508,7 +509,7 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
         assert_matches(x, y, 1e-6, name)
     # a2 formed in the kernel (the forward without autograd: ``chunk_dplr_fwd``'s hdla_form_a2) from c's key-block
     # shares, which the log-cumsum kernel writes beside the same log-cumsums; a a placeholder never read
-    from rankdecay.ops.triton.factors import hdla_placeholder
+    from rankdecay.ops.triton.factors import placeholder
 
     qd, dch = torch.empty(B, H, NC, C, K, device=DEVICE), torch.empty(B, H, NC, K, device=DEVICE)
     gc2, parts = chunk_log_cumsum(g, C, torch.float64, prep=(q, k[..., None, :], qd, None, dch, 0.3), c_parts=True)
@@ -518,8 +519,8 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     assert parts.shape[3] == (2 if K == 37 else 1)  # K = 37: two key blocks' shares, summed by the kernels
     assert_matches(parts.sum(3), c_chunks, 1e-6, "c's shares")
     formed = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
-    hdla_products(q, k, hdla_placeholder(k, torch.float32), gc, beta, *formed, T=T, TC=C, precision="ieee",
-                  scale=0.3, c_parts=parts)
+    hdla_products(q, k, placeholder((B, T, H, 2, K), torch.float32, DEVICE), gc, beta, *formed, T=T, TC=C,
+                  precision="ieee", scale=0.3, c_parts=parts)
     for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], formed, ref):
         assert torch.isfinite(x).all(), f"{name}: entries not written (a2 formed)"
         assert_matches(x, y, 1e-6, f"{name} (a2 formed)")
@@ -1045,11 +1046,11 @@ def test_kda_forward_scaled_matches_pytorch_chunk(strong, output_form, monkeypat
     forward builds b itself, once, and the results are the same."""
     from rankdecay.ops.triton import chunk_fwd, factors
 
-    dual, x_at_t, built = [], [], []
-    product, factor = chunk_fwd.channel_product, factors.kda_factor
+    dual, x_at_t = [], []
+    product = chunk_fwd.channel_product
     monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(kw.get("out_scaled") is not None)
                         or x_at_t.append(kw.get("x_at_t", False)) or product(*a, **kw))
-    monkeypatch.setattr(factors, "kda_factor", lambda *a, **kw: built.append(1) or factor(*a, **kw))
+    built = _count_calls(monkeypatch, factors, "kda_factor")
     *x, h0 = [t.to(DEVICE) for t in _kda_inputs(seed=6, strong=strong)]
     with torch.no_grad():
         got = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")

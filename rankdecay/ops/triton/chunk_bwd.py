@@ -37,9 +37,8 @@ import triton.language as tl
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, chunk_log_cumsum, hdla_fused_products,
-                        log_cumsum_dtype, segments, ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, hdla_placeholder, rows_dtype
+                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, segments, ties_keys)
+from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, placeholder, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
                           _precision, _state_bwd_kernel, bwd_stages)
@@ -1034,9 +1033,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             num_warps=_CONFIG["grad"], num_stages=1,
         )
     else:
-        # per channel: the decays' log-cumsums, as the forward left them (the same kernel's, not taken again)
-        gc = (gc_saved if gc_saved is not None else chunk_log_cumsum(g, C, log_cumsum_dtype(prec))) if gate == 2 \
-            else g
+        # per channel: the decays' log-cumsums, as the forward saved them (not taken again)
+        gc = gc_saved if gate == 2 else g
         pq = pk = pa = pb = dbeta_rows = None
         if b is None and Rab and not one:
             raise ValueError("b is None: only HDLA's rows (hdla_beta) at the bf16 products' precision can do "
@@ -1279,7 +1277,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     precision = _KNOBS.get("precision", _precision(q))
     if hdla_fused_products(precision) and _KNOBS.get("form_a2", 1):
         # no rows built: the kernels form a1, b and a2 from k, g and β (and c, from the log-cumsum kernel)
-        a = hdla_placeholder(k, rows_dtype(k, precision))
+        a = placeholder((*k.shape[:-1], 2, k.shape[-1]), rows_dtype(k, precision), k.device)
         return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, None, g, scale, initial_state, hdla_beta=beta,
                               hdla_form_a2=True)
     a, b = _hdla_factors(q, k, g, beta)

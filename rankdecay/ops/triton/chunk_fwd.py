@@ -592,26 +592,21 @@ def _intra_kernel(
     for k0 in tl.static_range(0, K if not SCALED or HDLA else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
-        if HDLA and FORM_A2:
-            Gt = _gc_at(gc, toka, toka >= 0, o_k, m_k, KG)
-            Gp = _gc_at(gc, toka - 1, toka > 0, o_k, m_k, KG)  # G_{-1} = 0
-            Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
-            A = tl.where((rka == 0)[:, None], be * Kt, hdla_a2(Kt, tl.exp((Gt - Gp).to(tl.float32)), bt, ct))
-            Gc = _gc_at(gc, toka * 0 + TC - 1, toka >= 0, o_k, m_k, KG)  # to the chunk's end
-            A = A * tl.exp((Gc - Gt).to(tl.float32))
-            tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-            Bm = Kt * tl.exp(tl.where((rka == 0)[:, None], Gt, Gp).to(tl.float32))
-            if SCALED:
-                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], Bm, mask=m_k[None, :])
+        if HDLA:
+            if FORM_A2:
+                Gt = _gc_at(gc, toka, toka >= 0, o_k, m_k, KG)
+                Gp = _gc_at(gc, toka - 1, toka > 0, o_k, m_k, KG)  # G_{-1} = 0
+                Kt = _load_rows(k, fa // 2, va, o_k, m_k, K)
+                A = tl.where((rka == 0)[:, None], be * Kt, hdla_a2(Kt, tl.exp((Gt - Gp).to(tl.float32)), bt, ct))
+                Gc = _gc_at(gc, toka * 0 + TC - 1, toka >= 0, o_k, m_k, KG)  # to the chunk's end
+                A = A * tl.exp((Gc - Gt).to(tl.float32))
+                Bm = Kt * tl.exp(tl.where((rka == 0)[:, None], Gt, Gp).to(tl.float32))
             else:
-                tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION),
-                         mask=m_k[None, :])
-        elif HDLA:
-            Kt, A = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
-            A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
+                Kt, A = _hdla_rows(k, a, be, fa, va, rka, o_k, m_k, K)
+                A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
+                # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
+                Bm = Kt * tl.exp(_gc_at(gc, toka - rka, toka - rka >= 0, o_k, m_k, KG).to(tl.float32))
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-            # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
-            Bm = Kt * tl.exp(_gc_at(gc, toka - rka, toka - rka >= 0, o_k, m_k, KG).to(tl.float32))
             if SCALED:  # B ⊙ e^{G_{i-1}} itself, for the state kernel (in w's place: its kg)
                 tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], Bm, mask=m_k[None, :])
             else:
@@ -954,7 +949,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     builds b alone). ``hdla_form_a2`` (with ``hdla_beta`` where its products take one kernel, without ``save``):
     a's a2 rows are not read either but formed where they are needed, a2 = β k ⊙ (λ - β c), from k, the
     log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
-    (``factors.hdla_placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
+    (``factors.placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
     ranks 1): b is e^g ⊙ k (``kda``'s) and may be a placeholder. Where the forward takes its scaled form it reads no
     b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere b is built here (``factors.kda_factor``). Returns (o
     [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the

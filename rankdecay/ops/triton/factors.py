@@ -355,6 +355,13 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor,
     return _HHFactors.apply(k.contiguous(), mask.contiguous(), b_dtype)
 
 
+def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A stand-in for rows the fused kernels form themselves (Head-in-Head's a and b: ``hh_placeholders``; HDLA's a,
+    ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``; KDA's b, its ``kda_b``): one element expanded to ``shape``, so no
+    memory and no kernel, with the shape and dtype the kernels read off it. Its contents must never be read."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
 def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
                     device) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for Head-in-Head's rows (``hh_factors``' a and b, ``[B, T, H, r, K]`` for ``shape`` = (B, T, H, K))
@@ -362,13 +369,7 @@ def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
     one element each, expanded, so no memory and no kernel, with the shapes and dtypes (a: k's, b: ``b_dtype``)
     the kernels read off them. Their contents must never be read."""
     B, T, H, K = shape
-    return tuple(torch.zeros((), dtype=dt, device=device).expand(B, T, H, r, K) for dt in (k_dtype, b_dtype))
-
-
-def hdla_placeholder(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A stand-in for HDLA's rows a ([B, T, H, 2, K] for k [B, T, H, K], in ``dtype``) where the fused forward forms
-    a2 in its kernels (``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``): one element, expanded, never read."""
-    return torch.zeros((), dtype=dtype, device=k.device).expand(*k.shape[:-1], 2, k.shape[-1])
+    return tuple(placeholder((B, T, H, r, K), dt, device) for dt in (k_dtype, b_dtype))
 
 
 def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
