@@ -247,9 +247,10 @@ def test_decay_rows_that_are_the_keys(Rkv, gate, grads, dtype, tol, output_form)
     β α as a_scale): the state kernel reads k once for both of its products (SAME_AK) and, with
     rank 1 and a decay per row, the backward forms k's three gradients as one (``ties_keys``).
     fp16: results in fp16, the tolerance is their rounding (2^-11). K = 40: two key blocks in the
-    backward's step 4, the second one partial."""
-    q, k, v, _, _, g, h0 = random_inputs(2, 75, 2, 40, 16, 0, Rkv, gate, dtype=dtype)
-    sa = torch.rand(2, 75, 2, Rkv, device=DEVICE) * 2
+    backward's step 4, the second one partial. One sequence of two heads (the interpreter's time grows with the
+    programs; a batch of two is ``test_triton_chunk_matches_pytorch_chunk``'s)."""
+    q, k, v, _, _, g, h0 = random_inputs(1, 75, 2, 40, 16, 0, Rkv, gate, dtype=dtype)
+    sa = torch.rand(1, 75, 2, Rkv, device=DEVICE) * 2
     results = []
     for mode in ("triton", "chunk"):
         xs = [None if x is None else x.detach().clone().requires_grad_(grads) for x in (q, k, v, g, h0, sa)]
@@ -311,6 +312,20 @@ def test_delta_rule_forward_extremes(output_form):
             assert_matches(x, y, 1e-5, f"T={T} {output_form}: {name}")
 
 
+def _autograd_nodes(x: torch.Tensor) -> list[str]:
+    """The class names of the autograd nodes x comes from (each node once). On a GPU, heads narrower than the kernels'
+    widths are padded around the kernels' node (``chunk_bwd.padded_heads``: slices and a clone after it)."""
+    seen, todo, names = set(), [x.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("gated", [False, True], ids=["deltanet", "gdn"])
 def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
@@ -337,7 +352,7 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
                   .requires_grad_() for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
             o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
             if mode == "triton":
-                assert type(o.grad_fn).__name__ == "_GatedDeltaRuleBackward"
+                assert _autograd_nodes(o).count("_GatedDeltaRuleBackward") == 1
             loss = (o.float() * torch.linspace(-1, 1, 20, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs if x is not None])
@@ -357,7 +372,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     default only at the bf16 products' precision) and carries the rows' gradients on to k, g and β. Against the
     PyTorch path: T = 1 and 77 (chunks of 16 tokens: a partial last chunk), log-gates of -30
     per step and one of -1e4, β in [0, 2] with β = 0 and β = 2, a per-channel gate or a per-head one (expanded
-    over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None). ``stored``: the
+    over K), fp16 q, k, v and β, every gradient; and the final state unused (its gradient None; T = 40). ``stored``: the
     tensors between the kernels in 16 bits, as on a GPU at the bf16 products' precision (the products' gradients
     of q, k, a and b among them), within eight units of fp16's rounding (as bf16's in
     ``test_bf16_products_under_medium_matmul_precision``). Step 4 on 16 key channels: K = 20 in two blocks, the
@@ -369,7 +384,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
         monkeypatch.setitem(knobs, "stored", stored)
     gen = torch.Generator().manual_seed(12)
     K, V = 20, 12
-    for T, use_state in ((1, True), (77, True), (77, False)):
+    for T, use_state in ((1, True), (77, True), (40, False)):
         q, k, v = torch.randn(2, T, 2, K, generator=gen), torch.randn(2, T, 2, K, generator=gen), \
             torch.randn(2, T, 2, V, generator=gen)
         k = F.normalize(k, dim=-1)
@@ -377,7 +392,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
         beta = 2 * torch.rand(2, T, 2, generator=gen)
         if T > 1:
             beta[:, 5], beta[:, 6] = 0.0, 2.0
-            g[:, 30:40], g[:, 70] = -30.0, -1e4
+            g[:, 30:40], g[:, T - 7] = -30.0, -1e4
         h0 = torch.randn(2, 2, K, V, generator=gen)
         results = []
         for mode in ("triton", "chunk"):
@@ -385,7 +400,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
                   for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
             o, s = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
             if mode == "triton" and gate == "channel":
-                assert type(o.grad_fn).__name__ == "_HDLABackward"
+                assert _autograd_nodes(o).count("_HDLABackward") == 1
             loss = (o.float() * torch.linspace(-1, 1, V, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs])
@@ -1190,12 +1205,16 @@ def test_hh_factor_kernel_matches_pytorch_construction(K, r, dtype, static):
             assert_matches(x, y, 1e-5, f"hh_delta_rule {name}")
 
 
-@pytest.mark.parametrize("K,r,static,varlen,cap", [(16, 4, True, False, 0), (24, 3, False, False, 0),
-                                                 (40, 2, True, True, 0), (48, 4, False, True, 0),
-                                                 (32, 2, True, False, 0), (48, 3, False, True, 0),
-                                                 (64, 4, True, True, 0), (64, 4, False, False, 0),
-                                                 (64, 2, False, True, 16)])
-@pytest.mark.parametrize("hh_inputs", [0, 1], ids=["inputs-general", "inputs-by-groups"])
+_HH_STEP4_CASES = [(16, 4, True, False, 0), (24, 3, False, False, 0), (40, 2, True, True, 0), (48, 4, False, True, 0),
+                   (32, 2, True, False, 0), (48, 3, False, True, 0), (64, 4, True, True, 0), (64, 4, False, False, 0),
+                   (64, 2, False, True, 16)]
+
+
+# the inputs' kernel by groups (hh_inputs = 1) only where step 4 runs by groups (K / r a multiple of 16): elsewhere
+# the knob changes nothing
+@pytest.mark.parametrize("K,r,static,varlen,cap,hh_inputs", [
+    pytest.param(*case, hh_inputs, id="-".join([("inputs-general", "inputs-by-groups")[hh_inputs], *map(str, case)]))
+    for case in _HH_STEP4_CASES for hh_inputs in (0, 1) if not hh_inputs or (case[0] // case[1]) % 16 == 0])
 def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, hh_inputs, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
