@@ -1055,29 +1055,35 @@ def test_kda_forward_scaled_matches_pytorch_chunk(strong, output_form, monkeypat
     """kda's forward without the backward takes the scaled form (``chunk_fwd``'s channel_scaled): M_QK and L_BK
     alone from the products (no scaled twins), T' = (I + D L_BK)^{-1} from the intra kernel, the value update
     Y = T' (β ⊙ v - D (B ⊙ e^{G_{i-1}}) S_n) in the state kernel, the outputs from it or from the output kernel
-    (VALUES). Outputs and final state against mode="chunk" on ``_kda_inputs``. Checked: the products ran unpaired,
-    and b = e^g ⊙ k was never built (``chunk_dplr_fwd``'s kda_b: L_BK as k's product with itself through G_t, B ⊙
-    e^{G_{i-1}} as k ⊙ e^G from the log-cumsum kernel). Off the scaled form (``_KNOBS["scaled"] = False``) the
-    forward builds b itself, once, and the results are the same."""
+    (VALUES). Outputs and final state against mode="chunk" on ``_kda_inputs``. Checked: the products ran without
+    their scaled twins, and b = e^g ⊙ k was never built (``chunk_dplr_fwd``'s kda_b: L_BK as k's product with itself
+    through G_t, in M_QK's kernel (``channel_product``'s x2) or, with ``_KNOBS["kda_pair"] = 0``, in a kernel of its
+    own (x_at_t); B ⊙ e^{G_{i-1}} as k ⊙ e^G from the log-cumsum kernel). Off the scaled form
+    (``_KNOBS["scaled"] = False``) the forward builds b itself, once, and the results are the same."""
     from rankdecay.ops.triton import chunk_fwd, factors
 
-    dual, x_at_t = [], []
+    calls = []  # per channel_product: (scaled twins, x_at_t, x2)
     product = chunk_fwd.channel_product
-    monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(kw.get("out_scaled") is not None)
-                        or x_at_t.append(kw.get("x_at_t", False)) or product(*a, **kw))
+    monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: calls.append(
+        (kw.get("out_scaled") is not None, kw.get("x_at_t", False), kw.get("x2") is not None)) or product(*a, **kw))
     built = _count_calls(monkeypatch, factors, "kda_factor")
     *x, h0 = [t.to(DEVICE) for t in _kda_inputs(seed=6, strong=strong)]
+    results = {}
     with torch.no_grad():
-        got = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
-        assert dual == [False, False] and x_at_t == [False, True] and built == [], (dual, x_at_t, built)
+        for pair, expected in ((1, [(False, False, True)]), (0, [(False, False, False), (False, True, False)])):
+            monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
+            calls.clear()
+            results[pair] = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
+            assert calls == expected and built == [], (pair, calls, built)
         ref = ops.kda(*x, initial_state=h0, output_final_state=True, mode="chunk")
         monkeypatch.setitem(chunk_fwd._KNOBS, "scaled", False)
-        dual.clear()
+        calls.clear()
         unscaled = ops.kda(*x, initial_state=h0, output_final_state=True, mode="triton")
-        assert built == [1] and dual == [True, True], (built, dual)  # b built once, the products paired
-    for name, a, b, c in zip(["o", "final_state"], got, ref, unscaled):
+        assert built == [1] and [c[0] for c in calls] == [True, True], (built, calls)  # b built once, paired
+    for name, a, a0, b, c in zip(["o", "final_state"], results[1], results[0], ref, unscaled):
         assert torch.isfinite(a).all(), name
         assert_matches(a, b, 1e-5, f"kda forward strong={strong} {output_form}: {name}")
+        assert_matches(a0, b, 1e-5, f"kda forward strong={strong} {output_form}, kda_pair=0: {name}")
         assert_matches(c, b, 1e-5, f"kda forward strong={strong} {output_form}, not scaled: {name}")
 
 
@@ -2221,6 +2227,42 @@ def _channel_product_reference(x, y, g, TC, strict):
     decay = torch.where(causal[:, :, None], diff, -torch.inf).exp()
     P = torch.einsum("bhnprk,bhnqsk,bhnpqk->bhnprqs", X, Y, decay)
     return P.reshape(B, H, NC, TC * RXP, TC * RYP)
+
+
+@pytest.mark.parametrize("R,scaled,T,strong", [(1, False, 45, False), (1, True, 37, True), (2, True, 45, True)])
+def test_channel_product_pair_matches_two_products(R, scaled, T, strong):
+    """``channel.channel_product``'s x2: x's product with y (inclusive, with scale) and x2's (strict, through G_t,
+    no scale) from one kernel, with y's factors and their scaled twins (out_scaled / out2_scaled) or without,
+    against the two products taken apart (x2's with ``x_at_t``); a partial last chunk, log-gates of -30 per step.
+    Bad combinations are refused."""
+    from rankdecay.ops.triton.channel import channel_product
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
+
+    B, H, K, TC = 1, 2, 20, 32
+    gen = torch.Generator().manual_seed(R + T)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    x, x2, y = rnd(B, T, H, R, K), rnd(B, T, H, R, K), rnd(B, T, H, R, K)
+    g = -30 * torch.rand(B, T, H, K, generator=gen).to(DEVICE) if strong else F.logsigmoid(rnd(B, T, H, K) + 2)
+    sy = rnd(B, T, H, R) if scaled else None
+    gc = chunk_log_cumsum(g, TC)
+    RP = 1 << (R - 1).bit_length()
+    new = lambda: torch.full((B, H, gc.shape[2], TC * RP, TC * RP), float("nan"), device=DEVICE)  # noqa: E731
+    got = [new() for _ in range(4 if scaled else 2)]
+    want = [new() for _ in range(4 if scaled else 2)]
+    kw = dict(T=T, TC=TC, precision="ieee", lowp=False, y_scale=sy)
+    channel_product(x, y, gc, got[0], strict=False, scale=0.5, out_scaled=got[2] if scaled else None, x2=x2,
+                    out2=got[1], out2_scaled=got[3] if scaled else None, **kw)
+    channel_product(x, y, gc, want[0], strict=False, scale=0.5, out_scaled=want[2] if scaled else None, **kw)
+    channel_product(x2, y, gc, want[1], strict=True, x_at_t=True, out_scaled=want[3] if scaled else None, **kw)
+    # the entries the kernels write: each row block's columns up to its diagonal block's end
+    for i, (a, b) in enumerate(zip(got, want)):
+        written = ~torch.isnan(b)
+        assert torch.equal(written, ~torch.isnan(a)), f"output {i}: written elsewhere"
+        torch.testing.assert_close(a[written], b[written], rtol=1e-6, atol=1e-6, msg=f"output {i}")
+    for bad in (dict(strict=True, x2=x2, out2=got[1]), dict(strict=False, x2=x2, out2=None),
+                dict(strict=False, x2=x2[..., :-1], out2=got[1])):
+        with pytest.raises(ValueError, match="x2 takes"):
+            channel_product(x, y, gc, got[0], T=T, TC=TC, precision="ieee", lowp=False, **bad)
 
 
 @pytest.mark.parametrize("RX,RY,strict,scaled", [(1, 1, False, False), (1, 2, False, True), (2, 2, True, True),

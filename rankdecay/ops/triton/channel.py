@@ -33,7 +33,10 @@ against k and a2) in one kernel, the same sub-blocks and levels, instead of nine
 
 Where a is k with per-row factors (``kda``: a = β ⊙ k), Q A is Q K with β on its columns and B A is B K:
 ``channel_product(..., out_scaled=)`` writes each pair from one product and ``channel_product_bwd(...,
-dp_scaled=)`` takes its gradients in one pass (the kernels' DUAL), two products where there were four.
+dp_scaled=)`` takes its gradients in one pass (the kernels' DUAL), two products where there were four. Without
+autograd, KDA's L_BK is k's product with itself through G_t (b = e^g ⊙ k), the same columns and exponents as M_QK:
+``channel_product(..., x2=)`` takes both in one kernel (the forward kernel's PAIR; H200 KDA forward 1.17 -> 1.07 ms,
+BENCHMARKS.md session 45).
 """
 from __future__ import annotations
 
@@ -152,6 +155,49 @@ def _level_product_shared(X, Y, Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: 
 
 
 @triton.jit
+def _level_pair_shared(X, X2, Y, Gx, Gy, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """``_level_product_shared`` for two row sets X and X2 of the same tokens and exponent against one Y: the
+    decays and Y's scaled rows taken once for both products."""
+    lx, ly = _level_decays(Gx, Gy, gc, tok, o_k, m_k, KG, S)
+    Yl = tl.trans(Y * ly)
+    same = _same_block(tok, tok, S)
+    return (tl.where(same, _dot(X * lx, Yl, PRECISION), 0.0), tl.where(same, _dot(X2 * lx, Yl, PRECISION), 0.0))
+
+
+@triton.jit
+def _store_product_dia(p, p2, dia, sc_y, scale, c, o_x, o_y, i_r, NX: tl.constexpr, NY: tl.constexpr,
+                       XR: tl.constexpr, YR: tl.constexpr, NB: tl.constexpr, YSC: tl.constexpr, DUAL: tl.constexpr):
+    """The diagonal block ``dia`` [XR, YR] of a row block in its own columns and zeros after it (the earlier columns
+    are ``_store_product_off``'s): P times scale into p, ⊙ sc_y (y's factors [NY], YSC) as ``_channel_product_kernel``
+    describes; DUAL: P times scale into p and P ⊙ sc_y times scale into p2."""
+    blk = (tl.arange(0, NB) == i_r).to(tl.float32)
+    out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY]) * scale
+    rows = (c * NX + o_x[:, None]) * NY + o_y[None, :]
+    later = (o_y >= i_r * YR)[None, :]
+    if YSC:
+        if DUAL:
+            tl.store(p + rows, out, mask=later)
+            p = p2
+        out = out * sc_y[None, :]
+    tl.store(p + rows, out, mask=later)
+
+
+@triton.jit
+def _store_product_off(p, p2, blk, sc_j, scale, c, o_x, o_j, NX: tl.constexpr, NY: tl.constexpr, YSC: tl.constexpr,
+                       DUAL: tl.constexpr):
+    """One earlier block of y's columns o_j (``_store_product_dia``'s layout and factors; sc_j: y's factors there)."""
+    rows = (c * NX + o_x[:, None]) * NY + o_j[None, :]
+    blk = blk * scale
+    if YSC:
+        if DUAL:
+            tl.store(p + rows, blk)
+            p = p2
+        blk = blk * sc_j[None, :]
+    tl.store(p + rows, blk)
+
+
+@triton.jit
 def _input_dot(X, Y, x, y, LP: tl.constexpr, PRECISION: tl.constexpr):
     """X Yᵀ of rows loaded (as fp32) from the inputs x and y: with LP (both 16-bit) in their own
     dtype, which is exact (16-bit products fit the fp32 accumulator), else at PRECISION."""
@@ -179,16 +225,18 @@ def _x_exponent(gc, tok, o_k, m_k, KG: tl.constexpr, STRICT: tl.constexpr):
 
 @triton.jit
 def _channel_product_kernel(
-    x, y, gc, sy, p, p2, scale, T, NC,
+    x, y, gc, sy, p, p2, x2, p3, p4, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, KP: tl.constexpr,
-    DUAL: tl.constexpr, XSTRICT: tl.constexpr,
+    DUAL: tl.constexpr, XSTRICT: tl.constexpr, PAIR: tl.constexpr,
 ):
     # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
     # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale. DUAL (with YSC):
     # p takes P times scale and p2 (p's shape) P ⊙ sy times scale, from one product. XSTRICT: x's exponent is
     # G_{t-1} (STRICT, as a rule), else G_t (STRICT alone masks a token against itself: ``channel_product``'s x_at_t).
+    # PAIR (not STRICT, RXP == RYP): also x2's rows (x's shape) against y, strict, through G_t, without scale, into
+    # p3 (and p4 as p2, DUAL): the decays, y's rows and their exps shared by both products.
     # Off the diagonal, x's side is scaled once over all of K (KP = pow2 >= K), then meets y's earlier
     # sub-blocks one at a time: half the exps and loads of one product against every y row with the
     # later ones masked (H100: GLA 0.75 -> 0.44 ms; BENCHMARKS.md session 20).
@@ -211,6 +259,7 @@ def _channel_product_kernel(
     if not STRICT:
         same_tok = tokx[:, None] == tokd[None, :]
     dia = tl.zeros([XR, YR], dtype=tl.float32)
+    dia2 = tl.zeros([XR, YR], dtype=tl.float32)  # PAIR's
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -220,40 +269,48 @@ def _channel_product_kernel(
             dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
         if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
             Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, XSTRICT)
-            for lvl in tl.static_range(LEVELS):
-                dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
+            if PAIR:
+                X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
+                for lvl in tl.static_range(LEVELS):
+                    d1, d2 = _level_pair_shared(X, X2, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
+                    dia += d1
+                    dia2 += d2
+            else:
+                for lvl in tl.static_range(LEVELS):
+                    dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
         else:
             for lvl in tl.static_range(LEVELS):
                 dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, XSTRICT, PRECISION)
-    # the diagonal block in its own columns and zeros after it (the earlier columns come below)
-    blk = (tl.arange(0, NB) == i_r).to(tl.float32)
-    out = tl.reshape(dia[:, None, :] * blk[None, :, None], [XR, NY])
-    p_x = p + (c * NX + o_x[:, None]) * NY
     if YSC:
         sc_y = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)
-        if DUAL:
-            tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
-            p_x = p2 + (c * NX + o_x[:, None]) * NY
-        out = out * sc_y[None, :]
-    tl.store(p_x + o_y[None, :], out * scale, mask=(o_y >= i_r * YR)[None, :])
+    else:
+        sc_y = tl.zeros([NY], dtype=tl.float32)  # unused
+    _store_product_dia(p, p2, dia, sc_y, scale, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
+    if PAIR:
+        _store_product_dia(p3, p4, dia2, sc_y, 1.0, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
     if i_r > 0:  # each earlier block of y, through the token just before this row block
         ref = i_r * TB - 1
         o_kf = tl.arange(0, KP)
         m_kf = o_kf < K
         Gr = tl.load(g + ref * KG + o_kf, mask=m_kf, other=0.0)
-        Xs = _load_rows(x, fx, vx, o_kf, m_kf, K) * tl.exp(
-            (_x_exponent(g, tokx, o_kf, m_kf, KG, XSTRICT) - Gr[None, :]).to(tl.float32))
+        Ex = tl.exp((_x_exponent(g, tokx, o_kf, m_kf, KG, XSTRICT) - Gr[None, :]).to(tl.float32))
+        Xs = _load_rows(x, fx, vx, o_kf, m_kf, K) * Ex
+        if PAIR:
+            X2s = _load_rows(x2, fx, vx, o_kf, m_kf, K) * Ex
         for j in range(0, i_r):
             o_j = j * YR + tl.arange(0, YR)
             tokj, vj, fj = _tok_rows(o_j, i_b, i_h, i_c, T, H, TC, RY, RYP)
             Ys = _load_rows(y, fj, vj, o_kf, m_kf, K) * tl.exp(
                 (Gr[None, :] - _gc_at(g, tokj, tokj >= 0, o_kf, m_kf, KG)).to(tl.float32))
-            blk_j = _dot(Xs, tl.trans(Ys), PRECISION)
             if YSC:
-                if DUAL:
-                    tl.store(p + (c * NX + o_x[:, None]) * NY + o_j[None, :], blk_j * scale)
-                blk_j = blk_j * tl.load(sy + fj, mask=vj, other=0.0).to(tl.float32)[None, :]
-            tl.store(p_x + o_j[None, :], blk_j * scale)
+                sc_j = tl.load(sy + fj, mask=vj, other=0.0).to(tl.float32)
+            else:
+                sc_j = tl.zeros([YR], dtype=tl.float32)  # unused
+            _store_product_off(p, p2, _dot(Xs, tl.trans(Ys), PRECISION), sc_j, scale, c, o_x, o_j, NX, NY, YSC,
+                               DUAL)
+            if PAIR:
+                _store_product_off(p3, p4, _dot(X2s, tl.trans(Ys), PRECISION), sc_j, 1.0, c, o_x, o_j, NX, NY,
+                                   YSC, DUAL)
 
 
 def _sub_block(TC: int, rx: int, ry: int) -> int:
@@ -262,7 +319,8 @@ def _sub_block(TC: int, rx: int, ry: int) -> int:
 
 
 def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str, lowp: bool,
-                    scale: float = 1.0, y_scale=None, out_scaled=None, x_at_t: bool = False) -> torch.Tensor:
+                    scale: float = 1.0, y_scale=None, out_scaled=None, x_at_t: bool = False, x2=None, out2=None,
+                    out2_scaled=None) -> torch.Tensor:
     """Writes P ⊙ y_scale (columns) times ``scale`` into ``out`` [B, H, NC, TC*Rxp, TC*Ryp] (any float dtype).
 
     x [B, T, H, Rx, K], y [B, T, H, Ry, K] (contiguous, as given; [B, T, H, K]: rank 1); gc [B, H, NC, TC, K]
@@ -271,7 +329,10 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     y_scale): ``out`` then takes P times ``scale`` and ``out_scaled`` P ⊙ y_scale times ``scale``, both from one
     product (the products of a row set with y and with y's scaled rows, as a = k with a_scale: ``kda``).
     ``x_at_t`` (with ``strict``): x's rows decay through G_t rather than G_{t-1}, a token still not against itself:
-    KDA's L_BK with b = e^g ⊙ k is this product of k with itself, since b_t e^{G_{t-1}} = k_t e^{G_t}."""
+    KDA's L_BK with b = e^g ⊙ k is this product of k with itself, since b_t e^{G_{t-1}} = k_t e^{G_t}.
+    ``x2`` (x's shape; with ``strict`` False and x and y of one rank): in the same kernel, x2's product with y as
+    ``x_at_t`` takes it (strict, through G_t), without ``scale``, into ``out2`` (out's shape; with ``out_scaled``,
+    ``out2_scaled`` as well): the decays and y's rows are shared (KDA's M_QK and L_BK, x = q and x2 = k)."""
     x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
     B, _, H, RX, K = x.shape
     RY = y.shape[-2]
@@ -280,11 +341,19 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     BK = min(_knob("bk", TC), max(16, triton.next_power_of_2(K)))
     if out_scaled is not None and (y_scale is None or out_scaled.shape != out.shape):
         raise ValueError("out_scaled takes y_scale and out's shape")
+    if x2 is not None:
+        x2 = x2.unsqueeze(-2) if x2.dim() == 4 else x2
+        if (strict or _pow2(RX) != _pow2(RY) or x2.shape != x.shape or out2 is None or out2.shape != out.shape
+                or (out2_scaled is None) != (out_scaled is None)):
+            raise ValueError("x2 takes x's shape, strict=False, x and y of one rank, out2 of out's shape, and "
+                             "out2_scaled with out_scaled")
     _channel_product_kernel[(TC // TB, NC, B * H)](
-        x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled, scale, T, NC,
-        H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK,
-        PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
-        DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, num_warps=_knob("warps", TC), num_stages=1,
+        x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled,
+        x if x2 is None else x2, out if out2 is None else out2, out if out2_scaled is None else out2_scaled, scale, T,
+        NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
+        BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
+        DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
+        num_warps=_knob("warps", TC), num_stages=1,
     )
     return out
 

@@ -702,7 +702,8 @@ def _output_kernel(
 # low-rank decay, before "rows": 32, the default, gives KDA 32-token chunks and HDLA 16; 64 gives them 64 and 32),
 # "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent:
 # ``segments``' rule), "form_a2" (0: HDLA's forward without autograd builds a2 with the factor kernel, as before
-# its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``).
+# its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``), "kda_pair" (0: KDA's
+# forward without autograd takes M_QK and L_BK in two kernels, as before ``channel_product``'s x2 took them in one).
 _KNOBS: dict = {}
 
 
@@ -1086,11 +1087,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled,
                           c_parts=cparts, **prod)
         elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
-            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
-            if kda_b:  # b = e^g ⊙ k through G_{t-1} is k through G_t
-                channel_product(k, k, g, lbk, strict=True, lowp=_lowp(k, k), x_at_t=True, **prod)
-            else:
-                channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), **prod)
+            # KDA's b = e^g ⊙ k through G_{t-1} is k through G_t: L_BK is k's product with itself, taken in M_QK's
+            # kernel (H200 KDA forward 1.17 -> 1.07 ms; BENCHMARKS.md session 45)
+            pair = kda_b and cfg.get("kda_pair", 1)
+            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale,
+                            **(dict(x2=k, out2=lbk) if pair else {}), **prod)
+            if not pair:
+                rows = k if kda_b else b
+                channel_product(rows, k, g, lbk, strict=True, lowp=_lowp(rows, k), x_at_t=kda_b, **prod)
         elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
                             **prod)
