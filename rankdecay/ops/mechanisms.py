@@ -226,7 +226,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     k1 = k[..., None, :]
     # b = e^g ⊙ k, i.e. bᵀ = kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
     formed = False
-    if _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
+    kernels = _triton_factors(mode, q, (q, k, v, g, beta, initial_state))
+    if kernels:
         from .triton.chunk_state import _precision
         from .triton.factors import kda_factor, placeholder, rows_dtype  # one kernel each way, no fp32 k for autograd
 
@@ -238,7 +239,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     else:
         b = _up(k1) * _gate_factor(g)
     return _dplr(q, k1, v[..., None, :], k1, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                 mode, beta, beta, inplace_final_state, kda_b=formed)
+                 mode, beta, beta, inplace_final_state, kda_b=kernels, kda_b_placeholder=formed)
 
 
 def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,

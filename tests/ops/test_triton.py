@@ -972,18 +972,21 @@ def _kda_inputs(seed, strong):
     return q, k, v, g, beta, torch.randn(B, H, K, V, generator=gen)
 
 
+@pytest.mark.parametrize("pair", [1, 2], ids=["two-products", "one-kernel"])
 @pytest.mark.parametrize("strong", [False, True])
-def test_kda_matches_pytorch_chunk(strong, monkeypatch):
+def test_kda_matches_pytorch_chunk(strong, pair, monkeypatch):
     """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
     partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
     forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
-    their gradients in two passes (``dp_scaled``): checked."""
+    their gradients in two passes (``dp_scaled``): checked. With ``_KNOBS["kda_pair"] = 2`` the forward takes both
+    in one kernel, L_BK and L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k)."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
     dual, dual_bwd = [], []
     product, product_bwd = chunk_fwd.channel_product, chunk_bwd.channel_product_bwd
-    monkeypatch.setattr(chunk_fwd, "channel_product",
-                        lambda *a, **kw: dual.append(kw.get("out_scaled") is not None) or product(*a, **kw))
+    monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(
+        (kw.get("out_scaled") is not None) + (kw.get("out2_scaled") is not None)) or product(*a, **kw))
     monkeypatch.setattr(chunk_bwd, "channel_product_bwd",
                         lambda *a, **kw: dual_bwd.append(kw.get("dp_scaled") is not None) or product_bwd(*a, **kw))
     q, k, v, g, beta, h0 = _kda_inputs(seed=3, strong=strong)
@@ -996,10 +999,10 @@ def test_kda_matches_pytorch_chunk(strong, monkeypatch):
         return [o.detach(), s.detach()] + [x.grad for x in xs]
 
     got, ref = grads("triton"), grads("chunk")
-    assert dual == [True, True] and dual_bwd == [True, True]
+    assert dual == ([1, 1] if pair == 1 else [2]) and dual_bwd == [True, True], (dual, dual_bwd)
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
-        assert_matches(x, y, 1e-5, f"kda strong={strong}: {name}")
+        assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair}: {name}")
 
 
 @pytest.mark.parametrize("nh,gated,strong,varlen", [(2, True, True, False), (3, False, False, False),

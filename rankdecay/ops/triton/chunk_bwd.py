@@ -872,13 +872,14 @@ def _grad_inputs_kernel(
 
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None):
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False):
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no [B, H, K, V] zeros
         # tied: a = b = k (a and b are None here), their gradients returned as k's. hh_mask: a and b are
-        # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask
+        # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask. kda_b: b is
+        # e^g ⊙ k (``chunk_dplr``)
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale,
-                                      hh_mask=hh_mask)
+                                      hh_mask=hh_mask, kda_b=kda_b)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
         ctx.scale, ctx.C, ctx.tied, ctx.paired = scale, saved["TC"], tied, saved["paired"]
         return o, ht
@@ -887,7 +888,7 @@ class _ChunkDPLR(torch.autograd.Function):
     def backward(ctx, do, dht):
         *tensors, hh_mask = ctx.saved_tensors
         grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask)
-        return grads if hh_mask is not None else grads + (None,)
+        return grads + (None,) if hh_mask is not None else grads + (None, None)
 
 
 def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
@@ -1284,13 +1285,16 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
-def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None):
+def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
+               kda_b: bool = False):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.
 
     When a and b are k itself (``ties_keys``), k's three gradients are formed as one. ``hh_mask``: a and b are
     Head-in-Head's rows of k and this mask (``factors.hh_factors``' a and b; [H, r, r] or [B, T, H, r, r]; a scalar
     gate or none): the backward carries their gradients on to k and the mask in step 4 and returns them as k's and
-    the mask's, without da and db (H100 HH-GDN r=4: BENCHMARKS.md session 36); a and b's own autograd is unused."""
+    the mask's, without da and db (H100 HH-GDN r=4: BENCHMARKS.md session 36); a and b's own autograd is unused.
+    ``kda_b``: b is e^g ⊙ k (``kda``'s, built: its backward reads it), which ``chunk_dplr_fwd`` may use (its
+    ``kda_b``)."""
     if hh_mask is not None:
         if a is None or b is None or gate_kind(g) == 2:
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
@@ -1303,4 +1307,4 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
-    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False)
+    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False, None, kda_b)

@@ -703,7 +703,9 @@ def _output_kernel(
 # "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent:
 # ``segments``' rule), "form_a2" (0: HDLA's forward without autograd builds a2 with the factor kernel, as before
 # its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``), "kda_pair" (0: KDA's
-# forward without autograd takes M_QK and L_BK in two kernels, as before ``channel_product``'s x2 took them in one).
+# forward without autograd takes M_QK and L_BK in two kernels, as before ``channel_product``'s x2 took them in one;
+# 1, the default: one kernel; 2: with autograd too, its products and their scaled twins in one kernel, not yet timed
+# on a GPU).
 _KNOBS: dict = {}
 
 
@@ -951,10 +953,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     a's a2 rows are not read either but formed where they are needed, a2 = β k ⊙ (λ - β c), from k, the
     log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
     (``factors.placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
-    ranks 1): b is e^g ⊙ k (``kda``'s) and may be a placeholder. Where the forward takes its scaled form it reads no
-    b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere b is built here (``factors.kda_factor``). Returns (o
-    [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the per-chunk tensors the
-    backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    ranks 1): b is e^g ⊙ k (``kda``'s), and without ``save`` may be a placeholder. Where the forward takes its scaled
+    form it reads no b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere, without ``save``, b is built here
+    (``factors.kda_factor``). With ``save`` (b given) its products may take L_BK as k's (``_KNOBS["kda_pair"]`` =
+    2). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the
+    per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
@@ -990,7 +993,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``; so may
     # HDLA's a, formed from k, the log-cumsums, β and c: ``hdla_form_a2``)
     a = a.contiguous() if a is not None and hh_mask is None and not hdla_form_a2 else a
-    b = b.contiguous() if b is not None and (hh_mask is None or grouped) and not kda_b else b
+    placeholder_b = kda_b and not save  # KDA's b without autograd: maybe a placeholder, formed where needed
+    b = b.contiguous() if b is not None and (hh_mask is None or grouped) and not placeholder_b else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
@@ -1012,7 +1016,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if kda_b:
         if gate != 2 or Rkv != 1 or Rab != 1:
             raise ValueError("kda_b: b = e^g ⊙ k (kda's) with a per-channel gate and ranks 1")
-        if not channel_scaled:  # these forms read b (as do heads padded to the kernels' widths: a is not k there)
+        if placeholder_b and not channel_scaled:  # these forms read b (as do heads padded to the kernels' widths:
+            # a is not k there)
             from .factors import kda_factor, rows_dtype
 
             b = kda_factor(k, g.contiguous().view(k.shape), dtype=rows_dtype(k, prec))
@@ -1089,16 +1094,20 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
             # KDA's b = e^g ⊙ k through G_{t-1} is k through G_t: L_BK is k's product with itself, taken in M_QK's
             # kernel (H200 KDA forward 1.17 -> 1.07 ms; BENCHMARKS.md session 45)
-            pair = kda_b and cfg.get("kda_pair", 1)
+            pair = kda_b and cfg.get("kda_pair", 1) >= 1
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale,
                             **(dict(x2=k, out2=lbk) if pair else {}), **prod)
             if not pair:
                 rows = k if kda_b else b
                 channel_product(rows, k, g, lbk, strict=True, lowp=_lowp(rows, k), x_at_t=kda_b, **prod)
         elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
+            # (KDA's b given: L_BK and L_BA may come from k through G_t in M_QK's kernel, as without autograd;
+            # not yet timed on a GPU, so only with _KNOBS["kda_pair"] = 2)
+            pair = kda_b and cfg.get("kda_pair", 1) == 2
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
-                            **prod)
-            channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), y_scale=sa, out_scaled=lba, **prod)
+                            **(dict(x2=k, out2=lbk, out2_scaled=lba) if pair else {}), **prod)
+            if not pair:
+                channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), y_scale=sa, out_scaled=lba, **prod)
         else:
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
         if Rab and not fused and not paired:
