@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the fused kernels on Hopper, compiled on this machine.
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
-    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla} [--shape B T H K V]
+    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla,kda,kda-fwd} [--shape B T H K V]
         [--knob ch_bk=32 fwd_state_stages=1 bwd_inputs=4 ...]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
@@ -14,11 +14,13 @@ compare with (the H100 image: 3.6.0); register counts differ between versions.
 
 ``--backward``: the kernels of training instead, ``chunk_dplr_fwd(save=True)``'s and then ``chunk_bwd._backward``'s
 (every launch captured, so nothing runs), for Gated DeltaNet (tied keys), Head-in-Head Gated DeltaNet r = 4 (a
-static mask, or one per token) or HDLA (as ``chunk_bwd._HDLA`` runs them), with bf16 inputs and products, as ``kernels.py --matmul-precision medium`` times
-them. The spill bytes come from ``ptxas -v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes
-of spill stores with its rows a and b formed in the kernel, where the H100 counted 70 spilled registers and
-2.22 ms; 84 for the general rows, 6 and 1.81 ms there; 36 with a and b read and their gradients carried on in
-the kernel, as now.)
+static mask, or one per token), HDLA (as ``chunk_bwd._HDLA`` runs them) or KDA (as ``ops.kda`` runs them;
+``kda-fwd``: its forward without autograd alone), with bf16 inputs and products, as ``kernels.py
+--matmul-precision medium`` times them. Of several launches of one kernel the last is kept (KDA's two per-channel
+products in training: L_BK's, unless ``--knob kda_pair=2`` takes them in one). The spill bytes come from ``ptxas
+-v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
+formed in the kernel, where the H100 counted 70 spilled registers and 2.22 ms; 84 for the general rows, 6 and
+1.81 ms there; 36 with a and b read and their gradients carried on in the kernel, as now.)
 """
 from __future__ import annotations
 
@@ -101,8 +103,15 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
                 if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                     patched.append((mod, name, fn))
                     setattr(mod, name, Capture(name, fn))
-        extra, tied = {}, case == "gdn"
-        if case == "hdla":  # as chunk_bwd._HDLA: a2 alone (its products in one kernel), b None, a per-channel gate
+        extra, tied, save = {}, case == "gdn", case != "kda-fwd"
+        if case in ("kda", "kda-fwd"):  # as ops.kda: a = k with β, b = e^g ⊙ k (a placeholder without autograd)
+            g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
+            a = k1
+            b = factors.kda_factor(k1, g[..., None, :], dtype=torch.bfloat16) if save else factors.placeholder(
+                k1.shape, torch.bfloat16, k.device)
+            sa = beta[..., None].contiguous()
+            cfg.update(kda_b=True)
+        elif case == "hdla":  # as chunk_bwd._HDLA: a2 alone (its products in one kernel), b None, a per-channel gate
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
             a, b, c = chunk_bwd._hdla_factors(q, k, g, beta, with_c=True)
             sa = sv = None
@@ -117,10 +126,14 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
             sa = (beta * g[..., 0].exp())[..., None].expand(B, T, H, r).contiguous()
             extra = dict(hh_mask=torch.rand(*((B, T, H) if case == "hh-gdn-token" else (H,)), r, r, generator=gen))
             cfg.update(hh_mask=extra["hh_mask"])  # the intra kernel forms a and b from k and the mask
-        o, _, saved = chunk_fwd.chunk_dplr_fwd(q, k1, v, a, b, g, K ** -0.5, None, save=True, a_scale=sa, v_scale=sv,
-                                               **cfg)
+        out = chunk_fwd.chunk_dplr_fwd(q, k1, v, a, b, g, K ** -0.5, None, save=save, a_scale=sa, v_scale=sv, **cfg)
         forward = dict(launches)
         launches.clear()
+        if not save:
+            return forward, {}
+        saved = out[2]
+        if case == "kda":
+            extra = dict(paired=saved["paired"])
         tensors = (q, k1, v, None if tied else a, None if tied else b, g, None, sa, sv,
                    *(saved[n] for n in chunk_bwd._SAVED))
         try:
@@ -188,15 +201,19 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE",
                         help="chunk_fwd._KNOBS, Python literals; with --backward, kernels.py's --knob: " + KNOB_HELP)
-    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla"], default=None,
+    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla", "kda", "kda-fwd"],
+                        default=None,
                         help="this case's forward that saves for the backward and its backward, instead of the GDN "
-                             "forward alone")
+                             "forward alone (kda-fwd: KDA's forward without autograd alone)")
     args = parser.parse_args()
     if args.backward:
         apply_knobs(args.knob)
         print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products"
               + (f", knobs {args.knob}" if args.knob else ""))
-        for part, launches in zip(("forward (saving)", "backward"), capture_training(args.backward, args.shape)):
+        parts = ("forward (no autograd)" if args.backward == "kda-fwd" else "forward (saving)", "backward")
+        for part, launches in zip(parts, capture_training(args.backward, args.shape)):
+            if not launches:
+                continue
             print(f"{part}:")
             for name, (fn, a, kw) in sorted(launches.items()):
                 line, shared, warps, stages, kernel = compile_sm90(fn, a, kw, with_kernel=True)
