@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the fused kernels on Hopper, compiled on this machine.
 
     python benchmarks/sm90_resources.py [--shape B T H K V] [--knob NAME=VALUE ...]
-    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla,kda,kda-fwd} [--shape B T H K V]
+    python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla,hdla-fwd,kda,kda-fwd}
+        [--shape B T H K V]
         [--knob ch_bk=32 fwd_state_stages=1 bwd_inputs=4 ...]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
@@ -15,7 +16,7 @@ compare with (the H100 image: 3.6.0); register counts differ between versions.
 ``--backward``: the kernels of training instead, ``chunk_dplr_fwd(save=True)``'s and then ``chunk_bwd._backward``'s
 (every launch captured, so nothing runs), for Gated DeltaNet (tied keys), Head-in-Head Gated DeltaNet r = 4 (a
 static mask, or one per token), HDLA (as ``chunk_bwd._HDLA`` runs them) or KDA (as ``ops.kda`` runs them;
-``kda-fwd``: its forward without autograd alone), with bf16 inputs and products, as ``kernels.py
+``hdla-fwd`` and ``kda-fwd``: their forwards without autograd alone), with bf16 inputs and products, as ``kernels.py
 --matmul-precision medium`` times them. Of several launches of one kernel the last is kept (KDA's two per-channel
 products in training: L_BK's, unless ``--knob kda_pair=2`` takes them in one). The spill bytes come from ``ptxas
 -v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
@@ -103,7 +104,7 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
                 if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                     patched.append((mod, name, fn))
                     setattr(mod, name, Capture(name, fn))
-        extra, tied, save = {}, case == "gdn", case != "kda-fwd"
+        extra, tied, save = {}, case == "gdn", not case.endswith("-fwd")
         if case in ("kda", "kda-fwd"):  # as ops.kda: a = k with β, b = e^g ⊙ k (a placeholder without autograd)
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
             a = k1
@@ -111,6 +112,11 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
                 k1.shape, torch.bfloat16, k.device)
             sa = beta[..., None].contiguous()
             cfg.update(kda_b=True)
+        elif case == "hdla-fwd":  # as chunk_bwd.chunk_hdla without autograd: no rows built, a2 formed in the kernels
+            g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
+            a, b, sa, sv = factors.placeholder((B, T, H, 2, K), torch.bfloat16, k.device), None, None, None
+            v = v.contiguous()
+            cfg.update(hdla_beta=beta, hdla_form_a2=True)
         elif case == "hdla":  # as chunk_bwd._HDLA: a2 alone (its products in one kernel), b None, a per-channel gate
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
             a, b, c = chunk_bwd._hdla_factors(q, k, g, beta, with_c=True)
@@ -201,16 +207,16 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE",
                         help="chunk_fwd._KNOBS, Python literals; with --backward, kernels.py's --knob: " + KNOB_HELP)
-    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla", "kda", "kda-fwd"],
+    parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla", "hdla-fwd", "kda", "kda-fwd"],
                         default=None,
                         help="this case's forward that saves for the backward and its backward, instead of the GDN "
-                             "forward alone (kda-fwd: KDA's forward without autograd alone)")
+                             "forward alone (kda-fwd, hdla-fwd: their forward without autograd alone)")
     args = parser.parse_args()
     if args.backward:
         apply_knobs(args.knob)
         print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products"
               + (f", knobs {args.knob}" if args.knob else ""))
-        parts = ("forward (no autograd)" if args.backward == "kda-fwd" else "forward (saving)", "backward")
+        parts = ("forward (no autograd)" if args.backward.endswith("-fwd") else "forward (saving)", "backward")
         for part, launches in zip(parts, capture_training(args.backward, args.shape)):
             if not launches:
                 continue
