@@ -115,7 +115,6 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
         elif case == "hdla-fwd":  # as chunk_bwd.chunk_hdla without autograd: no rows built, a2 formed in the kernels
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
             a, b, sa, sv = factors.placeholder((B, T, H, 2, K), torch.bfloat16, k.device), None, None, None
-            v = v.contiguous()
             cfg.update(hdla_beta=beta, hdla_form_a2=True)
         elif case == "hdla":  # as chunk_bwd._HDLA: a2 alone (its products in one kernel), b None, a per-channel gate
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()

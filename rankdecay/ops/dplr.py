@@ -84,8 +84,7 @@ def dplr(
 
 
 def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode, a_scale, v_scale,
-          inplace_final_state, grouped: bool = False, hh_mask=None, kda_b: bool = False,
-          kda_b_placeholder: bool = False):
+          inplace_final_state, grouped: bool = False, hh_mask=None, kda_b: bool = False):
     """``dplr`` itself. ``grouped``: a's rows are k split into groups of channels (Head-in-Head's
     ``a_r = k ⊙ 1[group r]``, whose sum is k), which the fused forward without autograd uses
     (``triton.chunk_fwd.grouped_update``); the caller vouches for it. ``hh_mask``: more so, a and b are
@@ -94,9 +93,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     (``triton.factors.hh_placeholders``): with autograd both, without it a alone (the grouped forward's state kernel
     reads b: ``triton.factors.hh_update_rows``); their backward carries the rows' gradients on to k and the mask
     (``triton.chunk_bwd.chunk_dplr``'s). The caller vouches for this too, and that the fused kernels run.
-    ``kda_b``: b is e^g ⊙ k (``kda``'s; ``triton.chunk_fwd.chunk_dplr_fwd``'s), and with ``kda_b_placeholder``
-    (without autograd) a placeholder, which the fused forward forms where it needs it; the caller vouches that the
-    fused kernels then run."""
+    ``kda_b``: b is e^g ⊙ k (``kda``'s; ``triton.chunk_fwd.chunk_dplr_fwd``'s), and without autograd a placeholder,
+    which the fused forward forms where it needs it; the caller vouches that the fused kernels then run."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -122,7 +120,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     if hh_mask is not None and not fused:
         raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
-    if kda_b_placeholder and (grad or not fused):
+    if kda_b and not grad and not fused:  # b a placeholder that only the fused forward forms
         raise RuntimeError("kda_b: KDA's b is formed in the fused forward without autograd, which these inputs miss")
     if not fused:  # the other paths take the factors multiplied in
         if sa is not None:

@@ -225,7 +225,6 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
     # b = e^g ⊙ k, i.e. bᵀ = kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
-    formed = False
     kernels = _triton_factors(mode, q, (q, k, v, g, beta, initial_state))
     if kernels:
         from .triton.chunk_state import _precision
@@ -239,7 +238,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     else:
         b = _up(k1) * _gate_factor(g)
     return _dplr(q, k1, v[..., None, :], k1, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                 mode, beta, beta, inplace_final_state, kda_b=kernels, kda_b_placeholder=formed)
+                 mode, beta, beta, inplace_final_state, kda_b=kernels)
 
 
 def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,
