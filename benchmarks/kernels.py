@@ -276,8 +276,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "output_bv=128, output_warps=8, intra_warps=8; channel._CHANNEL's with a ch_ prefix: ch_rows=32, "
              "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products); chunk_bwd._CONFIG's "
              "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles); "
-             "form_a2=0 (HDLA's forward builds a2 with the factor kernel); kda_pair=0 (KDA's forward takes M_QK "
-             "and L_BK in two kernels; kda_pair=2: with autograd in one too); "
+             "form_a2=0 (HDLA's forward builds a2 with the factor kernel); kda_pair=0 (KDA's per-channel products "
+             "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 

@@ -18,7 +18,7 @@ compare with (the H100 image: 3.6.0); register counts differ between versions.
 static mask, or one per token), HDLA (as ``chunk_bwd._HDLA`` runs them) or KDA (as ``ops.kda`` runs them;
 ``hdla-fwd`` and ``kda-fwd``: their forwards without autograd alone), with bf16 inputs and products, as ``kernels.py
 --matmul-precision medium`` times them. Of several launches of one kernel the last is kept (KDA's two per-channel
-products in training: L_BK's, unless ``--knob kda_pair=2`` takes them in one). The spill bytes come from ``ptxas
+products with ``--knob kda_pair=0``: L_BK's; by default they take one kernel). The spill bytes come from ``ptxas
 -v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
 formed in the kernel, where the H100 counted 70 spilled registers and 2.22 ms; 84 for the general rows, 6 and
 1.81 ms there; 36 with a and b read and their gradients carried on in the kernel, as now.)

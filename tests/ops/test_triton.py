@@ -972,14 +972,14 @@ def _kda_inputs(seed, strong):
     return q, k, v, g, beta, torch.randn(B, H, K, V, generator=gen)
 
 
-@pytest.mark.parametrize("pair", [1, 2], ids=["two-products", "one-kernel"])
+@pytest.mark.parametrize("pair", [0, 1], ids=["two-products", "one-kernel"])
 @pytest.mark.parametrize("strong", [False, True])
 def test_kda_matches_pytorch_chunk(strong, pair, monkeypatch):
     """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
     partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
     forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
-    their gradients in two passes (``dp_scaled``): checked. With ``_KNOBS["kda_pair"] = 2`` the forward takes both
-    in one kernel, L_BK and L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k)."""
+    their gradients in two passes (``dp_scaled``): checked. By default the forward takes both in one kernel, L_BK and
+    L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
@@ -999,7 +999,7 @@ def test_kda_matches_pytorch_chunk(strong, pair, monkeypatch):
         return [o.detach(), s.detach()] + [x.grad for x in xs]
 
     got, ref = grads("triton"), grads("chunk")
-    assert dual == ([1, 1] if pair == 1 else [2]) and dual_bwd == [True, True], (dual, dual_bwd)
+    assert dual == ([1, 1] if pair == 0 else [2]) and dual_bwd == [True, True], (dual, dual_bwd)
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
         assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair}: {name}")
@@ -1843,12 +1843,17 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
 
 
 @GPU
+@pytest.mark.parametrize("kda_pair", [0, 1], ids=["two-products", "one-kernel"])
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
-def test_gpu_kda_realistic_size(matmul_precision):
+def test_gpu_kda_realistic_size(matmul_precision, kda_pair, monkeypatch):
     """Kimi Delta Attention (a = k with β as its factors: two per-channel products in the forward), bf16 inputs
     at B2 T1000 H4 K=V=128 with a per-channel gate and β up to 2, against fp64 on the same inputs: the bounds of
     ``_assert_near_fp64`` for the output, final state and every gradient. Where fla is installed, its
-    ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision)."""
+    ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision).
+    ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default)."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", kda_pair)
     gen = torch.Generator().manual_seed(8)
     inputs = _gdn_realistic_inputs(seed=8)
     B, T, H, D = inputs[0].shape

@@ -703,9 +703,8 @@ def _output_kernel(
 # "segments" (the segments of each sequence's chunks that the state kernel walks in parallel; 1: one walk; absent:
 # ``segments``' rule), "form_a2" (0: HDLA's forward without autograd builds a2 with the factor kernel, as before
 # its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``), "kda_pair" (0: KDA's
-# forward without autograd takes M_QK and L_BK in two kernels, as before ``channel_product``'s x2 took them in one;
-# 1, the default: one kernel; 2: with autograd too, its products and their scaled twins in one kernel, not yet timed
-# on a GPU).
+# per-channel products in two kernels, M_QK and L_BK (with autograd, and their scaled twins M_QA and L_BA) apart,
+# as before ``channel_product``'s x2 took them in one; 1, the default: one kernel).
 _KNOBS: dict = {}
 
 
@@ -955,8 +954,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     (``factors.placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
     ranks 1): b is e^g ⊙ k (``kda``'s), and without ``save`` may be a placeholder. Where the forward takes its scaled
     form it reads no b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere, without ``save``, b is built here
-    (``factors.kda_factor``). With ``save`` (b given) its products may take L_BK as k's (``_KNOBS["kda_pair"]`` =
-    2). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the
+    (``factors.kda_factor``). With ``save`` (b given, its backward reads it) its products take L_BK and L_BA as
+    k's too, in M_QK's kernel. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the
     per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
@@ -1091,23 +1090,22 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             hdla_beta = hdla_beta.contiguous()
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled,
                           c_parts=cparts, **prod)
-        elif channel_scaled:  # M_QK and L_BK alone: M_QA and L_BA are theirs with D on their columns
-            # KDA's b = e^g ⊙ k through G_{t-1} is k through G_t: L_BK is k's product with itself, taken in M_QK's
-            # kernel (H200 KDA forward 1.17 -> 1.07 ms; BENCHMARKS.md session 45)
+        elif paired:
+            # M_QK and L_BK, and unless the forward takes the scaled form (channel_scaled, which needs no more) their
+            # scaled twins M_QA and L_BA (D on their columns) from the same kernels (H100 KDA: 1.29 -> 0.69 ms for
+            # the products, BENCHMARKS.md session 33). KDA's b = e^g ⊙ k through G_{t-1} is k through G_t: L_BK
+            # (and L_BA) are k's product with itself, taken in M_QK's kernel (forward without autograd, H200:
+            # 1.17 -> 1.07 ms, session 45; forward+backward, H100: 5.31-5.33 -> 5.29-5.31 ms, session 46)
             pair = kda_b and cfg.get("kda_pair", 1) >= 1
+            twins = not channel_scaled
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale,
-                            **(dict(x2=k, out2=lbk) if pair else {}), **prod)
-            if not pair:
-                rows = k if kda_b else b
-                channel_product(rows, k, g, lbk, strict=True, lowp=_lowp(rows, k), x_at_t=kda_b, **prod)
-        elif paired:  # H100 KDA: 1.29 -> 0.69 ms for the products (BENCHMARKS.md session 33)
-            # (KDA's b given: L_BK and L_BA may come from k through G_t in M_QK's kernel, as without autograd;
-            # not yet timed on a GPU, so only with _KNOBS["kda_pair"] = 2)
-            pair = kda_b and cfg.get("kda_pair", 1) == 2
-            channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, y_scale=sa, out_scaled=mqa,
-                            **(dict(x2=k, out2=lbk, out2_scaled=lba) if pair else {}), **prod)
-            if not pair:
-                channel_product(b, k, g, lbk, strict=True, lowp=_lowp(b, k), y_scale=sa, out_scaled=lba, **prod)
+                            **(dict(y_scale=sa, out_scaled=mqa) if twins else {}),
+                            **(dict(x2=k, out2=lbk, out2_scaled=lba if twins else None) if pair else {}), **prod)
+            if not pair:  # b's own kernel; where b is a placeholder, k's through G_t (x_at_t)
+                at_t = kda_b and not twins
+                rows = k if at_t else b
+                channel_product(rows, k, g, lbk, strict=True, lowp=_lowp(rows, k), x_at_t=at_t,
+                                **(dict(y_scale=sa, out_scaled=lba) if twins else {}), **prod)
         else:
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale, **prod)
         if Rab and not fused and not paired:
