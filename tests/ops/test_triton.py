@@ -1464,21 +1464,22 @@ def _spy_segments(monkeypatch, module) -> list:
 
 
 @pytest.mark.parametrize("padded", ["values", "keys", "both"])
-@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda", "dplr"])
 def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
     """On a GPU the fused kernels take value heads narrower than 64 and key heads narrower than 32 padded with zero
     columns (``chunk_bwd.padded_heads``, against Triton 3.6 miscompiles of narrow tiles). Here the padding is forced
     on the CPU (V = 8 -> 32, K = 16 -> 24; Head-in-Head's two groups of keys 8 -> 12 each): the output, final state
     and every gradient match the PyTorch path at fp32 accuracy, with autograd and without, the results have K's and
-    V's widths, and the delta rule's keys stay tied (a = b = k) through the padding."""
+    V's widths, the delta rule's keys stay tied (a = b = k) through the padding, and KDA's a stays k with ``kda_b``
+    passed on (b = e^g ⊙ k holds on the zero channels), so that its per-channel products keep their one kernel."""
     import rankdecay.ops.triton as rt
     from rankdecay.ops.triton import chunk_bwd
 
-    widths = []  # the (key, value) widths each run of the fused forward saw, and whether a was k
+    widths = []  # the (key, value) widths each run of the fused forward saw, whether a was k, and kda_b
     forward = chunk_bwd.chunk_dplr_fwd
 
     def spy(q, k, v, *args, **kw):
-        widths.append((k.shape[-1], v.shape[-1], args[0] is k))
+        widths.append((k.shape[-1], v.shape[-1], args[0] is k, kw.get("kda_b", False)))
         return forward(q, k, v, *args, **kw)
 
     # the padding this case asks for, and none other (on a GPU too)
@@ -1493,8 +1494,9 @@ def test_narrow_heads_padded_exactly(mechanism, padded, monkeypatch):
     for grads in (True, False):
         widths.clear()
         got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs, grads=grads)
-        wide = (16 if padded == "values" else 24, 8 if padded == "keys" else 32, mechanism == "gdn")
-        assert widths == [wide], f"{mechanism}: the kernels saw (K, V, tied) {widths}, not {[wide]}"
+        wide = (16 if padded == "values" else 24, 8 if padded == "keys" else 32, mechanism in ("gdn", "kda"),
+                mechanism == "kda")
+        assert widths == [wide], f"{mechanism}: the kernels saw (K, V, a is k, kda_b) {widths}, not {[wide]}"
         ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, grads=grads)
         assert got[0].shape[-1] == V and got[1].shape[-2:] == (K, V)
         for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):

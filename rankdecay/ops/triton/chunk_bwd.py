@@ -1300,8 +1300,10 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
     groups = a.shape[-2] if hh_mask is not None else 1  # Head-in-Head's rows: k's channels in Rab groups
     if narrow_heads(k, v, groups):
+        # (KDA's b = e^g ⊙ k still holds on the padded channels: k and b are 0 there)
         return padded_dplr(lambda q, k, v, a, b, g, h0: chunk_dplr(q, k, v, a, b, g, scale, h0, a_scale, v_scale,
-                                                                   hh_mask), q, k, v, a, b, g, initial_state, groups)
+                                                                   hh_mask, kda_b), q, k, v, a, b, g, initial_state,
+                           groups)
     if hh_mask is not None:
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
                                 hh_mask.contiguous())
