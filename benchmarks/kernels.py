@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py [--cases gdn hdla ...] [--json out.json] [--scaling] [--matmul-precision medium]
                                  [--knob stored=bfloat16]
+    python benchmarks/kernels.py --cases hdla --variants "" ch_warps=4 fwd_state_stages=1 --rounds 2 --no-peers
 
 A registry of (op, shapes); one runner prints, for forward and forward+backward, the
 median milliseconds (calls back to back, as do_bench times them, and each call alone on an
@@ -12,6 +13,11 @@ are timed as plain calls and as a CUDA graph's replay ("fwd graph", ours and fla
 the GPU's time once no host launches are left in the loop). Results
 as a Markdown table and, with --json, a JSON file. bf16 inputs; B=8, T=2048, H=16,
 K=V=128 unless --shape says otherwise.
+
+``--variants`` compares launch knobs in one process: each variant (comma-separated ``--knob`` pairs, "" for the
+defaults, on top of ``--knob``) is applied, the cases run, and the knobs restored, variants alternating over
+``--rounds`` rounds; a summary table lists each variant's milliseconds round by round. One process compiles
+each variant once and imports once, where a shell loop of runs pays both every time.
 """
 from __future__ import annotations
 
@@ -229,7 +235,7 @@ def measure(call, inputs, backward: bool, graph: bool = False) -> dict:
     return {**times, "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
 
 
-def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
+def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16, peers: bool = True) -> list[dict]:
     case = CASES[key]
     inputs = case.make(B, T, H, K, V, "cuda", dtype)
     tokens = B * (1 if case.decode else T)
@@ -245,7 +251,7 @@ def run_case(key, B, T, H, K, V, C=64, dtype=torch.bfloat16) -> list[dict]:
             row.update(m, tflops=flops / m["ms"] / 1e9)
         except Exception as e:  # noqa: BLE001 - a failing case is a result too
             row.update(error=f"{type(e).__name__}: {e}"[:200])
-        for peer, call in case.peers.items():
+        for peer, call in (case.peers.items() if peers else ()):
             try:
                 m = measure(call, inputs, backward, graph)
                 row[f"{peer}_ms"], row[f"{peer}_sync_ms"] = m["ms"], m["sync_ms"]
@@ -277,7 +283,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products); chunk_bwd._CONFIG's "
              "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles); "
              "form_a2=0 (HDLA's forward builds a2 with the factor kernel); kda_pair=0 (KDA's per-channel products "
-             "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); "
+             "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); kda_rows=1 (KDA's step 4 "
+             "carries b's and a's gradients on to k and g); "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 
@@ -301,6 +308,45 @@ def apply_knobs(pairs: list[str]) -> None:
             chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
 
 
+def _knob_tables() -> list[dict]:
+    from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
+
+    return [chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH]
+
+
+def run_variants(variants: list[str], rounds: int, run) -> list[dict]:
+    """``run()`` (-> result rows) under each variant's knobs (comma-separated ``NAME=VALUE`` pairs as ``--knob``
+    takes them; "" the knobs as they are), variants alternating over ``rounds`` rounds. The knob tables are put
+    back as they were after each variant. Each row gains its ``variant`` and ``round``."""
+    tables = _knob_tables()
+    saved = [dict(t) for t in tables]
+    rows = []
+    for r in range(1, rounds + 1):
+        for spec in variants:
+            print(f"variant {spec or 'default'!r}, round {r} of {rounds}", flush=True)
+            try:
+                apply_knobs([kv for kv in spec.split(",") if kv])
+                rows += [dict(row, variant=spec or "default", round=r) for row in run()]
+            finally:
+                for table, before in zip(tables, saved):
+                    table.clear()
+                    table.update(before)
+    return rows
+
+
+def variant_summary(rows: list[dict]) -> str:
+    """A Markdown table of ``run_variants``' rows: per op, pass and variant, the ms of each round and peak MB."""
+    out = ["| op | pass | variant | ms, round by round | peak MB |", "|---|---|---|---|---:|"]
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["op"], row["pass_"], row["variant"]), []).append(row)
+    for (op, passes, variant), group in groups.items():
+        ms = " / ".join(f"{r['ms']:.3f}" if "ms" in r else "error" for r in group)
+        peak = max((r["peak_mb"] for r in group if "peak_mb" in r), default=float("nan"))
+        out.append(f"| {op} | {passes} | {variant} | {ms} | {peak:.0f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES))
@@ -314,7 +360,14 @@ def main() -> None:
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "
                              "(highest: fp32-accurate; high: one TF32 pass; medium: bf16, as fla)")
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE", help=KNOB_HELP)
+    parser.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                        help='knob sets compared in this one process, each comma-separated NAME=VALUE pairs as '
+                             '--knob takes them ("" the defaults), on top of --knob; a summary table follows')
+    parser.add_argument("--rounds", type=int, default=1, help="with --variants: rounds, the variants alternating")
+    parser.add_argument("--no-peers", action="store_true", help="time ours alone (no fla, no SDPA)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds takes a count of at least 1, got {args.rounds}")
     import triton
 
     apply_knobs(args.knob)
@@ -329,17 +382,27 @@ def main() -> None:
         print(f"fla not importable ({e}): no fla column")
     print(HEADER)
     B, T, H, K, V = args.shape
-    rows = []
-    for key in args.cases:
-        if CASES[key].decode:
-            for b in args.decode_batches:
-                rows += run_case(key, b, 1, H, K, V)
-        else:
-            rows += run_case(key, B, T, H, K, V)
-    if args.scaling:
-        for key in (k for k in args.cases if not CASES[k].decode):
-            for t in (2048, 8192, 32768):
-                rows += run_case(key, max(1, 16384 // t), t, H, K, V)
+    peers = not args.no_peers
+
+    def run() -> list[dict]:
+        rows = []
+        for key in args.cases:
+            if CASES[key].decode:
+                for b in args.decode_batches:
+                    rows += run_case(key, b, 1, H, K, V, peers=peers)
+            else:
+                rows += run_case(key, B, T, H, K, V, peers=peers)
+        if args.scaling:
+            for key in (k for k in args.cases if not CASES[k].decode):
+                for t in (2048, 8192, 32768):
+                    rows += run_case(key, max(1, 16384 // t), t, H, K, V, peers=peers)
+        return rows
+
+    if args.variants is None:
+        rows = run()
+    else:
+        rows = run_variants(args.variants, args.rounds, run)
+        print(variant_summary(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

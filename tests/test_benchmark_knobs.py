@@ -27,3 +27,39 @@ def test_each_prefix_reaches_its_table(tables):
 def test_unknown_name_is_refused(tables):
     with pytest.raises(SystemExit, match="ch_nonsense"):
         apply_knobs(["ch_nonsense=1"])
+
+
+def test_variants_alternate_and_restore_the_knobs(tables):
+    """``kernels.py --variants``: each variant's knobs are in force while its cases run (on top of the knobs set
+    before), the variants alternate round by round, the tables are put back after each, and every row is labelled;
+    the summary gives each variant's ms round by round."""
+    from benchmarks.kernels import run_variants, variant_summary
+
+    apply_knobs(["ch_bk=32"])  # as --knob: under every variant
+    before = [dict(t) for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH)]
+    seen = []
+
+    def run():
+        seen.append((dict(chunk_fwd._KNOBS), channel._CHANNEL["warps"], channel._CHANNEL["bk"]))
+        return [dict(op="HDLA", pass_="fwd", ms=1.0 + len(seen), peak_mb=750.0)]
+
+    rows = run_variants(["", "ch_warps=4,kda_pair=0", "fwd_state_stages=1"], 2, run)
+    default_warps = before[1]["warps"]
+    one_round = [({}, default_warps, 32), ({"kda_pair": 0}, 4, 32), ({"state_stages": 1}, default_warps, 32)]
+    assert seen == one_round * 2
+    assert [t for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH)] == before
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("default", 1), ("ch_warps=4,kda_pair=0", 1), ("fwd_state_stages=1", 1),
+        ("default", 2), ("ch_warps=4,kda_pair=0", 2), ("fwd_state_stages=1", 2)]
+    summary = variant_summary(rows)
+    assert "| HDLA | fwd | default | 2.000 / 5.000 | 750 |" in summary
+    assert "| HDLA | fwd | fwd_state_stages=1 | 4.000 / 7.000 | 750 |" in summary
+
+
+def test_a_refused_variant_leaves_the_knobs_as_they_were(tables):
+    from benchmarks.kernels import run_variants
+
+    before = dict(channel._CHANNEL)
+    with pytest.raises(SystemExit, match="ch_nonsense"):
+        run_variants(["ch_warps=4,ch_nonsense=1"], 1, lambda: [])
+    assert channel._CHANNEL == before

@@ -972,17 +972,24 @@ def _kda_inputs(seed, strong):
     return q, k, v, g, beta, torch.randn(B, H, K, V, generator=gen)
 
 
-@pytest.mark.parametrize("pair", [0, 1], ids=["two-products", "one-kernel"])
+@pytest.mark.parametrize("pair,rows", [(0, 0), (1, 0), (1, 1)], ids=["two-products", "one-kernel", "rows-in-step4"])
 @pytest.mark.parametrize("strong", [False, True])
-def test_kda_matches_pytorch_chunk(strong, pair, monkeypatch):
+def test_kda_matches_pytorch_chunk(strong, pair, rows, monkeypatch):
     """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
     partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
     forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
     their gradients in two passes (``dp_scaled``): checked. By default the forward takes both in one kernel, L_BK and
-    L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two."""
-    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+    L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two. With
+    ``_KNOBS["kda_rows"] = 1`` step 4 forms b from k and g and carries a's and b's gradients on to k and g itself:
+    b's factor kernel then has no backward to run (checked)."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_rows", rows)
+    factor_bwd = []
+    backward = factors._KDAFactor.backward
+    monkeypatch.setattr(factors._KDAFactor, "backward",
+                        staticmethod(lambda ctx, *g: factor_bwd.append(1) or backward(ctx, *g)))
     dual, dual_bwd = [], []
     product, product_bwd = chunk_fwd.channel_product, chunk_bwd.channel_product_bwd
     monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(
@@ -1000,9 +1007,10 @@ def test_kda_matches_pytorch_chunk(strong, pair, monkeypatch):
 
     got, ref = grads("triton"), grads("chunk")
     assert dual == ([1, 1] if pair == 0 else [2]) and dual_bwd == [True, True], (dual, dual_bwd)
+    assert factor_bwd == ([] if rows else [1]), factor_bwd
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
-        assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair}: {name}")
+        assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair} kda_rows={rows}: {name}")
 
 
 @pytest.mark.parametrize("nh,gated,strong,varlen", [(2, True, True, False), (3, False, False, False),
@@ -1845,17 +1853,20 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
 
 
 @GPU
-@pytest.mark.parametrize("kda_pair", [0, 1], ids=["two-products", "one-kernel"])
+@pytest.mark.parametrize("kda_pair,kda_rows", [(0, 0), (1, 0), (1, 1)],
+                         ids=["two-products", "one-kernel", "rows-in-step4"])
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
-def test_gpu_kda_realistic_size(matmul_precision, kda_pair, monkeypatch):
+def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, monkeypatch):
     """Kimi Delta Attention (a = k with β as its factors: two per-channel products in the forward), bf16 inputs
     at B2 T1000 H4 K=V=128 with a per-channel gate and β up to 2, against fp64 on the same inputs: the bounds of
     ``_assert_near_fp64`` for the output, final state and every gradient. Where fla is installed, its
     ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision).
-    ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default)."""
+    ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default); ``kda_rows``: step 4
+    forms b and carries a's and b's gradients on to k and g (1) or returns them to autograd (0, the default)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", kda_pair)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_rows", kda_rows)
     gen = torch.Generator().manual_seed(8)
     inputs = _gdn_realistic_inputs(seed=8)
     B, T, H, D = inputs[0].shape

@@ -290,7 +290,7 @@ def _grad_kernel(
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
-    HH: tl.constexpr = 0,
+    HH: tl.constexpr = 0, KDA: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -316,6 +316,11 @@ def _grad_kernel(
     [B, T, H, r, r]): a_j = k ⊙ 1[group j] and b_j = k ⊙ M[j, group(·)], and their gradients are carried on to k
     here, the mask's per key block to hpart [B, T, H, r, key blocks, r] (``_hh_rows_bwd``): da and db are not
     stored. Where K / r is a multiple of 16, ``_grad_hh_kernel`` takes Head-in-Head's step 4 instead, by groups.
+
+    KDA (a per-channel gate, ranks 1, a = k with its factors sa, b = e^g ⊙ k: ``kda``'s): b is not read but formed
+    from k and the gate as given (graw [B, T, H, K]), and the rows' gradients are carried on to k and g here
+    (dk += da + e^g ⊙ db, dg_t += b ⊙ db: what ``factors.kda_factor``'s backward and autograd's sums did): da and
+    db are not stored.
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -348,6 +353,10 @@ def _grad_kernel(
         elif HH:  # formed from k and the mask, as the forward's intra kernel forms them
             A16 = _hh_rows(k, hmask, a, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, False)
             Bm = _hh_rows(k, hmask, b, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, True)
+        elif KDA:  # b = e^g ⊙ k (ranks 1: a's rows are k's, fa is fk)
+            A16 = Kr
+            eg = tl.exp(_load_rows(graw, fa, va, o_k, m_k, K))
+            Bm = eg * Kr
         else:
             A16 = _load_rows(a, fa, va, o_k, m_k, K)  # a as given (16-bit inputs: exact in TF32)
             Bm = _load_rows(b, fa, va, o_k, m_k, K)
@@ -420,7 +429,7 @@ def _grad_kernel(
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
     tl.store(dq + fq[:, None] * K + o_k[None, :], dQ + Dq, mask=vq[:, None] & m_k[None, :])
     dK += Dk
-    if not HDLA and not HH:
+    if not HDLA and not HH and not KDA:
         tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
         Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
@@ -450,6 +459,11 @@ def _grad_kernel(
             dK += _hh_rows_bwd(dA, dB + Db, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K, TC, RAB, RABP, BK,
                                HH)
             tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
+        elif KDA:  # on to k (a's rows and b's through e^g) and g (b's own gate: b ⊙ db)
+            dBt = dB + Db
+            dK += dA + eg * dBt
+            dg_rows = Bm * dBt
+            tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
         else:
             tl.store(da + fa[:, None] * K + o_k[None, :], dA, mask=va[:, None] & m_k[None, :])
             tl.store(db + fa[:, None] * K + o_k[None, :], dB + Db, mask=va[:, None] & m_k[None, :])
@@ -464,7 +478,7 @@ def _grad_kernel(
         dgt = (tl.cumsum(dG, axis=0, reverse=True) + tl.cumsum(dGex, axis=0, reverse=True) - dGex
                + tl.cumsum(sQ, axis=0, reverse=True) + tl.cumsum(sKA, axis=0) - sKA
                + tl.cumsum(sB, axis=0, reverse=True) - sB + eC[None, :])
-        if HDLA:  # b1 = λ ⊙ k's own share
+        if HDLA or KDA:  # b1 = λ ⊙ k's (HDLA) or b = e^g ⊙ k's (KDA) own share
             dgt += dg_rows
         tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
                  mask=(tq < T)[:, None] & m_k[None, :])
@@ -872,27 +886,28 @@ def _grad_inputs_kernel(
 
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False):
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False, kda_rows=False):
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no [B, H, K, V] zeros
         # tied: a = b = k (a and b are None here), their gradients returned as k's. hh_mask: a and b are
         # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask. kda_b: b is
-        # e^g ⊙ k (``chunk_dplr``)
+        # e^g ⊙ k (``chunk_dplr``); kda_rows: and a is k, and their gradients go to k and g (da and db None)
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale,
                                       hh_mask=hh_mask, kda_b=kda_b)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
-        ctx.scale, ctx.C, ctx.tied, ctx.paired = scale, saved["TC"], tied, saved["paired"]
+        ctx.scale, ctx.C, ctx.tied, ctx.paired, ctx.kda_rows = scale, saved["TC"], tied, saved["paired"], kda_rows
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, hh_mask = ctx.saved_tensors
-        grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask)
-        return grads + (None,) if hh_mask is not None else grads + (None, None)
+        grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask,
+                          kda_rows=ctx.kda_rows)
+        return grads + (None, None) if hh_mask is not None else grads + (None, None, None)
 
 
 def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
-              paired: bool = False, hh_mask=None):
+              paired: bool = False, hh_mask=None, kda_rows: bool = False):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
@@ -905,7 +920,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     ``paired``: the forward took a's products with k's (``chunk_dplr_fwd``'s saved "paired"), and so do their
     gradients here. ``hh_mask`` (Head-in-Head's mask, [H, r, r] or [B, T, H, r, r]; a scalar gate or none): a and b
     are its rows of k (``factors.hh_factors``'), whose gradients step 4 carries on to dk and the mask's: da and db
-    come back None, and one more result holds the mask's gradient."""
+    come back None, and one more result holds the mask's gradient. ``kda_rows`` (``kda``'s rows: a per-channel gate,
+    ranks 1, a = k with a_scale, b = e^g ⊙ k): step 4 reads no b, forms it from k and g, and carries a's and b's
+    gradients on to dk and dg; da and db come back None."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -1017,7 +1034,10 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4 (``chunk_dplr`` checked the
         # rows and the gate): the mask's per key block here
         hpart = torch.empty(B, T, H, Rab, NKB, Rab, **f32)
-    da, db = (like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh else (None, None)
+    if kda_rows and not (gate == 2 and paired and Rab == 1 and Rkv == 1 and not one and not hh and not tied):
+        raise ValueError("kda_rows: KDA's rows (a per-channel gate, a = k with a_scale, b = e^g ⊙ k) only")
+    da, db = ((like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh and not kda_rows
+              else (None, None))
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if bk_hh:
@@ -1067,11 +1087,12 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
-            opt(pa), opt(pb), g if one else dummy, hdla_beta if one else dummy, hdla_c if one else dummy, opt(hpart),
+            opt(pa), opt(pb), g if one or kda_rows else dummy, hdla_beta if one else dummy, hdla_c if one else dummy,
+            opt(hpart),
             hh_mask if hh else dummy, T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
-            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
+            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh, KDA=kda_rows,
             num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
@@ -1309,4 +1330,10 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
-    return _ChunkDPLR.apply(q, k, v, a, b, g, initial_state, scale, a_scale, v_scale, False, None, kda_b)
+    # KDA's rows (a = k with a_scale, b = e^g ⊙ k): step 4 carries their gradients on to k and g itself, so b, which
+    # the forward still reads, is taken without autograd (its factor kernel's backward never runs)
+    # (as the forward pairs a's products with k's: ``chunk_dplr_fwd``'s "paired")
+    kda_rows = bool(kda_b and a is k and a_scale is not None and g is not None and g.shape[-1] > 1
+                    and a.shape[-2] == 1 and _KNOBS.get("tie_a_k", 1) and _KNOBS.get("kda_rows", 0))
+    return _ChunkDPLR.apply(q, k, v, a, b.detach() if kda_rows else b, g, initial_state, scale, a_scale, v_scale,
+                            False, None, kda_b, kda_rows)
