@@ -283,8 +283,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "ch_bk=64, ch_warps=8, ch_bwd_bk=64, ch_bwd_warps=8 (the per-channel products); chunk_bwd._CONFIG's "
              "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles); "
              "form_a2=0 (HDLA's forward builds a2 with the factor kernel); kda_pair=0 (KDA's per-channel products "
-             "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); kda_rows=1 (KDA's step 4 "
-             "carries b's and a's gradients on to k and g); "
+             "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); kda_rows=0 (KDA's a and b "
+             "gradients returned to autograd, not carried on to k and g in step 4); "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 

@@ -979,9 +979,9 @@ def test_kda_matches_pytorch_chunk(strong, pair, rows, monkeypatch):
     partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
     forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
     their gradients in two passes (``dp_scaled``): checked. By default the forward takes both in one kernel, L_BK and
-    L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two. With
-    ``_KNOBS["kda_rows"] = 1`` step 4 forms b from k and g and carries a's and b's gradients on to k and g itself:
-    b's factor kernel then has no backward to run (checked)."""
+    L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two. By
+    default (``_KNOBS["kda_rows"] = 1``) step 4 forms b from k and g and carries a's and b's gradients on to k and g
+    itself, so b's factor kernel has no backward to run (checked); with 0, autograd takes them through it."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
@@ -1854,7 +1854,7 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
 
 @GPU
 @pytest.mark.parametrize("kda_pair,kda_rows", [(0, 0), (1, 0), (1, 1)],
-                         ids=["two-products", "one-kernel", "rows-in-step4"])
+                         ids=["two-products", "one-kernel", "rows-in-step4"])  # (1, 1): the defaults
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
 def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, monkeypatch):
     """Kimi Delta Attention (a = k with β as its factors: two per-channel products in the forward), bf16 inputs
@@ -1862,7 +1862,7 @@ def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, monkeypatc
     ``_assert_near_fp64`` for the output, final state and every gradient. Where fla is installed, its
     ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision).
     ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default); ``kda_rows``: step 4
-    forms b and carries a's and b's gradients on to k and g (1) or returns them to autograd (0, the default)."""
+    forms b and carries a's and b's gradients on to k and g (1, the default) or returns them to autograd (0)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", kda_pair)

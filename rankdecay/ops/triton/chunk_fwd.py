@@ -704,9 +704,10 @@ def _output_kernel(
 # ``segments``' rule), "form_a2" (0: HDLA's forward without autograd builds a2 with the factor kernel, as before
 # its kernels formed it: ``chunk_bwd.chunk_hdla``, ``chunk_dplr_fwd``'s ``hdla_form_a2``), "kda_pair" (0: KDA's
 # per-channel products in two kernels, M_QK and L_BK (with autograd, and their scaled twins M_QA and L_BA) apart,
-# as before ``channel_product``'s x2 took them in one; 1, the default: one kernel), "kda_rows" (1: KDA's training
-# backward forms b = e^g ⊙ k in step 4 and carries a's and b's gradients on to k and g there, ``chunk_bwd.chunk_dplr``;
-# 0, the default until timed on a GPU: autograd takes them through b's factor kernel).
+# as before ``channel_product``'s x2 took them in one; 1, the default: one kernel), "kda_rows" (1, the default: KDA's
+# training backward forms b = e^g ⊙ k in step 4 and carries a's and b's gradients on to k and g there,
+# ``chunk_bwd.chunk_dplr``, H100 KDA forward+backward 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; 0: autograd
+# takes them through b's factor kernel, as before).
 _KNOBS: dict = {}
 
 
