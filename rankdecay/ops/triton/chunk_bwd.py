@@ -1330,10 +1330,10 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
-    # KDA's rows (a = k with a_scale, b = e^g ⊙ k): step 4 carries their gradients on to k and g itself, so b, which
-    # the forward still reads, is taken without autograd (its factor kernel's backward never runs; H100 KDA
-    # forward+backward 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; _KNOBS["kda_rows"] = 0: not)
-    # (as the forward pairs a's products with k's: ``chunk_dplr_fwd``'s "paired")
+    # KDA's rows (a = k with a_scale, b = e^g ⊙ k), where the forward pairs a's products with k's
+    # (``chunk_dplr_fwd``'s "paired"): step 4 carries their gradients on to k and g itself, so b, which the forward
+    # still reads, is taken without autograd and its factor kernel's backward never runs (H100 KDA forward+backward
+    # 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; _KNOBS["kda_rows"] = 0: not)
     kda_rows = bool(kda_b and a is k and a_scale is not None and g is not None and g.shape[-1] > 1
                     and a.shape[-2] == 1 and _KNOBS.get("tie_a_k", 1) and _KNOBS.get("kda_rows", 1))
     return _ChunkDPLR.apply(q, k, v, a, b.detach() if kda_rows else b, g, initial_state, scale, a_scale, v_scale,

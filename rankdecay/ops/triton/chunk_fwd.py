@@ -958,8 +958,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     ranks 1): b is e^g ⊙ k (``kda``'s), and without ``save`` may be a placeholder. Where the forward takes its scaled
     form it reads no b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere, without ``save``, b is built here
     (``factors.kda_factor``). With ``save`` (b given, its backward reads it) its products take L_BK and L_BA as
-    k's too, in M_QK's kernel. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with ``save`` a dict of the
-    per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs ``fused_chunk_size(Rab, Rkv)``.
+    k's too, in M_QK's kernel. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with
+    ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs
+    ``fused_chunk_size(Rab, Rkv)``.
     """
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
