@@ -972,20 +972,24 @@ def _kda_inputs(seed, strong):
     return q, k, v, g, beta, torch.randn(B, H, K, V, generator=gen)
 
 
-@pytest.mark.parametrize("pair,rows", [(0, 0), (1, 0), (1, 1)], ids=["two-products", "one-kernel", "rows-in-step4"])
+@pytest.mark.parametrize("pair,rows,pair_bwd", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1)],
+                         ids=["two-products", "one-kernel", "rows-in-step4", "one-pass-backward"])
 @pytest.mark.parametrize("strong", [False, True])
-def test_kda_matches_pytorch_chunk(strong, pair, rows, monkeypatch):
+def test_kda_matches_pytorch_chunk(strong, pair, rows, pair_bwd, monkeypatch):
     """kda through the fused kernels against mode="chunk": outputs, final state, every gradient; T = 70 leaves a
     partial 64-token chunk; strong: log-gates of -30 per step, one of -1e4, β up to 2. a is k there, so the
     forward takes two per-channel products, each written with and without β (``out_scaled``), and the backward
     their gradients in two passes (``dp_scaled``): checked. By default the forward takes both in one kernel, L_BK and
     L_BA from k through G_t (``channel_product``'s x2: b = e^g ⊙ k); with ``_KNOBS["kda_pair"] = 0`` in two. By
     default (``_KNOBS["kda_rows"] = 1``) step 4 forms b from k and g and carries a's and b's gradients on to k and g
-    itself, so b's factor kernel has no backward to run (checked); with 0, autograd takes them through it."""
+    itself, so b's factor kernel has no backward to run (checked); with 0, autograd takes them through it. With
+    ``_KNOBS["kda_pair_bwd"] = 1`` the backward takes the four products' gradients in one pass too, b's rows as k's
+    through G_t (``channel_product_bwd``'s x2), and step 4 reads their share in that form (checked: one pass)."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_rows", rows)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair_bwd", pair_bwd)
     factor_bwd = []
     backward = factors._KDAFactor.backward
     monkeypatch.setattr(factors._KDAFactor, "backward",
@@ -995,7 +999,8 @@ def test_kda_matches_pytorch_chunk(strong, pair, rows, monkeypatch):
     monkeypatch.setattr(chunk_fwd, "channel_product", lambda *a, **kw: dual.append(
         (kw.get("out_scaled") is not None) + (kw.get("out2_scaled") is not None)) or product(*a, **kw))
     monkeypatch.setattr(chunk_bwd, "channel_product_bwd",
-                        lambda *a, **kw: dual_bwd.append(kw.get("dp_scaled") is not None) or product_bwd(*a, **kw))
+                        lambda *a, **kw: dual_bwd.append((kw.get("dp_scaled") is not None) + (kw.get("x2") is not None))
+                        or product_bwd(*a, **kw))
     q, k, v, g, beta, h0 = _kda_inputs(seed=3, strong=strong)
     V = v.shape[-1]
 
@@ -1006,11 +1011,11 @@ def test_kda_matches_pytorch_chunk(strong, pair, rows, monkeypatch):
         return [o.detach(), s.detach()] + [x.grad for x in xs]
 
     got, ref = grads("triton"), grads("chunk")
-    assert dual == ([1, 1] if pair == 0 else [2]) and dual_bwd == [True, True], (dual, dual_bwd)
+    assert dual == ([1, 1] if pair == 0 else [2]) and dual_bwd == ([2] if pair_bwd else [1, 1]), (dual, dual_bwd)
     assert factor_bwd == ([] if rows else [1]), factor_bwd
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
-        assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair} kda_rows={rows}: {name}")
+        assert_matches(x, y, 1e-5, f"kda strong={strong} kda_pair={pair} kda_rows={rows} pair_bwd={pair_bwd}: {name}")
 
 
 @pytest.mark.parametrize("nh,gated,strong,varlen", [(2, True, True, False), (3, False, False, False),
@@ -2284,6 +2289,54 @@ def test_channel_product_pair_matches_two_products(R, scaled, T, strong):
                 dict(strict=False, x2=x2[..., :-1], out2=got[1])):
         with pytest.raises(ValueError, match="x2 takes"):
             channel_product(x, y, gc, got[0], T=T, TC=TC, precision="ieee", lowp=False, **bad)
+
+
+@pytest.mark.parametrize("T,strong,rows", [(45, False, 32), (37, True, 32), (70, True, 64)])
+def test_channel_product_bwd_pair_matches_autograd(T, strong, rows):
+    """``channel.channel_product_bwd``'s x2: the gradients of the four products KDA's forward takes in one kernel,
+    P(x, y) and P(x, sy ⊙ y) inclusive, P(x2, y) and P(x2, sy ⊙ y) strict with x2's rows through G_t, from one pass,
+    against fp64 autograd (x2 through G_t is e^g ⊙ x2 through G_{t-1}: the reference's strict product on it). dx,
+    dx2, dy (through the unscaled products) and dy_scaled (with respect to sy ⊙ y) on the real rows; chunks in two
+    row blocks and more, a partial last chunk, log-gates of -30 per step. Bad combinations are refused."""
+    from rankdecay.ops.triton.channel import channel_product_bwd
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
+
+    B, H, K = 1, 2, 20
+    TC = fused_chunk_size(1, 1, True, {"channel_rows": rows})
+    gen = torch.Generator().manual_seed(T + rows)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    x, x2, y = rnd(B, T, H, 1, K), rnd(B, T, H, 1, K), rnd(B, T, H, 1, K)
+    g = -30 * torch.rand(B, T, H, K, generator=gen).to(DEVICE) if strong else F.logsigmoid(rnd(B, T, H, K) + 2)
+    sy = rnd(B, T, H, 1)
+    gc = chunk_log_cumsum(g, TC)
+    NC = gc.shape[2]
+    xr, x2r, yr = (z.double().requires_grad_() for z in (x, x2, y))
+    ysr = (y.double() * sy.double()[..., None]).requires_grad_()  # sy ⊙ y as its own leaf
+    b = x2r * g.double().exp()[..., None, :]
+    dps = [rnd(B, H, NC, TC, TC) for _ in range(4)]  # P(x, y), P(x, sy y), P(x2, y), P(x2, sy y)
+    refs = [_channel_product_reference(xr, yr, g, TC, False), _channel_product_reference(xr, ysr, g, TC, False),
+            _channel_product_reference(b, yr, g, TC, True), _channel_product_reference(b, ysr, g, TC, True)]
+    loss = sum((r * d.double()).sum() for r, d in zip(refs, dps))
+    ref_dx, ref_dx2, ref_dy, ref_dys = torch.autograd.grad(loss, (xr, x2r, yr, ysr))
+    new = lambda: torch.full((B, H, NC, TC, K), float("nan"), device=DEVICE)  # noqa: E731
+    dx, dx2, dy, dys = new(), new(), new(), new()
+    channel_product_bwd(x, y, gc, dps[0], dx, dy, T=T, TC=TC, strict=False, precision="ieee", acc_x=False,
+                        acc_y=False, y_scale=sy, dp_scaled=dps[1], dy_scaled=dys, x2=x2, dp2=dps[2],
+                        dp2_scaled=dps[3], dx2=dx2)
+
+    def chunked(z):  # [B, T, H, 1, K] -> the chunk layout, rows past T zero
+        return F.pad(z, (0, 0, 0, 0, 0, 0, 0, NC * TC - T)).view(B, NC, TC, H, K).permute(0, 3, 1, 2, 4)
+
+    real = chunked(torch.ones_like(ref_dx)).bool()
+    for name, got, want in (("dx", dx, ref_dx), ("dx2", dx2, ref_dx2), ("dy", dy, ref_dy), ("dy_scaled", dys, ref_dys)):
+        assert torch.isfinite(got[real]).all(), name
+        torch.testing.assert_close(got.double()[real], chunked(want)[real], rtol=1e-5, atol=1e-5, msg=name)
+    kw = dict(T=T, TC=TC, precision="ieee", acc_x=False, acc_y=False, y_scale=sy, dp_scaled=dps[1], dy_scaled=dys)
+    for bad in (dict(strict=True, x2=x2, dp2=dps[2], dp2_scaled=dps[3], dx2=dx2),
+                dict(strict=False, x2=x2, dp2=dps[2], dp2_scaled=None, dx2=dx2),
+                dict(strict=False, x2=x2[..., :-1], dp2=dps[2], dp2_scaled=dps[3], dx2=dx2)):
+        with pytest.raises(ValueError, match="x2 takes"):
+            channel_product_bwd(x, y, gc, dps[0], dx, dy, **kw, **bad)
 
 
 @pytest.mark.parametrize("RX,RY,strict,scaled", [(1, 1, False, False), (1, 2, False, True), (2, 2, True, True),

@@ -591,7 +591,7 @@ def _channel_product_bwd_kernel(
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, YSC: tl.constexpr, ACC_X: tl.constexpr, ACC_Y: tl.constexpr,
-    DUAL: tl.constexpr, ACC_Y2: tl.constexpr,
+    DUAL: tl.constexpr, ACC_Y2: tl.constexpr, x2=None, dp3=None, dp4=None, dx2=None, PAIR: tl.constexpr = False,
 ):
     # dp [B, H, NC, NX, NY]: dL/dP for P = P(x, sy ⊙ y) (``_channel_product_kernel``'s without its scale);
     # entries outside the causal pattern are ignored. dx [B, H, NC, NX, K] and dy [B, H, NC, NY, K]
@@ -599,6 +599,9 @@ def _channel_product_bwd_kernel(
     # DUAL (with YSC): two products of the same rows, P = P(x, y) with dp and P2 = P(x, sy ⊙ y) with dp2
     # (``channel_product``'s out_scaled): dx takes both shares (dp + dp2 ⊙ sy against y), dy dL/dy through P
     # and dy2 [dy's shape] dL/d(sy ⊙ y) through P2 (ACC_Y2: added), from one pass over the decays.
+    # PAIR (with DUAL, not STRICT, x and y of rank 1): x2's rows (x's shape) through G_t as x's, strictly before
+    # each token (``_channel_product_kernel``'s PAIR: KDA's L_BK = P(k at G_t, k) and L_BA with sy), with dp3 and
+    # dp4 their dP and dP2: dx2 takes x2's share as dx takes x's, and dy and dy2 both pairs' shares.
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -621,13 +624,22 @@ def _channel_product_bwd_kernel(
     dP = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)  # the diagonal block
     if DUAL:  # x's share of both products; dP stays P's for dy, dP2 is P2's for dy2
         dP2 = tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)
-        dPx = dP + dP2 * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[None, :]
+        sd = tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[None, :]
+        dPx = dP + dP2 * sd
+        if PAIR:  # x2's, strictly before each token (its diagonal entries are not read)
+            before_d = tokx[:, None] > tokd[None, :]
+            X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
+            dP3 = tl.where(before_d, tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
+            dP4 = tl.where(before_d, tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
+            dPx2 = dP3 + dP4 * sd
     else:
         if YSC:
             Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
         dPx = dP
     # the diagonal block, level by level (and a token against itself)
     dY2 = tl.zeros([YR, BK], dtype=tl.float32)
+    if PAIR:
+        dX2 = tl.zeros([XR, BK], dtype=tl.float32)
     if STRICT:
         dX = tl.zeros([XR, BK], dtype=tl.float32)
         dY = tl.zeros([YR, BK], dtype=tl.float32)
@@ -647,10 +659,16 @@ def _channel_product_bwd_kernel(
             ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
         blk = _same_block(tokx, tokd, TB >> lvl)
         Xl = X * lx
-        dX += _dot(tl.where(blk, dPx, 0.0), Yd * ly, PRECISION) * lx
+        Yl = Yd * ly
+        dX += _dot(tl.where(blk, dPx, 0.0), Yl, PRECISION) * lx
         dY += _dot(tl.trans(tl.where(blk, dP, 0.0)), Xl, PRECISION) * ly
         if DUAL:
             dY2 += _dot(tl.trans(tl.where(blk, dP2, 0.0)), Xl, PRECISION) * ly
+        if PAIR:  # the level's decays and y's scaled rows are x's
+            X2l = X2 * lx
+            dX2 += _dot(tl.where(blk, dPx2, 0.0), Yl, PRECISION) * lx
+            dY += _dot(tl.trans(tl.where(blk, dP3, 0.0)), X2l, PRECISION) * ly
+            dY2 += _dot(tl.trans(tl.where(blk, dP4, 0.0)), X2l, PRECISION) * ly
     # x's rows of this block against y's rows before it, through the token just before the block
     if i_r > 0:
         ref = i_r * TB - 1
@@ -662,15 +680,20 @@ def _channel_product_bwd_kernel(
         eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
         Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
         if DUAL:
-            Pb += (tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
-                   * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :])
+            sb = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
+            Pb += tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb
         elif YSC:
             Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
         if RXP == RYP:
             xb = Gx - Gr[None, :]
         else:
             xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
-        dX += _dot(Pb, Y * tl.exp(eb.to(tl.float32)), PRECISION) * tl.exp(xb.to(tl.float32))
+        Yb = Y * tl.exp(eb.to(tl.float32))
+        dX += _dot(Pb, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
+        if PAIR:  # (the rows' exps taken again: kept live across the dot, they cost the unpaired kernel registers)
+            Pb2 = (tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+                   + tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb)
+            dX2 += _dot(Pb2, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
     # y's rows of this block against x's rows after it, through the block's last token
     if i_r < NB - 1:
         last = (i_r + 1) * TB - 1
@@ -691,6 +714,12 @@ def _channel_product_bwd_kernel(
         if DUAL:
             Pa2 = tl.load(dp2 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
             dY2 += _dot(tl.trans(Pa2), Xa, PRECISION) * ey
+        if PAIR:  # x2's rows after the block, through G_t as x's
+            X2a = _load_rows(x2, fa, va & after, o_k, m_k, K) * tl.exp(xa.to(tl.float32))
+            Pa3 = tl.load(dp3 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+            Pa4 = tl.load(dp4 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+            dY += _dot(tl.trans(Pa3), X2a, PRECISION) * ey
+            dY2 += _dot(tl.trans(Pa4), X2a, PRECISION) * ey
     px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
     py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]
     if ACC_X:
@@ -699,6 +728,8 @@ def _channel_product_bwd_kernel(
         dY += tl.load(py, mask=m_k[None, :], other=0.0)
     tl.store(px, dX, mask=m_k[None, :])
     tl.store(py, dY, mask=m_k[None, :])
+    if PAIR:
+        tl.store(dx2 + (c * NX + o_x[:, None]) * K + o_k[None, :], dX2, mask=m_k[None, :])
     if DUAL:
         py2 = dy2 + (c * NY + o_d[:, None]) * K + o_k[None, :]
         if ACC_Y2:
@@ -707,14 +738,20 @@ def _channel_product_bwd_kernel(
 
 
 def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, precision: str, acc_x: bool,
-                        acc_y: bool, y_scale=None, dp_scaled=None, dy_scaled=None, acc_y_scaled: bool = False):
+                        acc_y: bool, y_scale=None, dp_scaled=None, dy_scaled=None, acc_y_scaled: bool = False,
+                        x2=None, dp2=None, dp2_scaled=None, dx2=None):
     """dL/dx into dx [B, H, NC, TC*Rxp, K] and dL/d(y_scale ⊙ y) into dy [B, H, NC, TC*Ryp, K] (fp32,
     chunk layout), given dp = dL/dP [B, H, NC, TC*Rxp, TC*Ryp] for P = ``channel_product``'s without its
     scale, that is P(x, y_scale ⊙ y); with acc_x / acc_y added to what dx / dy hold.
 
     With ``dp_scaled`` (and y_scale, ``dy_scaled``): the gradients of the two products ``channel_product``
     writes with ``out_scaled``, P = P(x, y) (dp) and P2 = P(x, y_scale ⊙ y) (dp_scaled), in one pass: dx takes
-    both shares, dy dL/dy through P, dy_scaled dL/d(y_scale ⊙ y) through P2 (added with acc_y_scaled)."""
+    both shares, dy dL/dy through P, dy_scaled dL/d(y_scale ⊙ y) through P2 (added with acc_y_scaled).
+
+    With ``x2`` (x's shape; with dp_scaled, not strict, x and y of rank 1): the gradients of the second pair that
+    ``channel_product``'s x2 writes, P(x2, y) strict with x2's rows through G_t as x's (dp2) and its scaled twin
+    (dp2_scaled), in the same pass: dL/dx2 into dx2 (x2's rows through G_t: KDA's b = e^g ⊙ k taken as k), and
+    both pairs' shares into dy and dy_scaled."""
     x, y = (z.unsqueeze(-2) if z.dim() == 4 else z for z in (x, y))  # q: rank 1
     B, _, H, RX, K = x.shape
     RY = y.shape[-2]
@@ -727,12 +764,20 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     BK = min(bk, max(16, triton.next_power_of_2(K)))
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
+    pair = x2 is not None
+    if pair:
+        x2 = x2.unsqueeze(-2) if x2.dim() == 4 else x2
+        if (not dual or strict or RX != 1 or RY != 1 or x2.shape != x.shape or dp2 is None or dp2.shape != dp.shape
+                or dp2_scaled is None or dp2_scaled.shape != dp.shape or dx2 is None or dx2.shape != dx.shape):
+            raise ValueError("x2 takes dp_scaled, strict=False, x and y of rank 1, x's shape, and dp2, dp2_scaled "
+                             "(dp's shape) and dx2 (dx's)")
     _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
         x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
         dy if not dual else dy_scaled, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
         RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
-        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled, num_warps=warps,
-        num_stages=1,
+        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled,
+        x2=x2 if pair else x, dp3=dp2 if pair else dp, dp4=dp2_scaled if pair else dp, dx2=dx2 if pair else dx,
+        PAIR=pair, num_warps=warps, num_stages=1,
     )
 
 

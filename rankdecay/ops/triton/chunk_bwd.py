@@ -290,7 +290,7 @@ def _grad_kernel(
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
-    HH: tl.constexpr = 0, KDA: tl.constexpr = False,
+    HH: tl.constexpr = 0, KDA: tl.constexpr = 0,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -320,7 +320,9 @@ def _grad_kernel(
     KDA (a per-channel gate, ranks 1, a = k with its factors sa, b = e^g ⊙ k: ``kda``'s): b is not read but formed
     from k and the gate as given (graw [B, T, H, K]), and the rows' gradients are carried on to k and g here
     (dk += da + e^g ⊙ db, dg_t += b ⊙ db: what ``factors.kda_factor``'s backward and autograd's sums did): da and
-    db are not stored.
+    db are not stored. KDA 2: the products' share in pb is b's rows' taken as k through G_t (``channel_product_bwd``'s
+    x2), e^g ⊙ db: it goes to dk as it is, and its decays' share b ⊙ db = k ⊙ (e^g ⊙ db) on G_t, where as b's it
+    goes on G_{t-1} and to g_t directly (the same sum).
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -445,7 +447,10 @@ def _grad_kernel(
             sKA += tl.sum(tl.reshape(A * Da, (TC, RABP, BK)), axis=1)
             sB += tl.sum(tl.reshape(Bm * Db, (TC, RABP, BK)), axis=1)
             dG -= tl.sum(tl.reshape(A * dA, (TC, RABP, BK)), axis=1)
-            dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
+            if KDA == 2:  # dB is k's through G_t (ranks 1)
+                dG += Kr * dB
+            else:
+                dGex += tl.sum(tl.reshape(Bm * dB, (TC, RABP, BK)), axis=1)
         dA += Da
         if ASC:  # d(sa ⊙ a) -> da and this block's share of d sa
             tl.store(dsa + fa * tl.num_programs(0) + i_k, tl.sum(A16 * dA, axis=1), mask=va)
@@ -458,6 +463,10 @@ def _grad_kernel(
         elif HH:  # on to k and the mask here (k's rows are q's: one rank)
             dK += _hh_rows_bwd(dA, dB + Db, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K, TC, RAB, RABP, BK,
                                HH)
+            tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
+        elif KDA == 2:  # the products' share already k's (and on G_t): the inputs' Db as below
+            dK += dA + dB + eg * Db
+            dg_rows = Bm * Db
             tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
         elif KDA:  # on to k (a's rows and b's through e^g) and g (b's own gate: b ⊙ db)
             dBt = dB + Db
@@ -1038,6 +1047,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         raise ValueError("kda_rows: KDA's rows (a per-channel gate, a = k with a_scale, b = e^g ⊙ k) only")
     da, db = ((like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh and not kda_rows
               else (None, None))
+    # KDA's rows: the products' gradients of b's rows taken as k's, in q's pass (``_KNOBS["kda_pair_bwd"]``)
+    kda_pair_bwd = kda_rows and _KNOBS.get("kda_pair_bwd", 0)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if bk_hh:
@@ -1071,6 +1082,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             if one:
                 dbeta_rows = hdla_products_bwd(q, k, a, gc, hdla_beta, dmqk, dmqa, dlba, dlbk, mqk, lbk,
                                                pq, pk, pa, pb, scale=scale, **prod)
+            elif paired and kda_pair_bwd:  # KDA's four in one pass, b's rows as k's through G_t (step 4's KDA 2)
+                channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, y_scale=sa32,
+                                    dp_scaled=dmqa, dy_scaled=pa, x2=k, dp2=dlbk, dp2_scaled=dlba, dx2=pb, **prod)
             elif paired:  # a = sa ⊙ k (``kda``): each pair of products in one pass, as the forward took them
                 channel_product_bwd(q, k, gc, dmqk, pq, pk, strict=False, acc_x=False, acc_y=False, y_scale=sa32,
                                     dp_scaled=dmqa, dy_scaled=pa, **prod)
@@ -1092,7 +1106,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             hh_mask if hh else dummy, T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
-            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh, KDA=kda_rows,
+            E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
+            KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0,
             num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
