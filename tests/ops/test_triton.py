@@ -1858,20 +1858,22 @@ def test_gpu_hdla_realistic_size(matmul_precision, grads):
 
 
 @GPU
-@pytest.mark.parametrize("kda_pair,kda_rows", [(0, 0), (1, 0), (1, 1)],
-                         ids=["two-products", "one-kernel", "rows-in-step4"])  # (1, 1): the defaults
+@pytest.mark.parametrize("kda_pair,kda_rows,kda_pair_bwd", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1)],
+                         ids=["two-products", "one-kernel", "rows-in-step4", "one-pass-backward"])  # (1, 1, 0): defaults
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
-def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, monkeypatch):
+def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, kda_pair_bwd, monkeypatch):
     """Kimi Delta Attention (a = k with β as its factors: two per-channel products in the forward), bf16 inputs
     at B2 T1000 H4 K=V=128 with a per-channel gate and β up to 2, against fp64 on the same inputs: the bounds of
     ``_assert_near_fp64`` for the output, final state and every gradient. Where fla is installed, its
     ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision).
     ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default); ``kda_rows``: step 4
-    forms b and carries a's and b's gradients on to k and g (1, the default) or returns them to autograd (0)."""
+    forms b and carries a's and b's gradients on to k and g (1, the default) or returns them to autograd (0);
+    ``kda_pair_bwd``: the backward's four product gradients in one pass (1) or two (0, the default)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", kda_pair)
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_rows", kda_rows)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair_bwd", kda_pair_bwd)
     gen = torch.Generator().manual_seed(8)
     inputs = _gdn_realistic_inputs(seed=8)
     B, T, H, D = inputs[0].shape
