@@ -289,13 +289,20 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 
+def _prefixed_tables() -> dict[str, dict]:
+    """The launch-knob tables ``--knob`` reaches by prefix (``chunk_fwd._KNOBS`` takes the names without one)."""
+    from rankdecay.ops.triton import channel, chunk_bwd, chunk_state
+
+    return {"ch_": channel._CHANNEL, "bwd_": chunk_bwd._CONFIG, "state_": chunk_state._LAUNCH}
+
+
 def apply_knobs(pairs: list[str]) -> None:
     """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with the prefix
     ``ch_`` into ``channel._CHANNEL``, ``bwd_`` into ``chunk_bwd._CONFIG`` and ``state_`` into
     ``chunk_state._LAUNCH`` (integers); ``fwd_`` names ``chunk_fwd._KNOBS`` explicitly (``fwd_state_stages``)."""
-    from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
+    from rankdecay.ops.triton import chunk_fwd
 
-    tables = {"ch_": channel._CHANNEL, "bwd_": chunk_bwd._CONFIG, "state_": chunk_state._LAUNCH}
+    tables = _prefixed_tables()
     for kv in pairs:
         name, value = kv.split("=")
         prefix = next((p for p in tables if name.startswith(p)), None)
@@ -309,17 +316,13 @@ def apply_knobs(pairs: list[str]) -> None:
             chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
 
 
-def _knob_tables() -> list[dict]:
-    from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
-
-    return [chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH]
-
-
 def run_variants(variants: list[str], rounds: int, run) -> list[dict]:
     """``run()`` (-> result rows) under each variant's knobs (comma-separated ``NAME=VALUE`` pairs as ``--knob``
     takes them; "" the knobs as they are), variants alternating over ``rounds`` rounds. The knob tables are put
     back as they were after each variant. Each row gains its ``variant`` and ``round``."""
-    tables = _knob_tables()
+    from rankdecay.ops.triton import chunk_fwd
+
+    tables = [chunk_fwd._KNOBS, *_prefixed_tables().values()]
     saved = [dict(t) for t in tables]
     rows = []
     for r in range(1, rounds + 1):

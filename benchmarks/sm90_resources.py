@@ -137,8 +137,8 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
         if not save:
             return forward, {}
         saved = out[2]
-        if case == "kda":  # step 4 forms b and carries its gradient, as chunk_dplr asks (--knob kda_rows=0: not)
-            extra = dict(paired=saved["paired"], kda_rows=bool(chunk_fwd._KNOBS.get("kda_rows", 1)))
+        if case == "kda":  # as chunk_dplr asks: step 4 forms b and carries its gradient (--knob kda_rows=0: not)
+            extra = dict(paired=saved["paired"], kda_rows=chunk_bwd.carries_kda_rows(k1, a, g, sa, True))
         tensors = (q, k1, v, None if tied else a, None if tied else b, g, None, sa, sv,
                    *(saved[n] for n in chunk_bwd._SAVED))
         try:

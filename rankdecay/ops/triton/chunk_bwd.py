@@ -37,7 +37,8 @@ import triton.language as tl
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, segments, ties_keys)
+                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, pairs_keys, segments,
+                        ties_keys)
 from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, placeholder, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
@@ -1321,6 +1322,14 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
+def carries_kda_rows(k, a, g, a_scale, kda_b: bool) -> bool:
+    """Whether KDA's rows (``kda_b``: b = e^g ⊙ k, and a = a_scale ⊙ k, its products paired with k's:
+    ``pairs_keys``) have their gradients carried on to k and g in step 4 (``_backward``'s ``kda_rows``), so that
+    b, which the forward still reads, is taken without autograd and its factor kernel's backward never runs (H100
+    KDA forward+backward 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; ``_KNOBS["kda_rows"] = 0``: not)."""
+    return bool(kda_b and pairs_keys(k, a, g, a_scale) and _KNOBS.get("kda_rows", 1))
+
+
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
                kda_b: bool = False):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.
@@ -1345,11 +1354,6 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
-    # KDA's rows (a = k with a_scale, b = e^g ⊙ k), where the forward pairs a's products with k's
-    # (``chunk_dplr_fwd``'s "paired"): step 4 carries their gradients on to k and g itself, so b, which the forward
-    # still reads, is taken without autograd and its factor kernel's backward never runs (H100 KDA forward+backward
-    # 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; _KNOBS["kda_rows"] = 0: not)
-    kda_rows = bool(kda_b and a is k and a_scale is not None and g is not None and g.shape[-1] > 1
-                    and a.shape[-2] == 1 and _KNOBS.get("tie_a_k", 1) and _KNOBS.get("kda_rows", 1))
+    kda_rows = carries_kda_rows(k, a, g, a_scale, kda_b)
     return _ChunkDPLR.apply(q, k, v, a, b.detach() if kda_rows else b, g, initial_state, scale, a_scale, v_scale,
                             False, None, kda_b, kda_rows)

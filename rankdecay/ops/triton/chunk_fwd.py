@@ -933,6 +933,14 @@ def ties_keys(k, a, b, g, a_scale) -> bool:
             and (g is None or g.shape[-1] == 1))
 
 
+def pairs_keys(k, a, g, a_scale, cfg: dict | None = None) -> bool:
+    """Whether a is k itself with its rows' factors (a = a_scale ⊙ k: ``kda``) under a per-channel gate: Q A's
+    product is then Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product,
+    forward and backward (``chunk_dplr_fwd``'s "paired"; ``cfg``: its knobs, ``_KNOBS``'s by default)."""
+    return bool(a is k and a_scale is not None and g is not None and g.shape[-1] > 1
+                and (_KNOBS if cfg is None else cfg).get("tie_a_k", 1))
+
+
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
                    hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):
@@ -975,11 +983,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
     tied = ties_keys(k, a, b, g, a_scale)  # before .contiguous(), which may copy k
-    # a is k with its rows' factors (a = a_scale ⊙ k: ``kda``) under a per-channel gate: Q A's product is
-    # Q K's with a_scale on its columns, and B A's is B K's, so each pair comes from one product, forward and
-    # backward (saved as "paired"). Without the backward it takes the scaled form instead (``channel_scaled``).
-    paired = bool(a is k and a_scale is not None and g is not None and g.shape[-1] > 1 and Rab == Rkv
-                  and {**_KNOBS, **(_config or {})}.get("tie_a_k", 1))
+    # a's products paired with k's, forward and backward (saved as "paired"). Without the backward it takes the
+    # scaled form instead (``channel_scaled``).
+    paired = pairs_keys(k, a, g, a_scale, {**_KNOBS, **(_config or {})})
     prec = _precision(q)
     # the output kernel's value block: 128 with bf16 products (H100 GDN: 150 against 165 µs at 64;
     # BENCHMARKS.md session 15), 64 with fp32 tiles, twice the registers
