@@ -284,8 +284,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "with bwd_: bwd_grad_hh=1; chunk_state._LAUNCH's with state_: state_warps=8; rows=128 (chunk tiles); "
              "form_a2=0 (HDLA's forward builds a2 with the factor kernel); kda_pair=0 (KDA's per-channel products "
              "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); kda_rows=0 (KDA's a and b "
-             "gradients returned to autograd, not carried on to k and g in step 4); kda_pair_bwd=1 (KDA's four "
-             "products' gradients in one pass); "
+             "gradients returned to autograd, not carried on to k and g in step 4); kda_pair_bwd=0 (KDA's four "
+             "products' gradients in two passes); hdla_finish=0 (HDLA's dβ and c's share in a kernel after step 4); "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 

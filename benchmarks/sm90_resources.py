@@ -39,7 +39,8 @@ from triton.compiler.compiler import ASTSource
 from kernels import KNOB_HELP, apply_knobs  # noqa: E402  (run from benchmarks/)
 from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state, factors
 
-TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64"}
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+         torch.int32: "*i32"}
 KERNELS = ("_intra_kernel", "_state_fwd_kernel", "_output_kernel")
 
 

@@ -376,7 +376,8 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     tensors between the kernels in 16 bits, as on a GPU at the bf16 products' precision (the products' gradients
     of q, k, a and b among them), within eight units of fp16's rounding (as bf16's in
     ``test_bf16_products_under_medium_matmul_precision``). Step 4 on 16 key channels: K = 20 in two blocks, the
-    second partial, whose sums the rows' backward adds up (``factors.hdla_factors_finish``)."""
+    second partial, whose sums the rows' backward adds up (the last of them to be done: ``chunk_bwd._grad_kernel``'s
+    HFIN)."""
     knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
     monkeypatch.setitem(knobs, "hdla_products", True)
     monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_bwd")._CONFIG, "grad_bk", 16)
@@ -414,6 +415,32 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} state used={use_state}: {name}")
         for name, x, y in zip(["o", "final_state"], forward, results[1], strict=False):
             assert_matches(x.float(), y.float(), tol, f"T={T} {gate} {dtype} forward alone: {name}")
+
+
+def test_hdla_finish_in_step4_matches_its_own_kernel(monkeypatch):
+    """HDLA's rows' backward finished inside step 4 (``_KNOBS["hdla_finish"]`` 1, the default: each chunk's last key
+    block to be done adds c = kᵀ(λk)'s share to every block's dk and dg and forms dβ) gives the same bits as
+    ``factors.hdla_factors_finish`` after step 4 (0), which it replaces: the same sums in the same order. K = 40 on
+    16 key channels a block (three, the last partial), T = 37 (a partial last chunk), β up to 2, log-gates of -30;
+    the finish kernel runs only where asked for."""
+    cb = importlib.import_module("rankdecay.ops.triton.chunk_bwd")
+    knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
+    monkeypatch.setitem(knobs, "hdla_products", True)
+    monkeypatch.setitem(cb._CONFIG, "grad_bk", 16)
+    finished = _count_calls(monkeypatch, cb, "hdla_factors_finish")
+    q, k, v, g, beta = _channel_gate_inputs(31, B=2, T=37, H=2, K=40, V=24, strong=slice(9, 12))
+    beta = 2 * beta
+    results = []
+    for fin in (1, 0):
+        monkeypatch.setitem(knobs, "hdla_finish", fin)
+        xs = [x.to(DEVICE).clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o, _ = ops.hdla(*xs, mode="triton")
+        (o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum().backward()
+        results.append([o.detach()] + [x.grad for x in xs])
+        assert len(finished) == 1 - fin, f"hdla_finish={fin}: {len(finished)} finish kernels"
+    for name, x, y in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], *results, strict=True):
+        assert torch.isfinite(x).all(), name
+        assert torch.equal(x, y), f"{name}: finished in step 4 differs from the finish kernel by {(x - y).abs().max()}"
 
 
 def _count_calls(monkeypatch, module, name: str) -> list:
@@ -1868,7 +1895,7 @@ def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, kda_pair_b
     ``chunk_kda`` on the same inputs agrees with fp64 no better than ours at "medium" (fla's precision).
     ``kda_pair``: the forward's per-channel products in two kernels (0) or one (1, the default); ``kda_rows``: step 4
     forms b and carries a's and b's gradients on to k and g (1, the default) or returns them to autograd (0);
-    ``kda_pair_bwd``: the backward's four product gradients in one pass (1) or two (0, the default)."""
+    ``kda_pair_bwd``: the backward's four product gradients in one pass (1, the default) or two (0)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", kda_pair)

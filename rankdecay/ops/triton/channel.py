@@ -59,8 +59,12 @@ from .fused_recurrent import _pow2
 # so off. Both pass the GPU's HDLA tests (bf16 at K = 128 and the one-node cases).
 # dual_bwd_bk, dual_bwd_warps: ``channel_product_bwd``'s with a pair of products (``dp_scaled``; None: bwd_bk's, and 2
 # warps). H100 KDA, B8 T2048 H16 K=V=128 bf16: 1.618 ms on 4 warps, 1.293 on 2 (BENCHMARKS.md session 33).
+# pair_bwd_warps: the same with two pairs (``x2``, KDA's four products), where 4 warps hold its tiles in 128
+# registers without spilling (255 on 2): H100 KDA forward+backward 4.638-4.658 ms on 2 warps, 4.622-4.629 on 4
+# (BENCHMARKS.md session 47).
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
-                hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2)
+                hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
+                pair_bwd_warps=4)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -761,6 +765,8 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     bk, warps = _knob("bwd_bk", TC), _knob("bwd_warps", TC)
     if dual:  # the pair's own launch where set
         bk, warps = _CHANNEL["dual_bwd_bk"] or bk, _CHANNEL["dual_bwd_warps"] or warps
+    if x2 is not None:  # and two pairs' (KDA's four)
+        warps = _CHANNEL["pair_bwd_warps"] or warps
     BK = min(bk, max(16, triton.next_power_of_2(K)))
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")

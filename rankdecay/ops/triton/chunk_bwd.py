@@ -115,6 +115,38 @@ def _hdla_rows_bwd(dA, dB, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, 
 
 
 @triton.jit
+def _hdla_finish_rows(k, graw, hb, hc, hpart, dk, dg, hdbeta, hdbr, fq, vq, NKB, K: tl.constexpr, BK: tl.constexpr,
+                      HAS_DBR: tl.constexpr):
+    """The end of HDLA's rows' backward for one chunk's tokens (fq, vq), once every key block's step 4 has stored its
+    dk and dg and its sums to hpart [B, T, H, NKB, 2]: c = kᵀ(λk)'s share, dc = -β² Σ_k da2 k, into dk (2 dc λk) and
+    dg (dc k λk) over all K, and dβ = Σ da1 k + da2 λk - 2 β c Σ da2 k (+ hdbr, β's share through the products) to
+    hdbeta [B, T, H]. What ``factors.hdla_factors_finish`` does as a kernel of its own, in the same order of
+    operations: the sums are added key block by key block from zero, and dk and dg are read back as stored (the
+    other blocks' from L2: ``.cg``), so the results do not depend on which program came last."""
+    s1 = tl.zeros(fq.shape, dtype=tl.float32)
+    s2 = tl.zeros(fq.shape, dtype=tl.float32)
+    for j in range(NKB):
+        s1 += tl.load(hpart + (fq * NKB + j) * 2, mask=vq, other=0.0, cache_modifier=".cg")
+        s2 += tl.load(hpart + (fq * NKB + j) * 2 + 1, mask=vq, other=0.0, cache_modifier=".cg")
+    be = tl.load(hb + fq, mask=vq, other=0.0).to(tl.float32)
+    d_beta = s1 - 2.0 * be * tl.load(hc + fq, mask=vq, other=0.0) * s2
+    if HAS_DBR:
+        d_beta += tl.load(hdbr + fq, mask=vq, other=0.0)
+    tl.store(hdbeta + fq, d_beta, mask=vq)
+    dc = (-be * be * s2)[:, None]
+    for j in range(NKB):
+        o_k = j * BK + tl.arange(0, BK)
+        m = vq[:, None] & (o_k < K)[None, :]
+        p = fq[:, None] * K + o_k[None, :]
+        k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+        lk = tl.exp(tl.load(graw + p, mask=m, other=0.0).to(tl.float32)) * k_
+        d_k = tl.load(dk + p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32) + 2.0 * dc * lk
+        d_g = tl.load(dg + p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32) + dc * k_ * lk
+        tl.store(dk + p, d_k.to(dk.dtype.element_ty), mask=m)
+        tl.store(dg + p, d_g.to(dg.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _hh_rows_bwd(dA, dB, k, hmask, fa, va, rka, i_h, hpart, i_k, o_k, m_k, K: tl.constexpr, TC: tl.constexpr,
                  RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr, HH: tl.constexpr):
     """Head-in-Head's rows' gradients da, db [TC RABP, BK] (rows token-major, rank minor) carried on to k: returns
@@ -286,12 +318,12 @@ def _grad_hh_kernel(
 @triton.jit
 def _grad_kernel(
     q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
-    pq, pk, pa, pb, graw, hb, hc, hpart, hmask, T, NC,
+    pq, pk, pa, pb, graw, hb, hc, hpart, hmask, hdbeta, hdbr, hcnt, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
-    HH: tl.constexpr = 0, KDA: tl.constexpr = 0,
+    HH: tl.constexpr = 0, KDA: tl.constexpr = 0, HFIN: tl.constexpr = False, HAS_DBR: tl.constexpr = False,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -311,7 +343,10 @@ def _grad_kernel(
     and b2 = k are formed from k and β (hb [B, T, H]), as the factor kernel forms them, and only a2 is read: b may
     be absent. The rows' gradients da and db are not stored but carried on to k and g here (``_hdla_rows_bwd``,
     with c = kᵀ(λ⊙k) from hc [B, T, H]), all but the share through c, which needs the whole K: this block's sums
-    for it go to hpart [B, T, H, key blocks, 2] (``factors.hdla_factors_finish`` adds it and forms dβ).
+    for it go to hpart [B, T, H, key blocks, 2]. HFIN: the chunk's last key block to be done (a count per chunk
+    in hcnt, int32 zeros) adds that share to every block's dk and dg and stores dβ to hdbeta [B, T, H] fp32, with
+    hdbr (HAS_DBR: β's share through the products) added (``_hdla_finish_rows``); else ``factors.hdla_factors_finish``
+    does, after this kernel.
 
     HH (Head-in-Head with a scalar gate or none; 1: a static mask hmask [H, r, r], 2: one per token
     [B, T, H, r, r]): a_j = k ⊙ 1[group j] and b_j = k ⊙ M[j, group(·)], and their gradients are carried on to k
@@ -492,6 +527,11 @@ def _grad_kernel(
             dgt += dg_rows
         tl.store(dg + ((i_b * T + tq[:, None]) * H + i_h) * KG + o_k[None, :], dgt,
                  mask=(tq < T)[:, None] & m_k[None, :])
+        if HFIN:  # the chunk's last key block to finish takes c's share over all K, and dβ (hcnt: zeros per chunk)
+            tl.debug_barrier()  # every thread's stores before the count (released with it, gpu scope)
+            if tl.atomic_add(hcnt + c, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                _hdla_finish_rows(k, graw, hb, hc, hpart, dk, dg, hdbeta, hdbr, fq, vq, tl.num_programs(0), K, BK,
+                                  HAS_DBR)
 
 
 @triton.jit
@@ -925,8 +965,10 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     HDLA's β [B, T, H]; where its products were taken as token rows (``hdla_fused_products``) so is their
     gradient (``channel.hdla_products_bwd``), with a1 = β k's share in dk and in one more result, β's share
     ([B, T, H] fp32; None where the products were taken apart). There, with ``hdla_c`` (c = kᵀ(λ⊙k) [B, T, H]
-    fp32), step 4 also carries the rows' gradients on to dk and dg, da and db come back None, and a last result
-    holds the sums ``factors.hdla_factors_finish`` needs for the rest (None where the products were taken apart).
+    fp32), step 4 also carries the rows' gradients on to dk and dg, da and db come back None, and three more results
+    follow: β's share or all of dβ, the sums ``factors.hdla_factors_finish`` needs for the rest (None where the
+    products were taken apart, or where step 4 took the rest too), and whether it did (``_KNOBS["hdla_finish"]``):
+    then dk and dg are whole and the first of the three is dβ [B, T, H] fp32.
     ``paired``: the forward took a's products with k's (``chunk_dplr_fwd``'s saved "paired"), and so do their
     gradients here. ``hh_mask`` (Head-in-Head's mask, [H, r, r] or [B, T, H, r, r]; a scalar gate or none): a and b
     are its rows of k (``factors.hh_factors``'), whose gradients step 4 carries on to dk and the mask's: da and db
@@ -1041,6 +1083,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     one = gate == 2 and hdla_beta is not None and hdla_fused_products(prec)
     # HDLA's rows' gradients go on to k and g inside step 4, all but c's share: its sums per key block to hpart
     hpart = torch.empty(B, T, H, NKB, 2, **f32) if one else None
+    # and the share through c with dβ there too, by each chunk's last key block (``_KNOBS["hdla_finish"]``, 1 by
+    # default; 0: ``factors.hdla_factors_finish`` after step 4): a count per chunk and dβ
+    fin = one and _KNOBS.get("hdla_finish", 1)
+    hcnt = torch.zeros(B * H * NC, device=q.device, dtype=torch.int32) if fin else None
+    dbeta_fin = torch.empty(B, T, H, **f32) if fin else None
     if hh:  # Head-in-Head's rows' gradients go on to k and the mask inside step 4 (``chunk_dplr`` checked the
         # rows and the gate): the mask's per key block here
         hpart = torch.empty(B, T, H, Rab, NKB, Rab, **f32)
@@ -1049,7 +1096,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     da, db = ((like(a), like(a if b is None else b)) if Rab and not tied and not one and not hh and not kda_rows
               else (None, None))
     # KDA's rows: the products' gradients of b's rows taken as k's, in q's pass (``_KNOBS["kda_pair_bwd"]``)
-    kda_pair_bwd = kda_rows and _KNOBS.get("kda_pair_bwd", 0)
+    kda_pair_bwd = kda_rows and _KNOBS.get("kda_pair_bwd", 1)
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if bk_hh:
@@ -1104,11 +1151,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
             opt(pa), opt(pb), g if one or kda_rows else dummy, hdla_beta if one else dummy, hdla_c if one else dummy,
             opt(hpart),
-            hh_mask if hh else dummy, T, NC, H=H, K=K,
+            hh_mask if hh else dummy, opt(dbeta_fin), opt(dbeta_rows), opt(hcnt), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
-            KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0,
+            KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0, HFIN=bool(fin), HAS_DBR=dbeta_rows is not None,
             num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
         )
     dbeta = None
@@ -1134,7 +1181,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     if hh:  # the mask's gradient: the key blocks' shares added, and a static mask's over every token
         dmask = hpart.sum(-2)
         return grads + (cast(dmask.sum((0, 1)) if hh == 1 else dmask, hh_mask),)
-    return grads if hdla_beta is None else grads + (dbeta_rows, hpart)
+    if fin:  # step 4 finished the rows' backward: dβ whole, no sums left
+        return grads + (dbeta_fin, None, True)
+    return grads if hdla_beta is None else grads + (dbeta_rows, hpart, False)
 
 
 class _GatedDeltaRule(torch.autograd.Function):
@@ -1290,10 +1339,12 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, k, beta, c = ctx.saved_tensors
-        dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows, part = _backward(tensors, ctx.scale, ctx.C, False, do, dht,
-                                                                     hdla_beta=beta, hdla_c=c)
+        dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows, part, finished = _backward(
+            tensors, ctx.scale, ctx.C, False, do, dht, hdla_beta=beta, hdla_c=c)
         dk = dk.view(k.shape)
-        if part is not None:  # step 4 took the rows' gradients but c's share, added here with dβ
+        if finished:  # step 4 took the rows' gradients whole, c's share and dβ included
+            dbeta = dbeta_rows
+        elif part is not None:  # step 4 took the rows' gradients but c's share, added here with dβ
             dbeta = hdla_factors_finish(k, tensors[5], beta, c, part, dk, dg, dbeta_rows)
         else:
             _, _, dbeta = hdla_factors_bwd(k, tensors[5], beta, da, db, dk, dg)  # adds the rows' share to dk, dg

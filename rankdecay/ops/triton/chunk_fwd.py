@@ -707,9 +707,11 @@ def _output_kernel(
 # as before ``channel_product``'s x2 took them in one; 1, the default: one kernel), "kda_rows" (1, the default: KDA's
 # training backward forms b = e^g ⊙ k in step 4 and carries a's and b's gradients on to k and g there,
 # ``chunk_bwd.chunk_dplr``, H100 KDA forward+backward 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; 0: autograd
-# takes them through b's factor kernel, as before), "kda_pair_bwd" (1, with kda_rows: the backward takes the four
-# per-channel products' gradients in one pass too, b's rows as k's through G_t, ``channel_product_bwd``'s x2; 0, the
-# default until timed on a GPU: two passes).
+# takes them through b's factor kernel, as before), "kda_pair_bwd" (1, the default, with kda_rows: the backward takes
+# the four per-channel products' gradients in one pass too, b's rows as k's through G_t, ``channel_product_bwd``'s x2,
+# H100 KDA forward+backward 4.80-4.82 -> 4.62-4.63 ms, BENCHMARKS.md session 47; 0: two passes), "hdla_finish" (1, the
+# default: HDLA's step 4 also adds the rows' share through c = kᵀ(λ⊙k) and forms dβ, in each chunk's last key block to
+# be done, ``chunk_bwd._grad_kernel``'s HFIN; 0: ``factors.hdla_factors_finish``, a kernel of its own, after it).
 _KNOBS: dict = {}
 
 
