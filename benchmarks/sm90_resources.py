@@ -106,12 +106,13 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
                     patched.append((mod, name, fn))
                     setattr(mod, name, Capture(name, fn))
         extra, tied, save = {}, case == "gdn", not case.endswith("-fwd")
-        if case in ("kda", "kda-fwd"):  # as ops.kda: a = k with β, b = e^g ⊙ k (a placeholder without autograd)
+        if case in ("kda", "kda-fwd"):  # as ops.kda: a = k with β, b = e^g ⊙ k (a placeholder, built where read)
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()
             a = k1
-            b = factors.kda_factor(k1, g[..., None, :], dtype=torch.bfloat16) if save else factors.placeholder(
-                k1.shape, torch.bfloat16, k.device)
             sa = beta[..., None].contiguous()
+            b = factors.placeholder(k1.shape, torch.bfloat16, k.device)
+            if save and not chunk_fwd.kda_b_formed(k1, a, g, sa):  # as chunk_bwd.chunk_dplr
+                b = factors.kda_factor(k1, g[..., None, :], dtype=torch.bfloat16)
             cfg.update(kda_b=True)
         elif case == "hdla-fwd":  # as chunk_bwd.chunk_hdla without autograd: no rows built, a2 formed in the kernels
             g = -torch.rand(B, T, H, K, generator=gen).bfloat16()

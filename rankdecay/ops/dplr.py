@@ -93,8 +93,9 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     (``triton.factors.hh_placeholders``): with autograd both, without it a alone (the grouped forward's state kernel
     reads b: ``triton.factors.hh_update_rows``); their backward carries the rows' gradients on to k and the mask
     (``triton.chunk_bwd.chunk_dplr``'s). The caller vouches for this too, and that the fused kernels run.
-    ``kda_b``: b is e^g ⊙ k (``kda``'s; ``triton.chunk_fwd.chunk_dplr_fwd``'s), and without autograd a placeholder,
-    which the fused forward forms where it needs it; the caller vouches that the fused kernels then run."""
+    ``kda_b``: b is e^g ⊙ k (``kda``'s; ``triton.chunk_fwd.chunk_dplr_fwd``'s), and its contents are never read: it
+    may be a placeholder, which the fused kernels form where they need it, with autograd or without
+    (``triton.chunk_bwd.chunk_dplr``'s); the caller vouches that the fused kernels then run."""
     x = canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode, a_scale, v_scale)
     if inplace_final_state:
         check_inplace_state(initial_state)
@@ -107,12 +108,15 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     grad = needs_grad((q, k, v, a, b, g, x.initial_state, sa, sv, hh_mask))  # (packing below keeps it)
     # Head-in-Head without autograd: b is real (the grouped forward reads it), a a placeholder
     hh_rows_b = hh_mask is not None and not grad
+    a_is_k = a is k
     if x.lengths is not None:
         index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
             b = pack_varlen(b, index, valid) if hh_rows_b else b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
+        elif kda_b:  # KDA's b is never read as given (a placeholder): not packed; a is k (paired with it) kept so
+            a, b = k if a_is_k else pack_varlen(a, index, valid), b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
         else:
             a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
         if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
@@ -120,8 +124,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     if hh_mask is not None and not fused:
         raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
-    if kda_b and not grad and not fused:  # b a placeholder that only the fused forward forms
-        raise RuntimeError("kda_b: KDA's b is formed in the fused forward without autograd, which these inputs miss")
+    if kda_b and not fused:  # b a placeholder that only the fused kernels form
+        raise RuntimeError("kda_b: KDA's b is formed in the fused kernels, which these inputs miss")
     if not fused:  # the other paths take the factors multiplied in
         if sa is not None:
             a = a.to(dtype) * sa.to(dtype)[..., None]

@@ -228,13 +228,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     kernels = _triton_factors(mode, q, (q, k, v, g, beta, initial_state))
     if kernels:
         from .triton.chunk_state import _precision
-        from .triton.factors import kda_factor, placeholder, rows_dtype  # one kernel each way, no fp32 k for autograd
+        from .triton.factors import placeholder, rows_dtype
 
-        dtype = rows_dtype(k, _precision(q))
-        # without autograd the fused forward forms what it needs of b from k and the gate itself (its scaled form
-        # reads none: b_t e^{G_{t-1}} = k_t e^{G_t}), so b is a placeholder and no factor kernel runs
-        formed = not needs_grad((q, k, v, g, beta, initial_state))
-        b = placeholder(k1.shape, dtype, k.device) if formed else kda_factor(k1, g[..., None, :], dtype=dtype)
+        # the fused kernels form what they need of b from k and the gate themselves (b_t e^{G_{t-1}} = k_t e^{G_t}),
+        # and build it (``kda_factor``) where a form still reads it: b is a placeholder, and by default no factor
+        # kernel runs, with autograd or without
+        b = placeholder(k1.shape, rows_dtype(k, _precision(q)), k.device)
     else:
         b = _up(k1) * _gate_factor(g)
     return _dplr(q, k1, v[..., None, :], k1, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,

@@ -1011,14 +1011,18 @@ def test_kda_matches_pytorch_chunk(strong, pair, rows, pair_bwd, monkeypatch):
     default (``_KNOBS["kda_rows"] = 1``) step 4 forms b from k and g and carries a's and b's gradients on to k and g
     itself, so b's factor kernel has no backward to run (checked); with 0, autograd takes them through it. With
     ``_KNOBS["kda_pair_bwd"] = 1`` the backward takes the four products' gradients in one pass too, b's rows as k's
-    through G_t (``channel_product_bwd``'s x2), and step 4 reads their share in that form (checked: one pass)."""
+    through G_t (``channel_product_bwd``'s x2), and step 4 reads their share in that form (checked: one pass). With
+    all three (the defaults) nothing reads b, which ``kda`` passes as a placeholder, so its factor kernel does not
+    run at all (checked; the intra kernel forms B ⊙ e^{G_{t-1}} as K ⊙ e^{G_t}: its KDA_B); else it is built."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair", pair)
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_rows", rows)
     monkeypatch.setitem(chunk_fwd._KNOBS, "kda_pair_bwd", pair_bwd)
-    factor_bwd = []
-    backward = factors._KDAFactor.backward
+    factor_fwd, factor_bwd = [], []
+    forward, backward = factors._KDAFactor.forward, factors._KDAFactor.backward
+    monkeypatch.setattr(factors._KDAFactor, "forward",
+                        staticmethod(lambda ctx, *x: factor_fwd.append(1) or forward(ctx, *x)))
     monkeypatch.setattr(factors._KDAFactor, "backward",
                         staticmethod(lambda ctx, *g: factor_bwd.append(1) or backward(ctx, *g)))
     dual, dual_bwd = [], []
@@ -1039,6 +1043,7 @@ def test_kda_matches_pytorch_chunk(strong, pair, rows, pair_bwd, monkeypatch):
 
     got, ref = grads("triton"), grads("chunk")
     assert dual == ([1, 1] if pair == 0 else [2]) and dual_bwd == ([2] if pair_bwd else [1, 1]), (dual, dual_bwd)
+    assert factor_fwd == ([] if pair and rows and pair_bwd else [1]), factor_fwd
     assert factor_bwd == ([] if rows else [1]), factor_bwd
     for name, x, y in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name

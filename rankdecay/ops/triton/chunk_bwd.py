@@ -37,9 +37,9 @@ import triton.language as tl
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, pairs_keys, segments,
-                        ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, placeholder, rows_dtype
+                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, kda_b_formed, pairs_keys,
+                        segments, ties_keys)
+from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor, placeholder, rows_dtype
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
                           _precision, _state_bwd_kernel, bwd_stages)
@@ -1389,8 +1389,9 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
     Head-in-Head's rows of k and this mask (``factors.hh_factors``' a and b; [H, r, r] or [B, T, H, r, r]; a scalar
     gate or none): the backward carries their gradients on to k and the mask in step 4 and returns them as k's and
     the mask's, without da and db (H100 HH-GDN r=4: BENCHMARKS.md session 36); a and b's own autograd is unused.
-    ``kda_b``: b is e^g ⊙ k (``kda``'s, built: its backward reads it), which ``chunk_dplr_fwd`` may use (its
-    ``kda_b``)."""
+    ``kda_b``: b is e^g ⊙ k (``kda``'s), and may be a placeholder: where the training reads it
+    (``chunk_fwd.kda_b_formed``) it is built here (``factors.kda_factor``, with autograd where its gradient is not
+    carried on in step 4: ``carries_kda_rows``), else the kernels form what they need of it from k and g."""
     if hh_mask is not None:
         if a is None or b is None or gate_kind(g) == 2:
             raise ValueError("hh_mask: Head-in-Head's rows a and b with a scalar gate or none only")
@@ -1405,6 +1406,8 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
                                 hh_mask.contiguous())
     if ties_keys(k, a, b, g, a_scale):
         return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
+    if kda_b and not kda_b_formed(k, a, g, a_scale):  # something reads b: built (a placeholder's contents never are)
+        b = kda_factor(k, g.unsqueeze(-2), dtype=b.dtype)
     kda_rows = carries_kda_rows(k, a, g, a_scale, kda_b)
     return _ChunkDPLR.apply(q, k, v, a, b.detach() if kda_rows else b, g, initial_state, scale, a_scale, v_scale,
                             False, None, kda_b, kda_rows)

@@ -428,7 +428,7 @@ def _intra_kernel(
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
     GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
-    NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False,
+    NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -458,6 +458,8 @@ def _intra_kernel(
     # of k and this mask (``factors.hh_factors``'), formed from k here (``_hh_rows``) and not read.
     # FORM_A2 (with HDLA; ``chunk_dplr_fwd``'s ``hdla_form_a2``): a is not read either; a2 = β k ⊙ (λ - β c) is
     # formed from k, the log-cumsums, β and c (the log-cumsum kernel's shares in cp: ``channel.hdla_c``).
+    # KDA_B (a per-channel gate, ranks 1, b = e^g ⊙ k: ``chunk_dplr_fwd``'s ``kda_b``): b is not read, B ⊙ e^{G_{t-1}}
+    # is formed as k ⊙ e^{G_t}.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -615,6 +617,8 @@ def _intra_kernel(
         elif RAB > 0:
             if HH:
                 Bm = _hh_rows(k, hmask, b, fa, va, rka, i_h, o_k, m_k, K, RAB, HH, True)
+            elif KDA_B:  # B ⊙ e^{G_{t-1}} = K ⊙ e^{G_t} (ranks 1: a's rows are k's), its decays below
+                Bm = _load_rows(k, fa, va, o_k, m_k, K)
             else:
                 Bm = _load_rows(b, fa, va, o_k, m_k, K)
             if GATE == 1:
@@ -625,7 +629,7 @@ def _intra_kernel(
                     A = A * fac_a[:, None]
                 A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
                 tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-                Bm = Bm * _channel_decays(gc, toka, o_k, m_k, KG, TC, False, True)
+                Bm = Bm * _channel_decays(gc, toka, o_k, m_k, KG, TC, False, not KDA_B)
                 W = _dot(Tinv, Bm, PRECISION)
             else:
                 W = _dot_ex(Tinv, Bm, PRECISION, E_B)
@@ -943,6 +947,17 @@ def pairs_keys(k, a, g, a_scale, cfg: dict | None = None) -> bool:
                 and (_KNOBS if cfg is None else cfg).get("tie_a_k", 1))
 
 
+def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
+    """Whether KDA's training (``chunk_dplr_fwd`` with ``kda_b`` and ``save``, and its backward) reads no b = e^g ⊙ k
+    at all, so that b may be a placeholder (``factors.placeholder``) and its factor kernel never runs: a paired with k
+    (``pairs_keys``), the forward's products in one kernel ("kda_pair"), and the backward's rows carried on in step 4
+    ("kda_rows") with its four products' gradients in one pass ("kda_pair_bwd"), each forming what it needs of b from
+    k and the gate (``cfg``: the knobs, ``_KNOBS``'s by default)."""
+    cfg = _KNOBS if cfg is None else cfg
+    return bool(pairs_keys(k, a, g, a_scale, cfg) and cfg.get("kda_pair", 1) >= 1 and cfg.get("kda_rows", 1)
+                and cfg.get("kda_pair_bwd", 1))
+
+
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
                    hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):
@@ -967,10 +982,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     a's a2 rows are not read either but formed where they are needed, a2 = β k ⊙ (λ - β c), from k, the
     log-cumsums, β and c = kᵀ(λ ⊙ k), whose key-block shares the log-cumsum kernel writes; a may be a placeholder
     (``factors.placeholder``), and no factor kernel runs. ``kda_b`` (a per-channel gate, a = k with a_scale,
-    ranks 1): b is e^g ⊙ k (``kda``'s), and without ``save`` may be a placeholder. Where the forward takes its scaled
-    form it reads no b, since b_t ⊙ e^{G_{t-1}} = k_t ⊙ e^{G_t}; elsewhere, without ``save``, b is built here
-    (``factors.kda_factor``). With ``save`` (b given, its backward reads it) its products take L_BK and L_BA as
-    k's too, in M_QK's kernel. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with
+    ranks 1): b is e^g ⊙ k (``kda``'s), and may be a placeholder: without ``save`` always, with it where the
+    training reads no b (``kda_b_formed``; else b is given, its backward reads it). Since b_t ⊙ e^{G_{t-1}} =
+    k_t ⊙ e^{G_t}, the intra kernel forms its rows from k (its KDA_B), the scaled form reads none, and the products
+    take L_BK (and L_BA) as k's, in M_QK's kernel; where a form still reads b (a not paired with k, or the products
+    apart), without ``save`` it is built here (``factors.kda_factor``). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with
     ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs
     ``fused_chunk_size(Rab, Rkv)``.
     """
@@ -1006,7 +1022,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # (Head-in-Head's rows, formed from k and the mask, may be placeholders: ``factors.hh_placeholders``; so may
     # HDLA's a, formed from k, the log-cumsums, β and c: ``hdla_form_a2``)
     a = a.contiguous() if a is not None and hh_mask is None and not hdla_form_a2 else a
-    placeholder_b = kda_b and not save  # KDA's b without autograd: maybe a placeholder, formed where needed
+    # KDA's b: maybe a placeholder, formed where needed; with save, a placeholder where nothing reads it
+    placeholder_b = kda_b and (not save or kda_b_formed(k, a, g, a_scale, cfg))
     b = b.contiguous() if b is not None and (hh_mask is None or grouped) and not placeholder_b else b
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
@@ -1029,8 +1046,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if kda_b:
         if gate != 2 or Rkv != 1 or Rab != 1:
             raise ValueError("kda_b: b = e^g ⊙ k (kda's) with a per-channel gate and ranks 1")
-        if placeholder_b and not channel_scaled:  # these forms read b (as do heads padded to the kernels' widths:
-            # a is not k there)
+        # the forms that read b: the products taken apart, or L_BK's own kernel with its scaled twin (the intra kernel
+        # forms B ⊙ e^{G_{t-1}} from k: its KDA_B)
+        if placeholder_b and (not paired or (cfg.get("kda_pair", 1) < 1 and not channel_scaled)):
+            if save:  # (``kda_b_formed`` says none of these reads it)
+                raise RuntimeError("kda_b: b is a placeholder where the training forward reads it")
             from .factors import kda_factor, rows_dtype
 
             b = kda_factor(k, g.contiguous().view(k.shape), dtype=rows_dtype(k, prec))
@@ -1143,7 +1163,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
             hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
-            NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2,
+            NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b,
             NILP=16 // _pow2(Rab) if Rab and neumann else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
