@@ -1264,11 +1264,13 @@ _HH_STEP4_CASES = [(16, 4, True, False, 0), (24, 3, False, False, 0), (40, 2, Tr
                    (64, 2, False, True, 16)]
 
 
-# the inputs' kernel by groups (hh_inputs = 1) only where step 4 runs by groups (K / r a multiple of 16): elsewhere
-# the knob changes nothing
+# the inputs' kernel by groups (hh_inputs = 1, 2: with every rank's rows of U read) only where step 4 runs by groups
+# (K / r a multiple of 16): elsewhere the knob changes nothing
 @pytest.mark.parametrize("K,r,static,varlen,cap,hh_inputs", [
-    pytest.param(*case, hh_inputs, id="-".join([("inputs-general", "inputs-by-groups")[hh_inputs], *map(str, case)]))
-    for case in _HH_STEP4_CASES for hh_inputs in (0, 1) if not hh_inputs or (case[0] // case[1]) % 16 == 0])
+    pytest.param(*case, hh_inputs, id="-".join([("inputs-general", "inputs-by-groups", "inputs-by-groups-dense")[
+        hh_inputs], *map(str, case)]))
+    for case in _HH_STEP4_CASES for hh_inputs in (0, 1, 2)
+    if not hh_inputs or (case[0] // case[1]) % 16 == 0 and (hh_inputs == 1 or case[:2] == (64, 4))])
 def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, hh_inputs, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
@@ -1277,12 +1279,15 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     to -30 and one of -1e4, β up to 2, T = 37 (a partial chunk), and cu_seqlens with an empty sequence. Where K / r
     is a multiple of 16 (32 / 2, 48 / 3, 64 / 4), step 4 runs by groups (``_grad_hh_kernel``), with key blocks of
     16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``),
-    and with ``hh_inputs`` the inputs' kernel too (``_grad_inputs_kernel``'s HG); elsewhere it is the general
-    kernel. No hh_factors runs: the kernels form the rows from k and the mask."""
-    from rankdecay.ops.triton import chunk_bwd, factors
+    and with ``hh_inputs`` the inputs' kernel too (``_grad_inputs_kernel``'s HG), reading only its key block's
+    groups' rows of U (NG: two groups a block, or one for K / r = 32), or with 2 all of them
+    (``_KNOBS["hh_sparse_inputs"] = 0``); elsewhere it is the general kernel. No hh_factors runs: the kernels form
+    the rows from k and the mask."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
-    monkeypatch.setitem(chunk_bwd._CONFIG, "hh_inputs", hh_inputs)
+    monkeypatch.setitem(chunk_bwd._CONFIG, "hh_inputs", int(hh_inputs > 0))
+    monkeypatch.setitem(chunk_fwd._KNOBS, "hh_sparse_inputs", int(hh_inputs < 2))
 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     blocks = _hh_key_block_spy(monkeypatch)

@@ -73,6 +73,15 @@ def _inputs_warps(C: int, gate: int) -> int:
     return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 else 4)
 
 
+def _block_groups(K: int, r: int, BK: int) -> int:
+    """Head-in-Head's groups (K / r channels each) that a key block of BK channels covers, where it covers whole
+    groups or lies inside one (1); else 0 (``_grad_inputs_kernel``'s NG, ``_KNOBS["hh_sparse_inputs"]`` 0: 0)."""
+    width = K // r if K % r == 0 else 0
+    if not width or not _KNOBS.get("hh_sparse_inputs", 1):
+        return 0
+    return BK // width if BK % width == 0 else 1 if width % BK == 0 else 0
+
+
 def _grad_hdla_warps(C: int) -> int:
     """Step 4's width where it carries HDLA's rows' gradients on: ``_CONFIG``'s where set, else 8 for 32-token chunks
     (H100: 1.075 -> 0.870 ms against 4; BENCHMARKS.md session 37) and 4 for 16-token ones (0.87 -> 0.77 ms; 1.01 on
@@ -834,7 +843,7 @@ def _grad_inputs_kernel(
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
     E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
-    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1,
+    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, NG: tl.constexpr = 0,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
@@ -851,7 +860,9 @@ def _grad_inputs_kernel(
     quarter of them at r = 4: in channel l of group i, dÃ's row (t, i) to dad [B, H, NC, TC, K] and
     Σ_j M_t[j, i] dB̃_(t, j) to dbd [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block's channels of
     each group i to yb [B, H, NC, TC RABP, RAB, key blocks] (k [B, T, H, 1, K] as given; zero for a group the block
-    does not reach), whose key blocks step 4 adds."""
+    does not reach), whose key blocks step 4 adds. NG (with HG: the key block's channels in NG whole groups, or in
+    part of one: NG 1): dÃ's row (t, i) is kept on group i's channels alone, so only the block's groups' rows of U
+    are read and multiplied, NG of every RAB (half of them at r = 4 and 64 channels a block)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -868,7 +879,12 @@ def _grad_inputs_kernel(
     if NA > 0:
         r_a = tl.arange(0, NA)
         Db = tl.zeros([NA, BK], dtype=tl.float32)
-        if not TIED:
+        if NG:  # the block's groups' rows (t, j0 + jj) of U, token-major
+            r_s = tl.arange(0, TC * NG)
+            j0 = (i_k * BK) // (K // RAB)
+            row_s = (r_s // NG) * RABP + j0 + r_s % NG
+            Da = tl.zeros([TC * NG, BK], dtype=tl.float32)
+        elif not TIED:
             Da = tl.zeros([NA, BK], dtype=tl.float32)
     if TIED:
         fa = _row_factor(sa, fk, vk)[:, None]
@@ -899,7 +915,11 @@ def _grad_inputs_kernel(
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
-            if not TIED:
+            if NG:
+                U = tl.load(u + (c * NA + row_s[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                            other=0.0).to(tl.float32)
+                Da -= _dot(U, tl.trans(dS), PRECISION)
+            elif not TIED:
                 U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                             other=0.0).to(tl.float32)
                 Da -= _dot(U, tl.trans(dS), PRECISION)
@@ -914,13 +934,17 @@ def _grad_inputs_kernel(
     if HG:  # what step 4 by groups reads, per token (rows past T or r have zero mask entries and k rows)
         _, rka, _, va, fa = _chunk_rows(r_a, i_b, i_h, i_c, T, H, TC, RAB, RABP)
         grp = o_k // (K // RAB)  # each channel's group
-        Da = tl.where(grp[None, :] == rka[:, None], Da, 0.0)
         Dbk = Db * _load_rows(k, fa // RAB, va, o_k, m_k, K)
         Db = Db * _hh_mask_rows(hmask, fa, va, rka, i_h, o_k, m_k, K, RAB, HG)
         # the rows' sums per token and per group as products with 0/1 selections, two TF32 passes each (fp32
         # accuracy); reshaped and summed instead, the H100 took 1.66 against 1.58 ms (BENCHMARKS.md session 40)
         sel = tl.where(r_a[None, :] // RABP == r_q[:, None], 1.0, 0.0)  # [TC, NA]: row (t, j) to token t
-        Da = _dot_xe(sel, Da, "tf32x3", True)
+        if NG > 1:  # the block's groups' rows, each on its own group's channels
+            Da = tl.where((grp - j0)[None, :] == (r_s % NG)[:, None], Da, 0.0)
+            Da = _dot_xe(tl.where(r_s[None, :] // NG == r_q[:, None], 1.0, 0.0), Da, "tf32x3", True)
+        elif not NG:
+            Da = tl.where(grp[None, :] == rka[:, None], Da, 0.0)
+            Da = _dot_xe(sel, Da, "tf32x3", True)
         Db = _dot_xe(sel, Db, "tf32x3", True)
         r_i = tl.arange(0, 16)  # (a product's smallest width; the groups past RAB are not stored)
         gsel = tl.where(grp[:, None] == r_i[None, :], 1.0, 0.0)  # [BK, 16]: channel to group
@@ -1061,7 +1085,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
         K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
-        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), num_warps=_inputs_warps(C, gate), num_stages=1,
+        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
+        num_warps=_inputs_warps(C, gate), num_stages=1,
     )
     # the gradients of the products
     dmqk = stc(C, NK)

@@ -715,7 +715,10 @@ def _output_kernel(
 # the four per-channel products' gradients in one pass too, b's rows as k's through G_t, ``channel_product_bwd``'s x2,
 # H100 KDA forward+backward 4.80-4.82 -> 4.62-4.63 ms, BENCHMARKS.md session 47; 0: two passes), "hdla_finish" (1, the
 # default: HDLA's step 4 also adds the rows' share through c = kᵀ(λ⊙k) and forms dβ, in each chunk's last key block to
-# be done, ``chunk_bwd._grad_kernel``'s HFIN; 0: ``factors.hdla_factors_finish``, a kernel of its own, after it).
+# be done, ``chunk_bwd._grad_kernel``'s HFIN; 0: ``factors.hdla_factors_finish``, a kernel of its own, after it),
+# "hh_sparse_inputs" (1, the default: Head-in-Head's inputs' kernel by groups reads and multiplies only its key
+# block's groups' rows of U, ``chunk_bwd._block_groups``, H100 HH-GDN r=4 forward+backward 6.99-7.03 -> 6.91-6.94
+# ms, BENCHMARKS.md session 47; 0: all of them, masked after).
 _KNOBS: dict = {}
 
 
