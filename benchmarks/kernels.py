@@ -286,7 +286,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "in two kernels: M_QK and L_BK apart, with autograd with their scaled twins); kda_rows=0 (KDA's a and b "
              "gradients returned to autograd, not carried on to k and g in step 4); kda_pair_bwd=0 (KDA's four "
              "products' gradients in two passes); hdla_finish=0 (HDLA's dβ and c's share in a kernel after step 4); "
-             "hh_sparse_inputs=0 (Head-in-Head's inputs' kernel reads every rank's rows of U); "
+             "hh_sparse_inputs=0 (Head-in-Head's inputs' kernel reads every rank's rows of U); hh_grams=0 "
+             "(Head-in-Head's products in the intra kernel from its rows, not per-group Grams); "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 

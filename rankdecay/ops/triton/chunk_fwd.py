@@ -142,6 +142,40 @@ def _products(x, y, Gx, Gy, i_b, i_h, i_c, T,
 
 
 @triton.jit
+def _hh_grams(q, k, hmask, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
+              RAB: tl.constexpr, RABP: tl.constexpr, HH: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr):
+    """Head-in-Head's products from per-group Grams (HH 1: hmask [H, r, r], 2: [B, T, H, r, r]; K / r channels a
+    group, a power of two of at least 16). With a_i = k ⊙ 1[group i] and b_j = k ⊙ M[j, group(·)], every product
+    of its rows is a Gram of q or k over one group's channels, G^x_i[t, s] = x_t|_i · k_s|_i, times mask entries:
+    M_QA[t, (s, i)] = G^q_i[t, s], L_BA[(t, j), (s, i)] = M_t[j, i] G^k_i[t, s], L_BK[(t, j), s] = Σ_i M_t[j, i]
+    G^k_i[t, s] and M_QK = Σ_i G^q_i. Returns (G^q, G^k) [TC, TC, RABP] (zero past RAB) and the mask's entries
+    M_t[j, i] [TC, RABP, RABP] (zero past RAB or T), undecayed: r products of [TC, K / r] by [K / r, TC] instead of
+    [TC r, K] by [K, TC r]."""
+    W: tl.constexpr = K // RAB
+    tok, _, _, valid, flat = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    r_i = tl.arange(0, RABP)
+    Gq = tl.zeros([TC, TC, RABP], dtype=tl.float32)
+    Gk = tl.zeros([TC, TC, RABP], dtype=tl.float32)
+    for i in tl.static_range(RAB):
+        o_k = i * W + tl.arange(0, W)
+        m_k = o_k < K
+        Q = _load_rows(q, flat, valid, o_k, m_k, K)
+        Kt = _load_rows(k, flat, valid, o_k, m_k, K)
+        slot = (r_i == i)[None, None, :]
+        Gq = tl.where(slot, _input_dot(Q, Kt, q, k, LP, PRECISION)[:, :, None], Gq)
+        Gk = tl.where(slot, _input_dot(Kt, Kt, k, k, LP, PRECISION)[:, :, None], Gk)
+    ji = r_i[:, None] * RAB + r_i[None, :]  # M[j, i]
+    m_ji = (r_i[:, None] < RAB) & (r_i[None, :] < RAB)
+    if HH == 2:
+        Mt = tl.load(hmask + flat[:, None, None] * (RAB * RAB) + ji[None, :, :], mask=valid[:, None, None]
+                     & m_ji[None, :, :], other=0.0).to(tl.float32)
+    else:
+        Mt = tl.load(hmask + i_h * RAB * RAB + ji[None, :, :] + tl.zeros([TC, 1, 1], dtype=tl.int32),
+                     mask=valid[:, None, None] & m_ji[None, :, :], other=0.0).to(tl.float32)
+    return Gq, Gk, Mt
+
+
+@triton.jit
 def _tied_products(q, k, Gq, Gk, Gk_ex, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
                    GATE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, LP_QK: tl.constexpr,
                    LP_KK: tl.constexpr):
@@ -428,7 +462,7 @@ def _intra_kernel(
     ASC: tl.constexpr, VSC: tl.constexpr, E_B: tl.constexpr, E_V: tl.constexpr, TIED: tl.constexpr = False,
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
     GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
-    NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False,
+    NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False, HG_PROD: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -460,6 +494,8 @@ def _intra_kernel(
     # formed from k, the log-cumsums, β and c (the log-cumsum kernel's shares in cp: ``channel.hdla_c``).
     # KDA_B (a per-channel gate, ranks 1, b = e^g ⊙ k: ``chunk_dplr_fwd``'s ``kda_b``): b is not read, B ⊙ e^{G_{t-1}}
     # is formed as k ⊙ e^{G_t}.
+    # HG_PROD (with HH, K / r a power of two of at least 16: ``hh_gram_products``): Head-in-Head's products come from
+    # per-group Grams of q and k and the mask's entries (``_hh_grams``), not from its rows.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -478,6 +514,10 @@ def _intra_kernel(
     # gate's products (GATE 2) are in mqk, mqa, lba and lbk already (``channel.channel_product``).
     if TIED:
         M, P = _tied_products(q, k, Gq, Gk, Gq_ex, i_b, i_h, i_c, T, H, K, TC, GATE, BK, PRECISION, LP_QK, LP_BA)
+    elif HG_PROD:  # Head-in-Head's products from per-group Grams (``_hh_grams``), decayed where used
+        GQ, GK, Mt = _hh_grams(q, k, hmask, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, HH, PRECISION, LP_QK)
+        if not GROUPED:
+            M = tl.sum(GQ, axis=2) * _decays(Gq, Gk, tokq, tokk, False, GATE)
     elif GATE < 2 and not GROUPED:
         M = _products(q, k, Gq, Gk, i_b, i_h, i_c, T, H, K, TC, 1, 1, RKV, RKVP, False, GATE, BK, PRECISION, LP_QK)
     if GATE < 2 and not GROUPED:
@@ -489,7 +529,9 @@ def _intra_kernel(
         if ASC:
             fac_a = _row_factor(sa, fa, va)
         if GATE < 2 and (SAVE or not TIED):  # tied, the output kernel forms M_QA U from M_QK itself
-            if not TIED:  # tied, M_QA is M_QK times a's factors
+            if HG_PROD:
+                M = tl.reshape(GQ, (TC, NA)) * _decays(Gq, Ga, tokq, toka, False, GATE)
+            elif not TIED:  # tied, M_QA is M_QK times a's factors
                 M = _products(q, a, Gq, Ga, i_b, i_h, i_c, T, H, K, TC, 1, 1, RAB, RABP, False, GATE, BK, PRECISION,
                               LP_QA, k, hmask, 0, 1 if HH else 0, HH)
             if ASC and not GROUPED:
@@ -497,7 +539,10 @@ def _intra_kernel(
             tl.store(mqa + (c * TC + r_q[:, None]) * NA + r_a[None, :], M * scale)
         # The UT transform: (I + L_BA) U = (B ⊙ e^{G_{i-1}}) S_0 + L_BK V
         if GATE < 2:
-            if not TIED:
+            if HG_PROD:  # L_BA[(t, j), (s, i)] = M_t[j, i] G^k_i[t, s]
+                P = tl.reshape(Mt[:, :, None, :] * GK[:, None, :, :], (NA, NA)) * _decays(Gb, Ga, toka, toka, True,
+                                                                                         GATE)
+            elif not TIED:
                 P = _products(b, a, Gb, Ga, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RAB, RABP, True, GATE, BK,
                               PRECISION, LP_BA, k, hmask, 2 if HH else 0, 1 if HH else 0, HH)
             L = P
@@ -523,7 +568,10 @@ def _intra_kernel(
         if TIED:  # L_BK is L_BA before a's factors (unused in the scaled form)
             L = P
         elif not SCALED:  # L_BK (the scaled forms read none)
-            if GATE < 2:
+            if HG_PROD:  # L_BK[(t, j), s] = Σ_i M_t[j, i] G^k_i[t, s] (formed again: not held across the inverse)
+                L = (tl.reshape(tl.sum(Mt[:, :, None, :] * GK[:, None, :, :], axis=3), (NA, NK))
+                     * _decays(Gb, Gk, toka, tokk, True, GATE))
+            elif GATE < 2:
                 L = _products(b, k, Gb, Gk, i_b, i_h, i_c, T, H, K, TC, RAB, RABP, RKV, RKVP, True, GATE, BK,
                               PRECISION, LP_BK, k, hmask, 2 if HH else 0, 0, HH)
             else:
@@ -718,7 +766,9 @@ def _output_kernel(
 # be done, ``chunk_bwd._grad_kernel``'s HFIN; 0: ``factors.hdla_factors_finish``, a kernel of its own, after it),
 # "hh_sparse_inputs" (1, the default: Head-in-Head's inputs' kernel by groups reads and multiplies only its key
 # block's groups' rows of U, ``chunk_bwd._block_groups``, H100 HH-GDN r=4 forward+backward 6.99-7.03 -> 6.91-6.94
-# ms, BENCHMARKS.md session 47; 0: all of them, masked after).
+# ms, BENCHMARKS.md session 47; 0: all of them, masked after), "hh_grams" (1, the default: Head-in-Head's products in
+# the intra kernel from per-group Grams of q and k, ``hh_gram_products``, H100 HH-GDN r=4 intra 1.23 -> 1.12 ms,
+# session 47; 0: from its rows).
 _KNOBS: dict = {}
 
 
@@ -950,6 +1000,14 @@ def pairs_keys(k, a, g, a_scale, cfg: dict | None = None) -> bool:
                 and (_KNOBS if cfg is None else cfg).get("tie_a_k", 1))
 
 
+def hh_gram_products(K: int, r: int, Rkv: int, cfg: dict | None = None) -> bool:
+    """Whether the intra kernel takes Head-in-Head's products (r groups of K / r channels, Rkv = 1) from per-group
+    Grams of q and k (``_hh_grams``): where K / r is a power of two of at least 16 (a product's smallest width),
+    unless ``_KNOBS["hh_grams"]`` is 0."""
+    w = K // r if r and K % r == 0 else 0
+    return bool(Rkv == 1 and w >= 16 and w & (w - 1) == 0 and (_KNOBS if cfg is None else cfg).get("hh_grams", 1))
+
+
 def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
     """Whether KDA's training (``chunk_dplr_fwd`` with ``kda_b`` and ``save``, and its backward) reads no b = e^g ⊙ k
     at all, so that b may be a placeholder (``factors.placeholder``) and its factor kernel never runs: a paired with k
@@ -1167,6 +1225,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
             hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
             NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b,
+            HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
             NILP=16 // _pow2(Rab) if Rab and neumann else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
