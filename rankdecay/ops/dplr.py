@@ -115,7 +115,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
             b = pack_varlen(b, index, valid) if hh_rows_b else b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
-        elif kda_b:  # KDA's b is never read as given (a placeholder): not packed; a is k (paired with it) kept so
+        elif kda_b:  # KDA's b is never read as given (a placeholder): not packed; a stays k, so the pairing holds
             a, b = k if a_is_k else pack_varlen(a, index, valid), b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
         else:
             a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))

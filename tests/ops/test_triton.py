@@ -939,10 +939,19 @@ def test_cu_seqlens():
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
 
 
-def test_kda_cu_seqlens_without_and_with_autograd():
-    """kda with cu_seqlens on the kernels against mode="chunk": without autograd its b is a placeholder that the
-    sequences' packing copies and the fused forward never reads (``chunk_dplr_fwd``'s kda_b); with it, b is built and
-    differentiated. Three sequences, one empty, strong decays, an initial state per sequence."""
+def test_kda_cu_seqlens_without_and_with_autograd(monkeypatch):
+    """kda with cu_seqlens on the kernels against mode="chunk": with autograd or without, its b is a placeholder that
+    the sequences' packing leaves alone and the fused kernels never read (``chunk_dplr_fwd``'s kda_b), and a stays k
+    through the packing, so its products are paired with k's (one product kernel a forward) and no factor kernel
+    runs. Three sequences, one empty, strong decays, an initial state per sequence."""
+    from rankdecay.ops.triton import chunk_fwd, factors
+
+    factor_fwd, pairs = [], []
+    forward, product = factors._KDAFactor.forward, chunk_fwd.channel_product
+    monkeypatch.setattr(factors._KDAFactor, "forward",
+                        staticmethod(lambda ctx, *x: factor_fwd.append(1) or forward(ctx, *x)))
+    monkeypatch.setattr(chunk_fwd, "channel_product",
+                        lambda *a, **kw: pairs.append(kw.get("x2") is not None) or product(*a, **kw))
     q, k, v, g, beta, _ = _kda_inputs(seed=9, strong=True)
     h0 = torch.randn(3, 2, 16, 8)
     cu = torch.tensor([0, 23, 23, 70])
@@ -960,6 +969,7 @@ def test_kda_cu_seqlens_without_and_with_autograd():
         for name, x, y in zip(labels, *results, strict=True):
             assert torch.isfinite(x).all(), name
             assert_matches(x, y, 1e-5, f"kda cu_seqlens autograd={grad}: {name}")
+    assert pairs == [True, True] and not factor_fwd, (pairs, factor_fwd)
 
 
 def test_mechanisms_route_through_triton():
