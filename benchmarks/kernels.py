@@ -22,6 +22,7 @@ each variant once and imports once, where a shell loop of runs pays both every t
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import time
@@ -298,8 +299,19 @@ def _prefixed_tables() -> dict[str, dict]:
     return {"ch_": channel._CHANNEL, "bwd_": chunk_bwd._CONFIG, "state_": chunk_state._LAUNCH}
 
 
+def _knob_value(value: str):
+    """A ``chunk_fwd._KNOBS`` value as ``--knob`` spells it: a Python literal (1, True, None, 'x'), a torch dtype's
+    name (bfloat16), or else the string itself (merge=tf32)."""
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        dtype = getattr(torch, value, None)
+        return dtype if isinstance(dtype, torch.dtype) else value
+
+
 def apply_knobs(pairs: list[str]) -> None:
-    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (an integer, else a torch dtype's name), or with the prefix
+    """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (``_knob_value``'s: a literal, a torch dtype or a string), or
+    with the prefix
     ``ch_`` into ``channel._CHANNEL``, ``bwd_`` into ``chunk_bwd._CONFIG`` and ``state_`` into
     ``chunk_state._LAUNCH`` (integers); ``fwd_`` names ``chunk_fwd._KNOBS`` explicitly (``fwd_state_stages``)."""
     from rankdecay.ops.triton import chunk_fwd
@@ -315,7 +327,7 @@ def apply_knobs(pairs: list[str]) -> None:
             table[key] = int(value)
         else:
             name = name.removeprefix("fwd_")
-            chunk_fwd._KNOBS[name] = int(value) if value.isdigit() else getattr(torch, value)
+            chunk_fwd._KNOBS[name] = _knob_value(value)
 
 
 def run_variants(variants: list[str], rounds: int, run) -> list[dict]:

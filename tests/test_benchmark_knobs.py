@@ -17,11 +17,12 @@ def tables(monkeypatch):
 
 def test_each_prefix_reaches_its_table(tables):
     apply_knobs(["ch_bk=32", "bwd_inputs=2", "state_warps=8", "fwd_state_stages=1", "rows=128",
-                 "stored=bfloat16"])
+                 "stored=bfloat16", "fuse_output=True", "neumann=None", "merge=tf32"])
     assert channel._CHANNEL["bk"] == 32
     assert chunk_bwd._CONFIG["inputs"] == 2
     assert chunk_state._LAUNCH["warps"] == 8
-    assert chunk_fwd._KNOBS == {"state_stages": 1, "rows": 128, "stored": torch.bfloat16}
+    assert chunk_fwd._KNOBS == {"state_stages": 1, "rows": 128, "stored": torch.bfloat16, "fuse_output": True,
+                                "neumann": None, "merge": "tf32"}
 
 
 def test_unknown_name_is_refused(tables):
