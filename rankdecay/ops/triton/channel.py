@@ -763,14 +763,14 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     TB = _sub_block(TC, RX, RY)
     dual = dp_scaled is not None
     bk, warps = _knob("bwd_bk", TC), _knob("bwd_warps", TC)
+    pair = x2 is not None
     if dual:  # the pair's own launch where set
         bk, warps = _CHANNEL["dual_bwd_bk"] or bk, _CHANNEL["dual_bwd_warps"] or warps
-    if x2 is not None:  # and two pairs' (KDA's four)
+    if pair:  # and two pairs' (KDA's four)
         warps = _CHANNEL["pair_bwd_warps"] or warps
     BK = min(bk, max(16, triton.next_power_of_2(K)))
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
-    pair = x2 is not None
     if pair:
         x2 = x2.unsqueeze(-2) if x2.dim() == 4 else x2
         if (not dual or strict or RX != 1 or RY != 1 or x2.shape != x.shape or dp2 is None or dp2.shape != dp.shape

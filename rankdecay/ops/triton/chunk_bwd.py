@@ -37,9 +37,10 @@ import triton.language as tl
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
-                        _scalar_cumsums, chain_segments, chunk_dplr_fwd, hdla_fused_products, kda_b_formed, pairs_keys,
-                        segments, ties_keys)
-from .factors import hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor, placeholder, rows_dtype
+                        _scalar_cumsums, carries_kda_rows, chain_segments, chunk_dplr_fwd, hdla_fused_products,
+                        kda_b_formed, segments, ties_keys)
+from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
+                      placeholder, rows_dtype)
 from .fused_recurrent import _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
                           _precision, _state_bwd_kernel, bwd_stages)
@@ -121,38 +122,6 @@ def _hdla_rows_bwd(dA, dB, Kr, graw, hb, hc, hpart, rka, fq, vq, o_k, m_k, i_k, 
     tl.store(part, tl.sum(da1 * Kr + da2 * lk, axis=1), mask=vq)
     tl.store(part + 1, tl.sum(da2 * Kr, axis=1), mask=vq)
     return be * da1 - be * be * c * da2 + db2 + dlk * lam, dlk * lk
-
-
-@triton.jit
-def _hdla_finish_rows(k, graw, hb, hc, hpart, dk, dg, hdbeta, hdbr, fq, vq, NKB, K: tl.constexpr, BK: tl.constexpr,
-                      HAS_DBR: tl.constexpr):
-    """The end of HDLA's rows' backward for one chunk's tokens (fq, vq), once every key block's step 4 has stored its
-    dk and dg and its sums to hpart [B, T, H, NKB, 2]: c = kᵀ(λk)'s share, dc = -β² Σ_k da2 k, into dk (2 dc λk) and
-    dg (dc k λk) over all K, and dβ = Σ da1 k + da2 λk - 2 β c Σ da2 k (+ hdbr, β's share through the products) to
-    hdbeta [B, T, H]. What ``factors.hdla_factors_finish`` does as a kernel of its own, in the same order of
-    operations: the sums are added key block by key block from zero, and dk and dg are read back as stored (the
-    other blocks' from L2: ``.cg``), so the results do not depend on which program came last."""
-    s1 = tl.zeros(fq.shape, dtype=tl.float32)
-    s2 = tl.zeros(fq.shape, dtype=tl.float32)
-    for j in range(NKB):
-        s1 += tl.load(hpart + (fq * NKB + j) * 2, mask=vq, other=0.0, cache_modifier=".cg")
-        s2 += tl.load(hpart + (fq * NKB + j) * 2 + 1, mask=vq, other=0.0, cache_modifier=".cg")
-    be = tl.load(hb + fq, mask=vq, other=0.0).to(tl.float32)
-    d_beta = s1 - 2.0 * be * tl.load(hc + fq, mask=vq, other=0.0) * s2
-    if HAS_DBR:
-        d_beta += tl.load(hdbr + fq, mask=vq, other=0.0)
-    tl.store(hdbeta + fq, d_beta, mask=vq)
-    dc = (-be * be * s2)[:, None]
-    for j in range(NKB):
-        o_k = j * BK + tl.arange(0, BK)
-        m = vq[:, None] & (o_k < K)[None, :]
-        p = fq[:, None] * K + o_k[None, :]
-        k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
-        lk = tl.exp(tl.load(graw + p, mask=m, other=0.0).to(tl.float32)) * k_
-        d_k = tl.load(dk + p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32) + 2.0 * dc * lk
-        d_g = tl.load(dg + p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32) + dc * k_ * lk
-        tl.store(dk + p, d_k.to(dk.dtype.element_ty), mask=m)
-        tl.store(dg + p, d_g.to(dg.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -354,8 +323,9 @@ def _grad_kernel(
     with c = kᵀ(λ⊙k) from hc [B, T, H]), all but the share through c, which needs the whole K: this block's sums
     for it go to hpart [B, T, H, key blocks, 2]. HFIN: the chunk's last key block to be done (a count per chunk
     in hcnt, int32 zeros) adds that share to every block's dk and dg and stores dβ to hdbeta [B, T, H] fp32, with
-    hdbr (HAS_DBR: β's share through the products) added (``_hdla_finish_rows``); else ``factors.hdla_factors_finish``
-    does, after this kernel.
+    hdbr (HAS_DBR: β's share through the products) added (``factors._hdla_finish_rows``, in the same order of
+    operations as ``factors.hdla_factors_finish``, so the bits do not depend on which program came last); else that
+    kernel does, after this one.
 
     HH (Head-in-Head with a scalar gate or none; 1: a static mask hmask [H, r, r], 2: one per token
     [B, T, H, r, r]): a_j = k ⊙ 1[group j] and b_j = k ⊙ M[j, group(·)], and their gradients are carried on to k
@@ -539,8 +509,9 @@ def _grad_kernel(
         if HFIN:  # the chunk's last key block to finish takes c's share over all K, and dβ (hcnt: zeros per chunk)
             tl.debug_barrier()  # every thread's stores before the count (released with it, gpu scope)
             if tl.atomic_add(hcnt + c, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                # (``factors.hdla_factors_finish``'s rows, the other blocks' reads from L2)
                 _hdla_finish_rows(k, graw, hb, hc, hpart, dk, dg, hdbeta, hdbr, fq, vq, tl.num_programs(0), K, BK,
-                                  HAS_DBR)
+                                  HAS_DBR, ".cg")
 
 
 @triton.jit
@@ -882,9 +853,10 @@ def _grad_inputs_kernel(
         if NG:  # the block's groups' rows (t, j0 + jj) of U, token-major
             r_s = tl.arange(0, TC * NG)
             j0 = (i_k * BK) // (K // RAB)
-            row_s = (r_s // NG) * RABP + j0 + r_s % NG
+            row_u = (r_s // NG) * RABP + j0 + r_s % NG
             Da = tl.zeros([TC * NG, BK], dtype=tl.float32)
-        elif not TIED:
+        elif not TIED:  # every row of U
+            row_u = r_a
             Da = tl.zeros([NA, BK], dtype=tl.float32)
     if TIED:
         fa = _row_factor(sa, fk, vk)[:, None]
@@ -915,12 +887,8 @@ def _grad_inputs_kernel(
         if GATE > 0:
             Dd += tl.sum(S0 * dS, axis=1)
         if NA > 0:
-            if NG:
-                U = tl.load(u + (c * NA + row_s[:, None]) * V + o_v[None, :], mask=m_v[None, :],
-                            other=0.0).to(tl.float32)
-                Da -= _dot(U, tl.trans(dS), PRECISION)
-            elif not TIED:
-                U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+            if NG or not TIED:
+                U = tl.load(u + (c * NA + row_u[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                             other=0.0).to(tl.float32)
                 Da -= _dot(U, tl.trans(dS), PRECISION)
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
@@ -1396,14 +1364,6 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
                               hdla_form_a2=True)
     a, b = _hdla_factors(q, k, g, beta)
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
-
-
-def carries_kda_rows(k, a, g, a_scale, kda_b: bool) -> bool:
-    """Whether KDA's rows (``kda_b``: b = e^g ⊙ k, and a = a_scale ⊙ k, its products paired with k's:
-    ``pairs_keys``) have their gradients carried on to k and g in step 4 (``_backward``'s ``kda_rows``), so that
-    b, which the forward still reads, is taken without autograd and its factor kernel's backward never runs (H100
-    KDA forward+backward 5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; ``_KNOBS["kda_rows"] = 0``: not)."""
-    return bool(kda_b and pairs_keys(k, a, g, a_scale) and _KNOBS.get("kda_rows", 1))
 
 
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,

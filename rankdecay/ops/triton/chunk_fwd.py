@@ -166,12 +166,9 @@ def _hh_grams(q, k, hmask, i_b, i_h, i_c, T, H: tl.constexpr, K: tl.constexpr, T
         Gk = tl.where(slot, _input_dot(Kt, Kt, k, k, LP, PRECISION)[:, :, None], Gk)
     ji = r_i[:, None] * RAB + r_i[None, :]  # M[j, i]
     m_ji = (r_i[:, None] < RAB) & (r_i[None, :] < RAB)
-    if HH == 2:
-        Mt = tl.load(hmask + flat[:, None, None] * (RAB * RAB) + ji[None, :, :], mask=valid[:, None, None]
-                     & m_ji[None, :, :], other=0.0).to(tl.float32)
-    else:
-        Mt = tl.load(hmask + i_h * RAB * RAB + ji[None, :, :] + tl.zeros([TC, 1, 1], dtype=tl.int32),
-                     mask=valid[:, None, None] & m_ji[None, :, :], other=0.0).to(tl.float32)
+    base = flat * (RAB * RAB) if HH == 2 else i_h * (RAB * RAB) + 0 * flat  # the token's mask, or the head's
+    Mt = tl.load(hmask + base[:, None, None] + ji[None, :, :], mask=valid[:, None, None] & m_ji[None, :, :],
+                 other=0.0).to(tl.float32)
     return Gq, Gk, Mt
 
 
@@ -1008,14 +1005,23 @@ def hh_gram_products(K: int, r: int, Rkv: int, cfg: dict | None = None) -> bool:
     return bool(Rkv == 1 and w >= 16 and w & (w - 1) == 0 and (_KNOBS if cfg is None else cfg).get("hh_grams", 1))
 
 
+def carries_kda_rows(k, a, g, a_scale, kda_b: bool, cfg: dict | None = None) -> bool:
+    """Whether KDA's rows (``kda_b``: b = e^g ⊙ k, and a = a_scale ⊙ k, its products paired with k's:
+    ``pairs_keys``) have their gradients carried on to k and g in step 4 (``chunk_bwd._backward``'s ``kda_rows``), so
+    that b is taken without autograd and its factor kernel's backward never runs (H100 KDA forward+backward
+    5.30-5.32 -> 4.80-4.82 ms, BENCHMARKS.md session 46; ``_KNOBS["kda_rows"] = 0``: not; ``cfg``: the knobs)."""
+    cfg = _KNOBS if cfg is None else cfg
+    return bool(kda_b and pairs_keys(k, a, g, a_scale, cfg) and cfg.get("kda_rows", 1))
+
+
 def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
     """Whether KDA's training (``chunk_dplr_fwd`` with ``kda_b`` and ``save``, and its backward) reads no b = e^g ⊙ k
-    at all, so that b may be a placeholder (``factors.placeholder``) and its factor kernel never runs: a paired with k
-    (``pairs_keys``), the forward's products in one kernel ("kda_pair"), and the backward's rows carried on in step 4
-    ("kda_rows") with its four products' gradients in one pass ("kda_pair_bwd"), each forming what it needs of b from
-    k and the gate (``cfg``: the knobs, ``_KNOBS``'s by default)."""
+    at all, so that b may be a placeholder (``factors.placeholder``) and its factor kernel never runs: its rows'
+    gradients carried on in step 4 (``carries_kda_rows``), the forward's products in one kernel ("kda_pair") and the
+    backward's four products' gradients in one pass ("kda_pair_bwd"), each forming what it needs of b from k and the
+    gate (``cfg``: the knobs, ``_KNOBS``'s by default)."""
     cfg = _KNOBS if cfg is None else cfg
-    return bool(pairs_keys(k, a, g, a_scale, cfg) and cfg.get("kda_pair", 1) >= 1 and cfg.get("kda_rows", 1)
+    return bool(carries_kda_rows(k, a, g, a_scale, True, cfg) and cfg.get("kda_pair", 1) >= 1
                 and cfg.get("kda_pair_bwd", 1))
 
 
@@ -1104,12 +1110,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the same scaled form for a per-channel gate where a is k with factors (``kda``): paired, not saved, the rows
     # one block of the state kernel's; its outputs from either kernel (the output kernel reads S_n and Y)
     channel_scaled = paired and scaled_update(True, blocks["BCA"] == NA, True, save, cfg.get("scaled"))
+    kda_pair = kda_b and cfg.get("kda_pair", 1) >= 1  # (with a paired with k) L_BK in M_QK's kernel
     if kda_b:
         if gate != 2 or Rkv != 1 or Rab != 1:
             raise ValueError("kda_b: b = e^g ⊙ k (kda's) with a per-channel gate and ranks 1")
         # the forms that read b: the products taken apart, or L_BK's own kernel with its scaled twin (the intra kernel
         # forms B ⊙ e^{G_{t-1}} from k: its KDA_B)
-        if placeholder_b and (not paired or (cfg.get("kda_pair", 1) < 1 and not channel_scaled)):
+        if placeholder_b and (not paired or (not kda_pair and not channel_scaled)):
             if save:  # (``kda_b_formed`` says none of these reads it)
                 raise RuntimeError("kda_b: b is a placeholder where the training forward reads it")
             from .factors import kda_factor, rows_dtype
@@ -1191,12 +1198,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             # the products, BENCHMARKS.md session 33). KDA's b = e^g ⊙ k through G_{t-1} is k through G_t: L_BK
             # (and L_BA) are k's product with itself, taken in M_QK's kernel (forward without autograd, H200:
             # 1.17 -> 1.07 ms, session 45; forward+backward, H100: 5.31-5.33 -> 5.29-5.31 ms, session 46)
-            pair = kda_b and cfg.get("kda_pair", 1) >= 1
             twins = not channel_scaled
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale,
                             **(dict(y_scale=sa, out_scaled=mqa) if twins else {}),
-                            **(dict(x2=k, out2=lbk, out2_scaled=lba if twins else None) if pair else {}), **prod)
-            if not pair:  # b's own kernel; where b is a placeholder, k's through G_t (x_at_t)
+                            **(dict(x2=k, out2=lbk, out2_scaled=lba if twins else None) if kda_pair else {}), **prod)
+            if not kda_pair:  # b's own kernel; where b is a placeholder, k's through G_t (x_at_t)
                 at_t = kda_b and not twins
                 rows = k if at_t else b
                 channel_product(rows, k, g, lbk, strict=True, lowp=_lowp(rows, k), x_at_t=at_t,

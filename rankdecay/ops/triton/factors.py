@@ -123,31 +123,41 @@ def hdla_factors_bwd(k, g, beta, da, db, dk=None, dg=None):
 
 
 @triton.jit
-def _hdla_factors_finish_kernel(k, g, beta, cs, part, dk, dg, dbeta, dbr, N, NKB, K: tl.constexpr, BK: tl.constexpr,
-                                ROWS: tl.constexpr, HAS_DBR: tl.constexpr):
-    # the share of the rows' gradient that needs their whole K: dc = -β² Σ_k da2 k (c = kᵀ(λ⊙k)) into dk and dg,
-    # and dβ, from the key blocks' sums s1 = Σ da1 k + da2 λk and s2 = Σ da2 k (part [N, NKB, 2])
-    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    o_k = tl.arange(0, BK)
-    m_n = o_n < N
-    m = m_n[:, None] & (o_k < K)[None, :]
-    p = o_n[:, None] * K + o_k[None, :]
-    s1 = tl.zeros([ROWS], dtype=tl.float32)
-    s2 = tl.zeros([ROWS], dtype=tl.float32)
+def _hdla_finish_rows(k, g, beta, cs, part, dk, dg, dbeta, dbr, o_n, m_n, NKB, K: tl.constexpr, BK: tl.constexpr,
+                      HAS_DBR: tl.constexpr, CACHE: tl.constexpr):
+    # the share of HDLA's rows' gradient that needs their whole K, for rows o_n (where m_n): dc = -β² Σ_k da2 k
+    # (c = kᵀ(λ⊙k)) into dk and dg, and dβ, from the key blocks' sums s1 = Σ da1 k + da2 λk and s2 = Σ da2 k
+    # (part [N, NKB, 2]), added block by block from zero; dk and dg taken BK channels at a time. CACHE: the cache
+    # modifier of the reads of part, dk and dg (".cg" where other programs just wrote them: ``chunk_bwd``'s HFIN)
+    s1 = tl.zeros(o_n.shape, dtype=tl.float32)
+    s2 = tl.zeros(o_n.shape, dtype=tl.float32)
     for j in range(NKB):
-        s1 += tl.load(part + (o_n * NKB + j) * 2, mask=m_n, other=0.0)
-        s2 += tl.load(part + (o_n * NKB + j) * 2 + 1, mask=m_n, other=0.0)
+        s1 += tl.load(part + (o_n * NKB + j) * 2, mask=m_n, other=0.0, cache_modifier=CACHE)
+        s2 += tl.load(part + (o_n * NKB + j) * 2 + 1, mask=m_n, other=0.0, cache_modifier=CACHE)
     be = tl.load(beta + o_n, mask=m_n, other=0.0).to(tl.float32)
     d_beta = s1 - 2.0 * be * tl.load(cs + o_n, mask=m_n, other=0.0) * s2
     if HAS_DBR:
         d_beta += tl.load(dbr + o_n, mask=m_n, other=0.0)
     tl.store(dbeta + o_n, d_beta, mask=m_n)
     dc = (-be * be * s2)[:, None]
-    k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
-    lk = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32)) * k_
-    # dk: dc ⊙ λk through c's k and again through its λk; dg: dc ⊙ k ⊙ λk
-    tl.store(dk + p, tl.load(dk + p, mask=m, other=0.0).to(tl.float32) + 2.0 * dc * lk, mask=m)
-    tl.store(dg + p, tl.load(dg + p, mask=m, other=0.0).to(tl.float32) + dc * k_ * lk, mask=m)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m = m_n[:, None] & (o_k < K)[None, :]
+        p = o_n[:, None] * K + o_k[None, :]
+        k_ = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+        lk = tl.exp(tl.load(g + p, mask=m, other=0.0).to(tl.float32)) * k_
+        # dk: dc ⊙ λk through c's k and again through its λk; dg: dc ⊙ k ⊙ λk
+        d_k = tl.load(dk + p, mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32) + 2.0 * dc * lk
+        d_g = tl.load(dg + p, mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32) + dc * k_ * lk
+        tl.store(dk + p, d_k.to(dk.dtype.element_ty), mask=m)
+        tl.store(dg + p, d_g.to(dg.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _hdla_factors_finish_kernel(k, g, beta, cs, part, dk, dg, dbeta, dbr, N, NKB, K: tl.constexpr, BK: tl.constexpr,
+                                ROWS: tl.constexpr, HAS_DBR: tl.constexpr):
+    o_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _hdla_finish_rows(k, g, beta, cs, part, dk, dg, dbeta, dbr, o_n, o_n < N, NKB, K, BK, HAS_DBR, "")
 
 
 def hdla_factors_finish(k, g, beta, c, part, dk, dg, dbeta_rows=None) -> torch.Tensor:
