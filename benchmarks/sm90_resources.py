@@ -18,8 +18,9 @@ compare with (the H100 image: 3.6.0); register counts differ between versions.
 static mask, or one per token), HDLA (as ``chunk_bwd._HDLA`` runs them) or KDA (as ``ops.kda`` runs them;
 ``hdla-fwd`` and ``kda-fwd``: their forwards without autograd alone), with bf16 inputs and products, as ``kernels.py
 --matmul-precision medium`` times them. Of several launches of one kernel the last is kept (KDA's two per-channel
-products with ``--knob kda_pair=0``: L_BK's; by default they take one kernel). The spill bytes come from ``ptxas
--v`` on the kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
+products with ``--knob kda_pair=0``: L_BK's; by default they take one kernel), but each MODE of a kernel that takes
+one (HDLA's products in one product, then by levels) is kept apart. The spill bytes come from ``ptxas -v`` on the
+kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
 formed in the kernel, where the H100 counted 70 spilled registers and 2.22 ms; 84 for the general rows, 6 and
 1.81 ms there; 36 with a and b read and their gradients carried on in the kernel, as now.)
 """
@@ -44,6 +45,12 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 KERNELS = ("_intra_kernel", "_state_fwd_kernel", "_output_kernel")
 
 
+def _key(name: str, kw: dict) -> str:
+    """A captured launch's name: the kernel's, with its MODE where it takes one (``channel``'s one-level products
+    launch twice, MODE 1 and 2, and both are kept)."""
+    return f"{name}[MODE={kw['MODE']}]" if "MODE" in kw else name
+
+
 def capture(shape, knobs: dict) -> dict:
     """The launches ``chunk_dplr_fwd`` makes for GDN on CPU tensors, as {name: (fn, args, kwargs)}."""
     launches, saved = {}, {n: getattr(chunk_fwd, n) for n in KERNELS}
@@ -53,7 +60,7 @@ def capture(shape, knobs: dict) -> dict:
             self.name = name
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.__setitem__(self.name, (saved[self.name], args, kw))
+            return lambda *args, **kw: launches.__setitem__(_key(self.name, kw), (saved[self.name], args, kw))
 
     B, T, H, K, V = shape
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +90,7 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
             self.name, self.fn = name, fn
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.__setitem__(self.name, (self.fn, args, kw))
+            return lambda *args, **kw: launches.__setitem__(_key(self.name, kw), (self.fn, args, kw))
 
     B, T, H, K, V = shape
     gen = torch.Generator().manual_seed(0)

@@ -362,11 +362,13 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
             assert_matches(x.float(), y.float(), tol, f"T={T} {dtype} state used={use_state}: {name}")
 
 
-@pytest.mark.parametrize("dtype,tol,stored", [(torch.float32, 1e-5, None), (torch.float16, 2e-3, None),
-                                              (torch.float16, 8 * 2 ** -11, torch.float16)],
-                         ids=["fp32", "fp16", "fp16-16-bit-between"])
+@pytest.mark.parametrize("dtype,tol,stored,one_level", [(torch.float32, 1e-5, None, None),
+                                                        (torch.float32, 1e-5, None, 60),
+                                                        (torch.float16, 2e-3, None, None),
+                                                        (torch.float16, 8 * 2 ** -11, torch.float16, None)],
+                         ids=["fp32", "fp32-one-level", "fp16", "fp16-16-bit-between"])
 @pytest.mark.parametrize("gate", ["channel", "head"])
-def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
+def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, one_level, monkeypatch):
     """HDLA with autograd on the kernels is one node of autograd (``chunk_bwd._HDLA``): it builds a and b itself,
     takes their products as six of token rows (``channel.hdla_products`` and ``hdla_products_bwd``, forced here: by
     default only at the bf16 products' precision) and carries the rows' gradients on to k, g and β. Against the
@@ -377,9 +379,11 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, monkeypatch):
     of q, k, a and b among them), within eight units of fp16's rounding (as bf16's in
     ``test_bf16_products_under_medium_matmul_precision``). Step 4 on 16 key channels: K = 20 in two blocks, the
     second partial, whose sums the rows' backward adds up (the last of them to be done: ``chunk_bwd._grad_kernel``'s
-    HFIN)."""
+    HFIN). ``one_level``: the products' diagonal blocks in one product where the decays allow (by default only on a
+    GPU's fp32 log-cumsums, forced here), the chunks with log-gates of -30 by levels."""
     knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
     monkeypatch.setitem(knobs, "hdla_products", True)
+    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.channel")._CHANNEL, "one_level", one_level)
     monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_bwd")._CONFIG, "grad_bk", 16)
     if stored is not None:
         monkeypatch.setitem(knobs, "stored", stored)
@@ -509,13 +513,30 @@ def test_hdla_forward_alone_builds_no_rows(monkeypatch):
         assert_matches(x, z, 1e-5, f"{name}: a2 formed against the PyTorch path")
 
 
+def test_one_level_span_by_log_cumsum_dtype(monkeypatch):
+    """The products' diagonal blocks go in one product within e^60 on fp32 log-cumsums (the bf16 and TF32 products'
+    precision), never on fp64 ones (fp32 accuracy); ``_CHANNEL["one_level"]`` overrides both, 0 turning it off."""
+    from rankdecay.ops.triton.channel import _CHANNEL, one_level_span
+
+    assert one_level_span(torch.float32) == 60.0
+    assert one_level_span(torch.float64) == 0.0
+    monkeypatch.setitem(_CHANNEL, "one_level", 0)
+    assert one_level_span(torch.float32) == 0.0
+    monkeypatch.setitem(_CHANNEL, "one_level", 30)
+    assert one_level_span(torch.float64) == 30.0
+
+
+@pytest.mark.parametrize("one_level", [0, 60], ids=["by-levels", "one-level"])
 @pytest.mark.parametrize("pairs", [0, 1], ids=["levels", "pairs"])
 @pytest.mark.parametrize("K", [16, 37])
-def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
+def test_hdla_products_match_the_four_products(K, pairs, one_level, monkeypatch):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
     M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
     chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
-    ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's."""
+    ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's. ``one_level`` (forced here on
+    fp64 log-cumsums; by default only on fp32 ones): diagonal blocks within e^60 of the token before them in one
+    product each (``_hdla_diag_one`` and its backward). The one block with log-gates of -30 (the first chunk's
+    second) is taken by levels all the same, bit for bit, and the others are not."""
     from rankdecay.ops.triton.channel import (_CHANNEL, channel_product, channel_product_bwd, hdla_products,
                                               hdla_products_bwd)
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
@@ -539,6 +560,7 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
     ours = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
     monkeypatch.setitem(_CHANNEL, "hdla_pairs", pairs)  # adjacent tokens as row sums, not the last level
     monkeypatch.setitem(_CHANNEL, "hdla_bwd_pairs", pairs)
+    monkeypatch.setitem(_CHANNEL, "one_level", one_level)
     hdla_products(q, k, a, gc, beta, *ours, T=T, TC=C, precision="ieee", scale=0.3)
     ref = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
     prod = dict(T=T, TC=C, precision="ieee", lowp=False)
@@ -592,6 +614,17 @@ def test_hdla_products_match_the_four_products(K, pairs, monkeypatch):
         assert torch.isfinite(x).all(), f"{name}: entries not written"
         assert_matches(x, y, 1e-5, f"{name} (backward)")
     assert_matches(dbeta, ref_dbeta, 1e-5, "dbeta (backward)")
+    if one_level:  # against levels everywhere: the strong block the same bits (rows 16-31 of the first chunk)
+        monkeypatch.setitem(_CHANNEL, "one_level", 0)
+        lev = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+        hdla_products(q, k, a, gc, beta, *lev, T=T, TC=C, precision="ieee", scale=0.3)
+        lev_g = [grad(C), grad(C), grad(C), grad(2 * C)]
+        hdla_products_bwd(q, k, a, gc, beta, *dps, lev[0], lev[3], *lev_g, T=T, TC=C, precision="ieee", scale=0.3)
+        for name, x, y, r in zip(["M_QK", "M_QA", "L_BA", "L_BK", "dq", "dk", "da", "db"], ours + mine, lev + lev_g,
+                                 [1, 1, 2, 2, 1, 1, 1, 2]):  # rows per token
+            strong, mild = slice(16 * r, 32 * r), slice(0, 16 * r)
+            assert torch.equal(x[:, :, 0, strong], y[:, :, 0, strong]), f"{name}: the strong block not by levels"
+            assert not torch.equal(x[:, :, 0, mild], y[:, :, 0, mild]), f"{name}: a mild block by levels"
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])

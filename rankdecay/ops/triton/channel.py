@@ -62,15 +62,34 @@ from .fused_recurrent import _pow2
 # pair_bwd_warps: the same with two pairs (``x2``, KDA's four products), where 4 warps hold its tiles in 128
 # registers without spilling (255 on 2): H100 KDA forward+backward 4.638-4.658 ms on 2 warps, 4.622-4.629 on 4
 # (BENCHMARKS.md session 47).
+# one_level: ``one_level_span``'s bound (None: by the log-cumsums' dtype; 0: levels always); hdla_bwd_one_warps:
+# ``hdla_products_bwd``'s two launches in one product and then by levels where flagged (sm_90: 139 registers on 4
+# warps, 244 on 2, no spills; H100 HDLA: 0.809 ms on 4 warps, 0.678 on 2, against 1.138 by levels alone, and 0.717
+# with the flagged levels' launch on 4, which nearly all its programs leave at once; BENCHMARKS.md session 48).
+# Levels alone keep hdla_bwd_warps.
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
-                pair_bwd_warps=4)
+                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
 # (HDLA's at 16 tokens, session 43: its products' forward 0.66 -> 0.54 ms on 2 warps, 1.12 on 8)
 _LAUNCH = {64: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=4), 16: dict(bk=64, warps=2, bwd_bk=32, bwd_warps=2)}
 _LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
+
+
+def one_level_span(gc_dtype: torch.dtype) -> float:
+    """The bound on |G_t - G_ref| (log-cumsums against the token before a diagonal block) under which
+    ``_hdla_products_kernel`` takes the block in one product through that token rather than by levels
+    (``_one_level_span``): 60 where the log-cumsums are fp32 (the products rounded to bf16 or TF32 anyway), so every
+    factor lies in [e^-60, e^60], far inside fp32's and bf16's normal range, and each product keeps its operands'
+    relative rounding; 0 (levels always) for fp64 log-cumsums (fp32 accuracy), where the levels' smaller exponents
+    keep the decays' error lower. A chunk with stronger decays (log-gates of -4 per step over 16 tokens) takes the
+    levels. ``_CHANNEL["one_level"]`` overrides it (0: levels always)."""
+    forced = _CHANNEL["one_level"]
+    if forced is not None:
+        return float(forced)
+    return 60.0 if gc_dtype == torch.float32 else 0.0
 
 
 def _knob(name: str, TC: int) -> int:
@@ -83,6 +102,35 @@ def _gc_at(gc, tok, ok, o_k, m_k, KG: tl.constexpr):
     """[rows, BK] chunk-local log-cumsums G (in gc's dtype) at the chunk's tokens tok where ok, else 0.
     gc: this chunk's [C, KG] slice of ``chunk_log_cumsum``'s output."""
     return tl.load(gc + tok[:, None] * KG + o_k[None, :], mask=ok[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _gc_row(gc, tok, o_k, m_k, KG: tl.constexpr):
+    """[1, BK] the chunk-local log-cumsums at one token tok (gc: the chunk's [C, KG] slice), 0 where tok < 0 (before
+    the chunk's first token)."""
+    return tl.load(gc + tok * KG + o_k, mask=m_k & (o_k * 0 + tok >= 0), other=0.0)[None, :]
+
+
+@triton.jit
+def _span_block(gc, tok, ref, o_k, m_k, KG: tl.constexpr):
+    """max |G_t - G_ref| over tokens tok and key channels o_k, as fp32 (``_one_level_span``'s, one key block)."""
+    return tl.max(tl.abs((_gc_at(gc, tok, tok >= 0, o_k, m_k, KG) - _gc_row(gc, ref, o_k, m_k, KG)).to(tl.float32)))
+
+
+@triton.jit
+def _one_level_span(gc, tok, ref, K: tl.constexpr, BK: tl.constexpr):
+    """max |G_t - G_ref| over a diagonal block's tokens tok and every key channel, as fp32: where it is at most
+    ``one_level_span``'s bound, the block's products can go through the token ref before it in one step,
+    x ⊙ e^{G^x - G_ref} against y ⊙ e^{G_ref - G^y}, every factor within e^{±bound} (fp32's and bf16's range is
+    e^{±87}); else by levels, whose factors never exceed 1."""
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        d = _span_block(gc, tok, ref, o_k, o_k < K, K)
+        if k0 == 0:
+            span = d
+        else:
+            span = tl.maximum(span, d)
+    return span
 
 
 @triton.jit
@@ -439,24 +487,60 @@ def hdla_a2(Kr, lam, be, cc):
 
 
 @triton.jit
-def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
-                          H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
-                          KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
-                          SCALED: tl.constexpr = False, cp=None, NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False):
-    # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
-    # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
-    # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
-    # one exp serves q and b1, one b2, one both y's. a1 = β k, so the columns of a1 are β times those of k.
-    # FORM_A2: a is not read; a2 is formed from k, the log-cumsums, β and c (``hdla_a2``; c from the log-cumsum
-    # kernel's shares in cp: ``hdla_c``)
-    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    c = i_bh * NC + i_c
-    NB: tl.constexpr = TC // TB
+def _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr,
+                   PRECISION: tl.constexpr, FORM_A2: tl.constexpr):
+    """``_hdla_products_kernel``'s six products on its diagonal block in one product each, through the token ref
+    before the block: x ⊙ e^{G^x - G_ref} against y ⊙ e^{G_ref - G^y}, a token against itself included in M_QK and
+    M_QA (where ``_one_level_span`` allows it)."""
+    P1 = tl.zeros([TB, TB], dtype=tl.float32)
+    P2 = tl.zeros([TB, TB], dtype=tl.float32)
+    P3 = tl.zeros([TB, TB], dtype=tl.float32)
+    P4 = tl.zeros([TB, TB], dtype=tl.float32)
+    P5 = tl.zeros([TB, TB], dtype=tl.float32)
+    P6 = tl.zeros([TB, TB], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Q = _load_rows(q, fx, vx, o_k, m_k, K)
+        Kr = _load_rows(k, fx, vx, o_k, m_k, K)
+        Gr = _gc_row(g, ref, o_k, m_k, K)
+        G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
+        G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
+        if FORM_A2:
+            A2 = hdla_a2(Kr, tl.exp((G0 - G1).to(tl.float32)), be, cc)
+        else:
+            A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
+        E0 = tl.exp((G0 - Gr).to(tl.float32))
+        Ey = tl.exp((Gr - G0).to(tl.float32))
+        Qx = Q * E0
+        B1 = Kr * E0
+        B2 = Kr * tl.exp((G1 - Gr).to(tl.float32))
+        Ky = tl.trans(Kr * Ey)
+        Ay = tl.trans(A2 * Ey)
+        P1 += _dot(Qx, Ky, PRECISION)
+        P2 += _dot(Qx, Ay, PRECISION)
+        P3 += _dot(B1, Ky, PRECISION)
+        P4 += _dot(B1, Ay, PRECISION)
+        P5 += _dot(B2, Ky, PRECISION)
+        P6 += _dot(B2, Ay, PRECISION)
+    upto = tok[:, None] >= tok[None, :]
+    before = tok[:, None] > tok[None, :]
+    P1 = tl.where(upto, P1, 0.0)
+    P2 = tl.where(upto, P2, 0.0)
+    P3 = tl.where(before, P3, 0.0)
+    P4 = tl.where(before, P4, 0.0)
+    P5 = tl.where(before, P5, 0.0)
+    P6 = tl.where(before, P6, 0.0)
+    return P1, P2, P3, P4, P5, P6
+
+
+@triton.jit
+def _hdla_diag_levels(q, k, a, g, be, cc, bep, ccp, tok, vx, fx, odd, H: tl.constexpr, K: tl.constexpr,
+                      BK: tl.constexpr, TB: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr,
+                      FORM_A2: tl.constexpr):
+    """``_hdla_products_kernel``'s six products on its diagonal block by levels (``_hdla_level``), a token against
+    itself and (PAIRS) adjacent tokens as row sums."""
     LEVELS: tl.constexpr = TB.bit_length() - 1
-    g = gc + c * TC * K
-    tok, vx, fx = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
-    be = tl.load(beta + fx, mask=vx, other=0.0).to(tl.float32)
     P1 = tl.zeros([TB, TB], dtype=tl.float32)
     P2 = tl.zeros([TB, TB], dtype=tl.float32)
     P3 = tl.zeros([TB, TB], dtype=tl.float32)
@@ -466,18 +550,12 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
     d1 = tl.zeros([TB], dtype=tl.float32)  # a token against itself (M_QK, M_QA: j <= i)
     d2 = tl.zeros([TB], dtype=tl.float32)
     # PAIRS: the last level (S = 2: an odd token against the one before it) as row sums, through e^{G_t - G_{t-1}}
-    odd = vx & (tok % 2 == 1)
     e1 = tl.zeros([TB], dtype=tl.float32)
     e2 = tl.zeros([TB], dtype=tl.float32)
     e3 = tl.zeros([TB], dtype=tl.float32)
     e4 = tl.zeros([TB], dtype=tl.float32)
     e5 = tl.zeros([TB], dtype=tl.float32)
     e6 = tl.zeros([TB], dtype=tl.float32)
-    if FORM_A2:
-        cc = hdla_c(cp, c, tok, vx, NKB, TC)
-        if PAIRS:  # the token before each odd row's: its β and c
-            bep = tl.load(beta + fx - H, mask=odd, other=0.0).to(tl.float32)
-            ccp = hdla_c(cp, c, tok - 1, odd, NKB, TC)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -528,37 +606,89 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         P4 += tl.where(sub, e4[:, None], 0.0)
         P5 += tl.where(sub, e5[:, None], 0.0)
         P6 += tl.where(sub, e6[:, None], 0.0)
-    _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
-    zero = tl.zeros([TB, TB], dtype=tl.float32)
-    for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
-        tokj = jb * TB + tl.arange(0, TB)
-        _hdla_store(zero, zero, zero, zero, zero, zero, be, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
-    if i_r > 0:  # each earlier block of columns, through the token just before this row block
-        ref = i_r * TB - 1
-        o_f = tl.arange(0, KP)  # all of K at once
-        m_f = o_f < K
-        Gr = tl.load(g + ref * K + o_f, mask=m_f, other=0.0)[None, :]
-        Ex = tl.exp((_gc_at(g, tok, tok >= 0, o_f, m_f, K) - Gr).to(tl.float32))
-        Qf = _load_rows(q, fx, vx, o_f, m_f, K) * Ex
-        Kf = _load_rows(k, fx, vx, o_f, m_f, K)
-        B1f = Kf * Ex
-        B2f = Kf * tl.exp((_gc_at(g, tok - 1, tok > 0, o_f, m_f, K) - Gr).to(tl.float32))
-        for jb in range(0, i_r):
-            tokj, vj, fj = _tok_rows(jb * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
-            Gj = _gc_at(g, tokj, tokj >= 0, o_f, m_f, K)
-            Ey = tl.exp((Gr - Gj).to(tl.float32))
-            Kj = _load_rows(k, fj, vj, o_f, m_f, K)
-            bej = tl.load(beta + fj, mask=vj, other=0.0).to(tl.float32)
-            if FORM_A2:
-                Aj = hdla_a2(Kj, tl.exp((Gj - _gc_at(g, tokj - 1, tokj > 0, o_f, m_f, K)).to(tl.float32)), bej,
-                             hdla_c(cp, c, tokj, vj, NKB, TC))
-            else:
-                Aj = _load_rows(a, 2 * fj + 1, vj, o_f, m_f, K)
-            Ky = tl.trans(Kj * Ey)
-            Ay = tl.trans(Aj * Ey)
-            _hdla_store(_dot(Qf, Ky, PRECISION), _dot(Qf, Ay, PRECISION), _dot(B1f, Ky, PRECISION),
-                        _dot(B1f, Ay, PRECISION), _dot(B2f, Ky, PRECISION), _dot(B2f, Ay, PRECISION),
-                        bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
+    return P1, P2, P3, P4, P5, P6
+
+
+@triton.jit
+def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
+                          H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
+                          KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
+                          SCALED: tl.constexpr = False, cp=None, NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False,
+                          ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0, flags=None):
+    # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
+    # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
+    # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
+    # one exp serves q and b1, one b2, one both y's. a1 = β k, so the columns of a1 are β times those of k.
+    # FORM_A2: a is not read; a2 is formed from k, the log-cumsums, β and c (``hdla_a2``; c from the log-cumsum
+    # kernel's shares in cp: ``hdla_c``)
+    # MODE 1 (ONE > 0: ``one_level_span``): where no log-cumsum of the diagonal block strays more than ONE from the one
+    # at the token before it (``_one_level_span``), the block is one product through that token (``_hdla_diag_one``);
+    # else flags [B, H, NC, NB] (int32) marks it, and a second launch with MODE 2 takes the flagged blocks by levels
+    # and nothing else. MODE 0: levels for every block. (Two launches: one kernel with both forms spills ten times
+    # as much on sm_90.)
+    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NB: tl.constexpr = TC // TB
+    g = gc + c * TC * K
+    tok, vx, fx = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+    be = tl.load(beta + fx, mask=vx, other=0.0).to(tl.float32)
+    odd = vx & (tok % 2 == 1)
+    cc = be
+    bep = be
+    ccp = be
+    if FORM_A2:
+        cc = hdla_c(cp, c, tok, vx, NKB, TC)
+        if PAIRS:  # the token before each odd row's: its β and c
+            bep = tl.load(beta + fx - H, mask=odd, other=0.0).to(tl.float32)
+            ccp = hdla_c(cp, c, tok - 1, odd, NKB, TC)
+    ref = i_r * TB - 1  # the token before the block (-1: the chunk's start, where G = 0)
+    if MODE == 1:  # in one product where the decays allow, else flagged for MODE 2
+        fast = _one_level_span(g, tok, ref, K, BK) <= ONE
+        tl.store(flags + c * NB + i_r, tl.where(fast, 0, 1))
+        if fast:
+            P1, P2, P3, P4, P5, P6 = _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K, BK, TB, PRECISION,
+                                                    FORM_A2)
+            _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
+    elif MODE == 2:  # the flagged blocks by levels; nothing else
+        if tl.load(flags + c * NB + i_r) != 0:
+            P1, P2, P3, P4, P5, P6 = _hdla_diag_levels(q, k, a, g, be, cc, bep, ccp, tok, vx, fx, odd, H, K, BK, TB,
+                                                       PRECISION, PAIRS, FORM_A2)
+            _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
+    else:
+        P1, P2, P3, P4, P5, P6 = _hdla_diag_levels(q, k, a, g, be, cc, bep, ccp, tok, vx, fx, odd, H, K, BK, TB,
+                                                   PRECISION, PAIRS, FORM_A2)
+        _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
+    if MODE < 2:  # the blocks after the diagonal (zeros) and before it (the same either way)
+        zero = tl.zeros([TB, TB], dtype=tl.float32)
+        for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
+            tokj = jb * TB + tl.arange(0, TB)
+            _hdla_store(zero, zero, zero, zero, zero, zero, be, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
+        if i_r > 0:  # each earlier block of columns, through the token just before this row block (ref)
+            o_f = tl.arange(0, KP)  # all of K at once
+            m_f = o_f < K
+            Gr = tl.load(g + ref * K + o_f, mask=m_f, other=0.0)[None, :]
+            Ex = tl.exp((_gc_at(g, tok, tok >= 0, o_f, m_f, K) - Gr).to(tl.float32))
+            Qf = _load_rows(q, fx, vx, o_f, m_f, K) * Ex
+            Kf = _load_rows(k, fx, vx, o_f, m_f, K)
+            B1f = Kf * Ex
+            B2f = Kf * tl.exp((_gc_at(g, tok - 1, tok > 0, o_f, m_f, K) - Gr).to(tl.float32))
+            for jb in range(0, i_r):
+                tokj, vj, fj = _tok_rows(jb * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+                Gj = _gc_at(g, tokj, tokj >= 0, o_f, m_f, K)
+                Ey = tl.exp((Gr - Gj).to(tl.float32))
+                Kj = _load_rows(k, fj, vj, o_f, m_f, K)
+                bej = tl.load(beta + fj, mask=vj, other=0.0).to(tl.float32)
+                if FORM_A2:
+                    Aj = hdla_a2(Kj, tl.exp((Gj - _gc_at(g, tokj - 1, tokj > 0, o_f, m_f, K)).to(tl.float32)), bej,
+                                 hdla_c(cp, c, tokj, vj, NKB, TC))
+                else:
+                    Aj = _load_rows(a, 2 * fj + 1, vj, o_f, m_f, K)
+                Ky = tl.trans(Kj * Ey)
+                Ay = tl.trans(Aj * Ey)
+                _hdla_store(_dot(Qf, Ky, PRECISION), _dot(Qf, Ay, PRECISION), _dot(B1f, Ky, PRECISION),
+                            _dot(B1f, Ay, PRECISION), _dot(B2f, Ky, PRECISION), _dot(B2f, Ay, PRECISION),
+                            bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
 
 
 def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float,
@@ -569,7 +699,8 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     [.., 2 TC, 2 TC] and lbk [.., 2 TC, TC]. Since λ_t ⊙ k_t e^{G_{t-1}} = k_t e^{G_t} and a1 = β k, they
     are six products of token rows rather than nine (H100 HDLA: BENCHMARKS.md session 28). With
     ``_CHANNEL["hdla_pairs"]``, the diagonal blocks' last level (an odd token against the one before it) is taken as
-    row sums through e^{G_t - G_{t-1}} rather than as masked [TB, TB] products.
+    row sums through e^{G_t - G_{t-1}} rather than as masked [TB, TB] products. A diagonal block whose log-cumsums
+    stay within ``one_level_span`` of the one before it is taken in one product, not by levels.
 
     q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); beta [B, T, H]. ``scaled``: the forward's scaled form (``chunk_fwd.chunk_dplr_fwd``'s
@@ -580,13 +711,22 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
-    _hdla_products_kernel[(TC // TB, NC, B * H)](
-        q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC, H=H, K=K, TC=TC, TB=TB,
+    grid = (TC // TB, NC, B * H)
+    args = (q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC)
+    kw = dict(
+        H=H, K=K, TC=TC, TB=TB,
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
         PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
         FORM_A2=c_parts is not None,
     )
+    one = one_level_span(gc.dtype)
+    if one > 0:  # one product where the decays allow, then levels for the blocks flagged
+        flags = torch.empty(B, H, NC, TC // TB, device=q.device, dtype=torch.int32)
+        for mode in (1, 2):
+            _hdla_products_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
+    else:
+        _hdla_products_kernel[grid](*args, **kw)
 
 
 @triton.jit
@@ -843,14 +983,45 @@ def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_
 
 
 @triton.jit
+def _hdla_diag_one_bwd(Q, Kr, A2, G0, G1, dmqk, dmqa, dlba, dlbk, be, c, ref, tok, gc, o_k, m_k, K: tl.constexpr,
+                       TC: tl.constexpr, PRECISION: tl.constexpr):
+    """``_hdla_products_bwd_kernel``'s diagonal block in one product each through the token ref before it
+    (``_hdla_diag_one``'s backward): the shares of dq, db1, db2 (rows, through G_t and G_{t-1}: e^{G^x - G_ref}) and
+    dk, da2 (columns, e^{G_ref - G_s}), the causal masks of ``_hdla_dp`` taking a token against itself in."""
+    Dqk, Dqa, D1k, D1a, D2k, D2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tok, tok, TC)
+    Gr = _gc_row(gc, ref, o_k, m_k, K)
+    E0 = tl.exp((G0 - Gr).to(tl.float32))
+    E1 = tl.exp((G1 - Gr).to(tl.float32))
+    Ey = tl.exp((Gr - G0).to(tl.float32))
+    Ky = Kr * Ey
+    Ay = A2 * Ey
+    dQ = (_dot(Dqk, Ky, PRECISION) + _dot(Dqa, Ay, PRECISION)) * E0
+    dB1 = (_dot(D1k, Ky, PRECISION) + _dot(D1a, Ay, PRECISION)) * E1  # b1's own exponent is G_{t-1}
+    dB2 = (_dot(D2k, Ky, PRECISION) + _dot(D2a, Ay, PRECISION)) * E1
+    Qx = Q * E0
+    B1 = Kr * E0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
+    B2 = Kr * E1
+    dK = (_dot(tl.trans(Dqk), Qx, PRECISION) + _dot(tl.trans(D1k), B1, PRECISION)
+          + _dot(tl.trans(D2k), B2, PRECISION)) * Ey
+    dA = (_dot(tl.trans(Dqa), Qx, PRECISION) + _dot(tl.trans(D1a), B1, PRECISION)
+          + _dot(tl.trans(D2a), B2, PRECISION)) * Ey
+    return dQ, dB1, dB2, dK, dA
+
+
+@triton.jit
 def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta,
                               inv_scale, T, NC, H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr,
-                              TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False):
+                              TB: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
+                              ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0, flags=None):
     # One program per (key block and row block, chunk, sequence x head), as ``_channel_product_bwd_kernel``:
     # x's rows of its block (q; b1 and b2, both through G_{t-1}) against the columns up to them, y's rows (k, a2)
     # against the rows from them on. pq [B, H, NC, TC, K], pk and pb as ``channel_product_bwd`` leaves them (chunk
     # layout, any float dtype), pa a2's rows alone [B, H, NC, TC, K]: a1's share is folded into k's and β's; dbeta
     # [B, T, H] fp32: β's share through a1 (from the programs of the first key block).
+    # MODE 1 (ONE > 0: ``one_level_span``): where the block's log-cumsums in this key block stay within ONE of the one
+    # at the token before it (``_one_level_span``), the diagonal block in one product each through that token
+    # (``_hdla_diag_one_bwd``); else the program only flags itself in flags [B, H, NC, programs on axis 0] (int32),
+    # and a second launch with MODE 2 runs the flagged programs by levels, the others not at all. MODE 0: levels.
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -862,105 +1033,117 @@ def _hdla_products_bwd_kernel(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lb
     m_k = o_k < K
     tok, vx, fx = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
     be = tl.load(beta + fx, mask=vx, other=0.0).to(tl.float32)
-    Q = _load_rows(q, fx, vx, o_k, m_k, K)
-    Kr = _load_rows(k, fx, vx, o_k, m_k, K)
-    A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
-    G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
-    G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
-    # the diagonal block: a token against itself (q's rows), then level by level
-    Dqk, Dqa, D1k, D1a, D2k, D2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tok, tok, TC)
-    eye = tok[:, None] == tok[None, :]
-    dqk = tl.sum(tl.where(eye, Dqk, 0.0), axis=1)[:, None]
-    dqa = tl.sum(tl.where(eye, Dqa, 0.0), axis=1)[:, None]
-    dQ = dqk * Kr + dqa * A2
-    dK = dqk * Q
-    dA = dqa * Q
-    dB1 = tl.zeros([TB, BK], dtype=tl.float32)
-    dB2 = tl.zeros([TB, BK], dtype=tl.float32)
-    for lvl in tl.static_range(LEVELS - 1 if PAIRS else LEVELS):
-        lq, l1, l2, lk, la = _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, g, tok, o_k, m_k, K,
-                                             TB >> lvl, PRECISION)
-        dQ += lq
-        dB1 += l1
-        dB2 += l2
-        dK += lk
-        dA += la
-    if PAIRS:  # the last level (S = 2) as row sums (``_hdla_products_kernel``'s PAIRS): odd t against t - 1
-        odd = tok % 2 == 1
-        sub = (tok[:, None] - 1 == tok[None, :]) & odd[:, None]  # entry [t, t - 1], t odd
-        vo = vx & odd
-        tokn, vn, fn = _tok_rows(i_r * TB + tl.arange(0, TB) + 1, i_b, i_h, i_c, T, H, TC, 1, 1)
-        ve = vn & (tok % 2 == 0)  # an even token whose next one is there
-        # one exp for both sides: e^{G_t - G_{t-1}} on the odd rows, e^{G_{s+1} - G_s} on the even ones
-        Gn = _gc_at(g, tokn, ve, o_k, m_k, K)
-        E = tl.exp(tl.where(odd[:, None], G0 - G1, tl.where(ve[:, None], Gn - G0, 0.0)).to(tl.float32))
-        # the six gradients' entries [t, t - 1], each read by rows (x's side) and by columns (y's side)
-        Sqk, Sqa, S1k, S1a, S2k, S2a = _hdla_dp_where(sub, Dqk, Dqa, D1k, D1a, D2k, D2a)
-        # x's side, the odd rows: D[t, t - 1] times y's rows at t - 1 (b1 and b2 through G_{t-1}: no decay)
-        Kp = _load_rows(k, fx - H, vo, o_k, m_k, K)
-        Ap = _load_rows(a, 2 * (fx - H) + 1, vo, o_k, m_k, K)
-        dQ += (tl.sum(Sqk, axis=1)[:, None] * Kp + tl.sum(Sqa, axis=1)[:, None] * Ap) * E
-        dB1 += tl.sum(S1k, axis=1)[:, None] * Kp + tl.sum(S1a, axis=1)[:, None] * Ap
-        dB2 += tl.sum(S2k, axis=1)[:, None] * Kp + tl.sum(S2a, axis=1)[:, None] * Ap
-        # y's side, the even rows s: D[s + 1, s] (a column of sub) times x's rows at s + 1
-        Qn = _load_rows(q, fn, ve, o_k, m_k, K) * E
-        Kn = _load_rows(k, fn, ve, o_k, m_k, K)
-        KnE = Kn * E
-        dK += (tl.sum(Sqk, axis=0)[:, None] * Qn + tl.sum(S1k, axis=0)[:, None] * KnE
-               + tl.sum(S2k, axis=0)[:, None] * Kn)
-        dA += (tl.sum(Sqa, axis=0)[:, None] * Qn + tl.sum(S1a, axis=0)[:, None] * KnE
-               + tl.sum(S2a, axis=0)[:, None] * Kn)
-    o_c = tl.arange(0, TC)  # every token of the chunk
-    tokc, vc, fc = _tok_rows(o_c, i_b, i_h, i_c, T, H, TC, 1, 1)
-    if i_r > 0:  # x's rows against the columns before the block, through the token just before it
-        ref = i_r * TB - 1
-        before = tokc <= ref
-        Gr = tl.load(g + ref * K + o_k, mask=m_k, other=0.0)[None, :]
-        Ey = tl.exp(tl.where(before[:, None], Gr - _gc_at(g, tokc, before, o_k, m_k, K), -1.0e30).to(tl.float32))
-        Kb = _load_rows(k, fc, vc & before, o_k, m_k, K) * Ey
-        Ab = _load_rows(a, 2 * fc + 1, vc & before, o_k, m_k, K) * Ey
-        bec = tl.load(beta + fc, mask=vc, other=0.0).to(tl.float32)
-        Fqk, Fqa, F1k, F1a, F2k, F2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, bec, c, tok, tokc, TC)
-        dQ += (_dot(Fqk, Kb, PRECISION) + _dot(Fqa, Ab, PRECISION)) * tl.exp((G0 - Gr).to(tl.float32))
-        e1 = tl.exp((G1 - Gr).to(tl.float32))
-        dB1 += (_dot(F1k, Kb, PRECISION) + _dot(F1a, Ab, PRECISION)) * e1
-        dB2 += (_dot(F2k, Kb, PRECISION) + _dot(F2a, Ab, PRECISION)) * e1
-    if i_r < NB - 1:  # y's rows against the rows after the block, through the block's last token
-        last = (i_r + 1) * TB - 1
-        after = (tokc > last)[:, None]
-        Gf = tl.load(g + last * K + o_k, mask=m_k, other=0.0)[None, :]
-        Ga0 = tl.exp(tl.where(after, _gc_at(g, tokc, tokc >= 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
-        Ga1 = tl.exp(tl.where(after, _gc_at(g, tokc - 1, tokc > 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
-        Ka = _load_rows(k, fc, vc, o_k, m_k, K)
-        Xq = _load_rows(q, fc, vc, o_k, m_k, K) * Ga0
-        X1 = Ka * Ga0
-        X2 = Ka * Ga1
-        Hqk, Hqa, H1k, H1a, H2k, H2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tokc, tok, TC)
-        ey = tl.exp((Gf - G0).to(tl.float32))
-        dK += (_dot(tl.trans(Hqk), Xq, PRECISION) + _dot(tl.trans(H1k), X1, PRECISION)
-               + _dot(tl.trans(H2k), X2, PRECISION)) * ey
-        dA += (_dot(tl.trans(Hqa), Xq, PRECISION) + _dot(tl.trans(H1a), X1, PRECISION)
-               + _dot(tl.trans(H2a), X2, PRECISION)) * ey
-    rows = (c * TC + tok)[:, None] * K + o_k[None, :]
-    tl.store(pq + rows, dQ, mask=m_k[None, :])
-    tl.store(pk + rows, dK, mask=m_k[None, :])
-    tl.store(pa + rows, dA, mask=m_k[None, :])  # a2's rows alone
-    rows = (c * 2 * TC + 2 * tok)[:, None] * K + o_k[None, :]
-    tl.store(pb + rows, dB1, mask=m_k[None, :])
-    tl.store(pb + rows + K, dB2, mask=m_k[None, :])
-    if i_k == 0:  # β's share through a1 = β k: Σ_i dM_QA[i, a1_j] P1[i, j] + Σ_i,r dL_BA[b_ri, a1_j] L_BK[b_ri, j]
-        i = tokc[:, None]
-        j = tok[None, :]
-        cq = (j <= i) & vc[:, None]
-        cb = (j < i) & vc[:, None]
-        sq = (tl.load(dmqa + (c * TC + i) * (2 * TC) + 2 * j, mask=cq, other=0.0).to(tl.float32)
-              * tl.load(mqk + (c * TC + i) * TC + j, mask=cq, other=0.0).to(tl.float32)) * inv_scale
-        row = dlba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
-        col = lbk + (c * 2 * TC + 2 * i) * TC + j
-        sb = (tl.load(row, mask=cb, other=0.0).to(tl.float32) * tl.load(col, mask=cb, other=0.0).to(tl.float32)
-              + tl.load(row + 2 * TC, mask=cb, other=0.0).to(tl.float32)
-              * tl.load(col + TC, mask=cb, other=0.0).to(tl.float32))
-        tl.store(dbeta + fx, tl.sum(sq + sb, axis=0), mask=vx)
+    ref = i_r * TB - 1  # the token before the block (-1: the chunk's start, where G = 0)
+    run = True
+    if MODE == 1:
+        run = _span_block(g, tok, ref, o_k, m_k, K) <= ONE  # this program's key block alone
+        tl.store(flags + c * tl.num_programs(0) + i_kr, tl.where(run, 0, 1))
+    elif MODE == 2:
+        run = tl.load(flags + c * tl.num_programs(0) + i_kr) != 0
+    if run:
+        Q = _load_rows(q, fx, vx, o_k, m_k, K)
+        Kr = _load_rows(k, fx, vx, o_k, m_k, K)
+        A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
+        G0 = _gc_at(g, tok, tok >= 0, o_k, m_k, K)
+        G1 = _gc_at(g, tok - 1, tok > 0, o_k, m_k, K)
+        if MODE == 1:  # the diagonal block in one product each (a token against itself included)
+            dQ, dB1, dB2, dK, dA = _hdla_diag_one_bwd(Q, Kr, A2, G0, G1, dmqk, dmqa, dlba, dlbk, be, c, ref, tok,
+                                                      g, o_k, m_k, K, TC, PRECISION)
+        else:
+            # the diagonal block: a token against itself (q's rows), then level by level
+            Dqk, Dqa, D1k, D1a, D2k, D2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tok, tok, TC)
+            eye = tok[:, None] == tok[None, :]
+            dqk = tl.sum(tl.where(eye, Dqk, 0.0), axis=1)[:, None]
+            dqa = tl.sum(tl.where(eye, Dqa, 0.0), axis=1)[:, None]
+            dQ = dqk * Kr + dqa * A2
+            dK = dqk * Q
+            dA = dqa * Q
+            dB1 = tl.zeros([TB, BK], dtype=tl.float32)
+            dB2 = tl.zeros([TB, BK], dtype=tl.float32)
+            for lvl in tl.static_range(LEVELS - 1 if PAIRS else LEVELS):
+                lq, l1, l2, lk, la = _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, g, tok, o_k,
+                                                     m_k, K, TB >> lvl, PRECISION)
+                dQ += lq
+                dB1 += l1
+                dB2 += l2
+                dK += lk
+                dA += la
+            if PAIRS:  # the last level (S = 2) as row sums (``_hdla_products_kernel``'s PAIRS): odd t against t - 1
+                odd = tok % 2 == 1
+                sub = (tok[:, None] - 1 == tok[None, :]) & odd[:, None]  # entry [t, t - 1], t odd
+                vo = vx & odd
+                tokn, vn, fn = _tok_rows(i_r * TB + tl.arange(0, TB) + 1, i_b, i_h, i_c, T, H, TC, 1, 1)
+                ve = vn & (tok % 2 == 0)  # an even token whose next one is there
+                # one exp for both sides: e^{G_t - G_{t-1}} on the odd rows, e^{G_{s+1} - G_s} on the even ones
+                Gn = _gc_at(g, tokn, ve, o_k, m_k, K)
+                E = tl.exp(tl.where(odd[:, None], G0 - G1, tl.where(ve[:, None], Gn - G0, 0.0)).to(tl.float32))
+                # the six gradients' entries [t, t - 1], each read by rows (x's side) and by columns (y's side)
+                Sqk, Sqa, S1k, S1a, S2k, S2a = _hdla_dp_where(sub, Dqk, Dqa, D1k, D1a, D2k, D2a)
+                # x's side, the odd rows: D[t, t - 1] times y's rows at t - 1 (b1 and b2 through G_{t-1}: no decay)
+                Kp = _load_rows(k, fx - H, vo, o_k, m_k, K)
+                Ap = _load_rows(a, 2 * (fx - H) + 1, vo, o_k, m_k, K)
+                dQ += (tl.sum(Sqk, axis=1)[:, None] * Kp + tl.sum(Sqa, axis=1)[:, None] * Ap) * E
+                dB1 += tl.sum(S1k, axis=1)[:, None] * Kp + tl.sum(S1a, axis=1)[:, None] * Ap
+                dB2 += tl.sum(S2k, axis=1)[:, None] * Kp + tl.sum(S2a, axis=1)[:, None] * Ap
+                # y's side, the even rows s: D[s + 1, s] (a column of sub) times x's rows at s + 1
+                Qn = _load_rows(q, fn, ve, o_k, m_k, K) * E
+                Kn = _load_rows(k, fn, ve, o_k, m_k, K)
+                KnE = Kn * E
+                dK += (tl.sum(Sqk, axis=0)[:, None] * Qn + tl.sum(S1k, axis=0)[:, None] * KnE
+                       + tl.sum(S2k, axis=0)[:, None] * Kn)
+                dA += (tl.sum(Sqa, axis=0)[:, None] * Qn + tl.sum(S1a, axis=0)[:, None] * KnE
+                       + tl.sum(S2a, axis=0)[:, None] * Kn)
+        o_c = tl.arange(0, TC)  # every token of the chunk
+        tokc, vc, fc = _tok_rows(o_c, i_b, i_h, i_c, T, H, TC, 1, 1)
+        if i_r > 0:  # x's rows against the columns before the block, through the token just before it
+            ref = i_r * TB - 1
+            before = tokc <= ref
+            Gr = tl.load(g + ref * K + o_k, mask=m_k, other=0.0)[None, :]
+            Ey = tl.exp(tl.where(before[:, None], Gr - _gc_at(g, tokc, before, o_k, m_k, K), -1.0e30).to(tl.float32))
+            Kb = _load_rows(k, fc, vc & before, o_k, m_k, K) * Ey
+            Ab = _load_rows(a, 2 * fc + 1, vc & before, o_k, m_k, K) * Ey
+            bec = tl.load(beta + fc, mask=vc, other=0.0).to(tl.float32)
+            Fqk, Fqa, F1k, F1a, F2k, F2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, bec, c, tok, tokc, TC)
+            dQ += (_dot(Fqk, Kb, PRECISION) + _dot(Fqa, Ab, PRECISION)) * tl.exp((G0 - Gr).to(tl.float32))
+            e1 = tl.exp((G1 - Gr).to(tl.float32))
+            dB1 += (_dot(F1k, Kb, PRECISION) + _dot(F1a, Ab, PRECISION)) * e1
+            dB2 += (_dot(F2k, Kb, PRECISION) + _dot(F2a, Ab, PRECISION)) * e1
+        if i_r < NB - 1:  # y's rows against the rows after the block, through the block's last token
+            last = (i_r + 1) * TB - 1
+            after = (tokc > last)[:, None]
+            Gf = tl.load(g + last * K + o_k, mask=m_k, other=0.0)[None, :]
+            Ga0 = tl.exp(tl.where(after, _gc_at(g, tokc, tokc >= 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
+            Ga1 = tl.exp(tl.where(after, _gc_at(g, tokc - 1, tokc > 0, o_k, m_k, K) - Gf, -1.0e30).to(tl.float32))
+            Ka = _load_rows(k, fc, vc, o_k, m_k, K)
+            Xq = _load_rows(q, fc, vc, o_k, m_k, K) * Ga0
+            X1 = Ka * Ga0
+            X2 = Ka * Ga1
+            Hqk, Hqa, H1k, H1a, H2k, H2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tokc, tok, TC)
+            ey = tl.exp((Gf - G0).to(tl.float32))
+            dK += (_dot(tl.trans(Hqk), Xq, PRECISION) + _dot(tl.trans(H1k), X1, PRECISION)
+                   + _dot(tl.trans(H2k), X2, PRECISION)) * ey
+            dA += (_dot(tl.trans(Hqa), Xq, PRECISION) + _dot(tl.trans(H1a), X1, PRECISION)
+                   + _dot(tl.trans(H2a), X2, PRECISION)) * ey
+        rows = (c * TC + tok)[:, None] * K + o_k[None, :]
+        tl.store(pq + rows, dQ, mask=m_k[None, :])
+        tl.store(pk + rows, dK, mask=m_k[None, :])
+        tl.store(pa + rows, dA, mask=m_k[None, :])  # a2's rows alone
+        rows = (c * 2 * TC + 2 * tok)[:, None] * K + o_k[None, :]
+        tl.store(pb + rows, dB1, mask=m_k[None, :])
+        tl.store(pb + rows + K, dB2, mask=m_k[None, :])
+        if i_k == 0:  # β's share through a1 = β k: Σ_i dM_QA[i, a1_j] P1[i, j] + Σ_i,r dL_BA[b_ri, a1_j] L_BK[b_ri, j]
+            i = tokc[:, None]
+            j = tok[None, :]
+            cq = (j <= i) & vc[:, None]
+            cb = (j < i) & vc[:, None]
+            sq = (tl.load(dmqa + (c * TC + i) * (2 * TC) + 2 * j, mask=cq, other=0.0).to(tl.float32)
+                  * tl.load(mqk + (c * TC + i) * TC + j, mask=cq, other=0.0).to(tl.float32)) * inv_scale
+            row = dlba + (c * 2 * TC + 2 * i) * (2 * TC) + 2 * j
+            col = lbk + (c * 2 * TC + 2 * i) * TC + j
+            sb = (tl.load(row, mask=cb, other=0.0).to(tl.float32) * tl.load(col, mask=cb, other=0.0).to(tl.float32)
+                  + tl.load(row + 2 * TC, mask=cb, other=0.0).to(tl.float32)
+                  * tl.load(col + TC, mask=cb, other=0.0).to(tl.float32))
+            tl.store(dbeta + fx, tl.sum(sq + sb, axis=0), mask=vx)
 
 
 def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, T: int, TC: int,
@@ -971,15 +1154,24 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     (any float dtype: each entry is written once, not accumulated) what ``channel_product_bwd`` would for q, k, a
     and b, except that a1 = β k's share is taken into k's and β's, which it returns ([B, T, H] fp32), so pa holds
     a2's rows alone. Twelve products of token rows instead of sixteen [C, C] ones in four launches (BENCHMARKS.md
-    session 29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'."""
+    session 29). ``_CHANNEL["hdla_bwd_pairs"]``: the diagonal blocks' last level as row sums, as ``hdla_products``'.
+    A program whose key block's log-cumsums stay within ``one_level_span`` takes its diagonal block in one product
+    each, as ``hdla_products`` does."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
     BK = min(_CHANNEL["hdla_bwd_bk"], max(16, triton.next_power_of_2(K)))
     dbeta = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
-    _hdla_products_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
-        q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC, H=H, K=K,
-        TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
-        num_warps=_CHANNEL["hdla_bwd_warps"], num_stages=1,
-    )
+    grid = (triton.cdiv(K, BK) * (TC // TB), NC, B * H)
+    args = (q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC)
+    kw = dict(H=H, K=K, TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
+              num_stages=1)
+    one = one_level_span(gc.dtype)
+    if one > 0:  # one product where the decays allow, then levels for the programs flagged (``hdla_products``')
+        flags = torch.empty(B, H, NC, grid[0], device=q.device, dtype=torch.int32)
+        for mode in (1, 2):
+            _hdla_products_bwd_kernel[grid](*args, ONE=one, MODE=mode, flags=flags,
+                                            num_warps=_CHANNEL["hdla_bwd_one_warps"], **kw)
+    else:
+        _hdla_products_bwd_kernel[grid](*args, num_warps=_CHANNEL["hdla_bwd_warps"], **kw)
     return dbeta
