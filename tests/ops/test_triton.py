@@ -2426,14 +2426,18 @@ def test_channel_product_bwd_pair_matches_autograd(T, strong, rows):
 @pytest.mark.parametrize("RX,RY,strict,scaled", [(1, 1, False, False), (1, 2, False, True), (2, 2, True, True),
                                                  (3, 1, True, False), (4, 4, True, False)])
 @pytest.mark.parametrize("T,strong", [(45, False), (37, True)])
-@pytest.mark.parametrize("rows", [64, 32])
-def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong, rows):
+@pytest.mark.parametrize("rows,one_level", [(64, None), (32, None), (32, 60)], ids=["64", "32", "32-one-level"])
+def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong, rows, one_level, monkeypatch):
     """``channel.channel_product`` (sub-blocks through a reference token, levels on the diagonal) and its
     backward against the fp64 reference and its autograd; awkward T, padded ranks, log-gates of -30 per
     step; the chunk sizes the fused path takes for these ranks with a per-channel gate at either tile height
-    (``fused_chunk_size``'s ``channel_rows``: 64 or 32 rows over the largest padded rank, at least 16 tokens)."""
-    from rankdecay.ops.triton.channel import channel_product, channel_product_bwd
+    (``fused_chunk_size``'s ``channel_rows``: 64 or 32 rows over the largest padded rank, at least 16 tokens).
+    ``one_level``: the forward's diagonal blocks in one product where the decays allow (``_channel_diag_one``;
+    forced here on fp64 log-cumsums), the blocks with strong decays by levels."""
+    from rankdecay.ops.triton.channel import _CHANNEL, channel_product, channel_product_bwd
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
+
+    monkeypatch.setitem(_CHANNEL, "one_level", one_level)
 
     B, H, K = 1, 2, 20
     TC = fused_chunk_size(RX, RY, True, {"channel_rows": rows})

@@ -80,7 +80,8 @@ _LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
 
 def one_level_span(gc_dtype: torch.dtype) -> float:
     """The bound on |G_t - G_ref| (log-cumsums against the token before a diagonal block) under which
-    ``_hdla_products_kernel`` takes the block in one product through that token rather than by levels
+    ``_hdla_products_kernel``, its backward and ``_channel_product_kernel`` (the forward of KDA's and GLA's products)
+    take the block in one product through that token rather than by levels
     (``_one_level_span``): 60 where the log-cumsums are fp32 (the products rounded to bf16 or TF32 anyway), so every
     factor lies in [e^-60, e^60], far inside fp32's and bf16's normal range, and each product keeps its operands'
     relative rounding; 0 (levels always) for fp64 log-cumsums (fp32 accuracy), where the levels' smaller exponents
@@ -118,14 +119,14 @@ def _span_block(gc, tok, ref, o_k, m_k, KG: tl.constexpr):
 
 
 @triton.jit
-def _one_level_span(gc, tok, ref, K: tl.constexpr, BK: tl.constexpr):
+def _one_level_span(gc, tok, ref, K: tl.constexpr, BK: tl.constexpr, KG: tl.constexpr):
     """max |G_t - G_ref| over a diagonal block's tokens tok and every key channel, as fp32: where it is at most
     ``one_level_span``'s bound, the block's products can go through the token ref before it in one step,
     x ⊙ e^{G^x - G_ref} against y ⊙ e^{G_ref - G^y}, every factor within e^{±bound} (fp32's and bf16's range is
     e^{±87}); else by levels, whose factors never exceed 1."""
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
-        d = _span_block(gc, tok, ref, o_k, o_k < K, K)
+        d = _span_block(gc, tok, ref, o_k, o_k < K, KG)
         if k0 == 0:
             span = d
         else:
@@ -276,12 +277,39 @@ def _x_exponent(gc, tok, o_k, m_k, KG: tl.constexpr, STRICT: tl.constexpr):
 
 
 @triton.jit
+def _channel_diag_one(x, y, x2, gc, fx, vx, fd, vd, tokx, tokd, ref, K: tl.constexpr, KG: tl.constexpr,
+                      BK: tl.constexpr, XR: tl.constexpr, YR: tl.constexpr, STRICT: tl.constexpr,
+                      XSTRICT: tl.constexpr, PAIR: tl.constexpr, PRECISION: tl.constexpr):
+    """``_channel_product_kernel``'s diagonal block in one product through the token ref before it (where
+    ``_one_level_span`` allows it): x ⊙ e^{G^x - G_ref} against y ⊙ e^{G_ref - G_tok}, causally masked, a token
+    against itself included unless STRICT; PAIR: x2's too, through G_t, strictly. Returns (P, P2)."""
+    dia = tl.zeros([XR, YR], dtype=tl.float32)
+    dia2 = tl.zeros([XR, YR], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Gr = _gc_row(gc, ref, o_k, m_k, KG)
+        Ex = tl.exp((_x_exponent(gc, tokx, o_k, m_k, KG, XSTRICT) - Gr).to(tl.float32))
+        Ys = tl.trans(_load_rows(y, fd, vd, o_k, m_k, K)
+                      * tl.exp((Gr - _gc_at(gc, tokd, tokd >= 0, o_k, m_k, KG)).to(tl.float32)))
+        dia += _dot(_load_rows(x, fx, vx, o_k, m_k, K) * Ex, Ys, PRECISION)
+        if PAIR:  # (x's exponent is G_t here too: PAIR is not STRICT)
+            dia2 += _dot(_load_rows(x2, fx, vx, o_k, m_k, K) * Ex, Ys, PRECISION)
+    if STRICT:
+        dia = tl.where(tokx[:, None] > tokd[None, :], dia, 0.0)
+    else:
+        dia = tl.where(tokx[:, None] >= tokd[None, :], dia, 0.0)
+    return dia, tl.where(tokx[:, None] > tokd[None, :], dia2, 0.0)
+
+
+@triton.jit
 def _channel_product_kernel(
     x, y, gc, sy, p, p2, x2, p3, p4, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr,
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, LP: tl.constexpr, YSC: tl.constexpr, KP: tl.constexpr,
-    DUAL: tl.constexpr, XSTRICT: tl.constexpr, PAIR: tl.constexpr,
+    DUAL: tl.constexpr, XSTRICT: tl.constexpr, PAIR: tl.constexpr, ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0,
+    flags=None,
 ):
     # x [B, T, H, RX, K], y [B, T, H, RY, K] as given; gc [B, H, NC, TC, K] (fp64 or fp32); sy [B, T, H, RY]
     # factors of y's rows (YSC); p [B, H, NC, TC*RXP, TC*RYP]: P ⊙ sy (columns) times scale. DUAL (with YSC):
@@ -292,6 +320,8 @@ def _channel_product_kernel(
     # Off the diagonal, x's side is scaled once over all of K (KP = pow2 >= K), then meets y's earlier
     # sub-blocks one at a time: half the exps and loads of one product against every y row with the
     # later ones masked (H100: GLA 0.75 -> 0.44 ms; BENCHMARKS.md session 20).
+    # MODE 1 / 2 (ONE > 0): the diagonal block in one product where ``_one_level_span`` allows it, else flagged and
+    # taken by levels in a second launch (MODE 2), as ``_hdla_products_kernel``'s; MODE 0: levels.
     i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -308,40 +338,53 @@ def _channel_product_kernel(
     toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
     o_d = i_r * YR + tl.arange(0, YR)  # y's rows in this block (the diagonal block's columns)
     tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
-    if not STRICT:
-        same_tok = tokx[:, None] == tokd[None, :]
-    dia = tl.zeros([XR, YR], dtype=tl.float32)
-    dia2 = tl.zeros([XR, YR], dtype=tl.float32)  # PAIR's
-    for k0 in tl.static_range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        X = _load_rows(x, fx, vx, o_k, m_k, K)
-        Yd = _load_rows(y, fd, vd, o_k, m_k, K)
-        if not STRICT:  # a token against itself: no decay
-            dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
-        if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
-            Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, XSTRICT)
-            if PAIR:
-                X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
-                for lvl in tl.static_range(LEVELS):
-                    d1, d2 = _level_pair_shared(X, X2, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
-                    dia += d1
-                    dia2 += d2
-            else:
-                for lvl in tl.static_range(LEVELS):
-                    dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl, PRECISION)
+    ref = i_r * TB - 1  # the token before the block (-1: the chunk's start, where G = 0)
+    run = True
+    if MODE == 1:  # in one product where the decays allow, else flagged for MODE 2
+        run = _one_level_span(g, i_r * TB + tl.arange(0, TB), ref, K, BK, KG) <= ONE
+        tl.store(flags + c * NB + i_r, tl.where(run, 0, 1))
+    elif MODE == 2:  # the flagged blocks by levels; nothing else
+        run = tl.load(flags + c * NB + i_r) != 0
+    if run:
+        if MODE == 1:
+            dia, dia2 = _channel_diag_one(x, y, x2, g, fx, vx, fd, vd, tokx, tokd, ref, K, KG, BK, XR, YR, STRICT,
+                                          XSTRICT, PAIR, PRECISION)
         else:
-            for lvl in tl.static_range(LEVELS):
-                dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, XSTRICT, PRECISION)
-    if YSC:
-        sc_y = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)
-    else:
-        sc_y = tl.zeros([NY], dtype=tl.float32)  # unused
-    _store_product_dia(p, p2, dia, sc_y, scale, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
-    if PAIR:
-        _store_product_dia(p3, p4, dia2, sc_y, 1.0, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
-    if i_r > 0:  # each earlier block of y, through the token just before this row block
-        ref = i_r * TB - 1
+            if not STRICT:
+                same_tok = tokx[:, None] == tokd[None, :]
+            dia = tl.zeros([XR, YR], dtype=tl.float32)
+            dia2 = tl.zeros([XR, YR], dtype=tl.float32)  # PAIR's
+            for k0 in tl.static_range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < K
+                X = _load_rows(x, fx, vx, o_k, m_k, K)
+                Yd = _load_rows(y, fd, vd, o_k, m_k, K)
+                if not STRICT:  # a token against itself: no decay
+                    dia += tl.where(same_tok, _input_dot(X, Yd, x, y, LP, PRECISION), 0.0)
+                if RXP == RYP:  # x's and y's rows are the same tokens: their halves at each level share one exp
+                    Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, XSTRICT)
+                    if PAIR:
+                        X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
+                        for lvl in tl.static_range(LEVELS):
+                            d1, d2 = _level_pair_shared(X, X2, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl,
+                                                        PRECISION)
+                            dia += d1
+                            dia2 += d2
+                    else:
+                        for lvl in tl.static_range(LEVELS):
+                            dia += _level_product_shared(X, Yd, Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl,
+                                                         PRECISION)
+                else:
+                    for lvl in tl.static_range(LEVELS):
+                        dia += _level_product(X, Yd, g, tokx, tokd, o_k, m_k, KG, TB >> lvl, XSTRICT, PRECISION)
+        if YSC:
+            sc_y = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)
+        else:
+            sc_y = tl.zeros([NY], dtype=tl.float32)  # unused
+        _store_product_dia(p, p2, dia, sc_y, scale, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
+        if PAIR:
+            _store_product_dia(p3, p4, dia2, sc_y, 1.0, c, o_x, o_y, i_r, NX, NY, XR, YR, NB, YSC, DUAL)
+    if (i_r > 0) & (MODE < 2):  # each earlier block of y, through the token just before this row block (ref)
         o_kf = tl.arange(0, KP)
         m_kf = o_kf < K
         Gr = tl.load(g + ref * KG + o_kf, mask=m_kf, other=0.0)
@@ -399,14 +442,21 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
                 or (out2_scaled is None) != (out_scaled is None)):
             raise ValueError("x2 takes x's shape, strict=False, x and y of one rank, out2 of out's shape, and "
                              "out2_scaled with out_scaled")
-    _channel_product_kernel[(TC // TB, NC, B * H)](
-        x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled,
-        x if x2 is None else x2, out if out2 is None else out2, out if out2_scaled is None else out2_scaled, scale, T,
-        NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
-        BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
-        DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
-        num_warps=_knob("warps", TC), num_stages=1,
-    )
+    grid = (TC // TB, NC, B * H)
+    args = (x, y, gc, out if y_scale is None else y_scale, out, out if out_scaled is None else out_scaled,
+            x if x2 is None else x2, out if out2 is None else out2, out if out2_scaled is None else out2_scaled, scale,
+            T, NC)
+    kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
+              BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
+              DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
+              num_warps=_knob("warps", TC), num_stages=1)
+    one = one_level_span(gc.dtype)
+    if one > 0:  # one product where the decays allow, then levels for the blocks flagged (``hdla_products``')
+        flags = torch.empty(B, H, NC, TC // TB, device=x.device, dtype=torch.int32)
+        for mode in (1, 2):
+            _channel_product_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
+    else:
+        _channel_product_kernel[grid](*args, **kw)
     return out
 
 
@@ -644,7 +694,7 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
             ccp = hdla_c(cp, c, tok - 1, odd, NKB, TC)
     ref = i_r * TB - 1  # the token before the block (-1: the chunk's start, where G = 0)
     if MODE == 1:  # in one product where the decays allow, else flagged for MODE 2
-        fast = _one_level_span(g, tok, ref, K, BK) <= ONE
+        fast = _one_level_span(g, tok, ref, K, BK, K) <= ONE
         tl.store(flags + c * NB + i_r, tl.where(fast, 0, 1))
         if fast:
             P1, P2, P3, P4, P5, P6 = _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K, BK, TB, PRECISION,
