@@ -526,6 +526,49 @@ def test_one_level_span_by_log_cumsum_dtype(monkeypatch):
     assert one_level_span(torch.float64) == 30.0
 
 
+def test_one_level_backward_for_pairs_alone(monkeypatch):
+    """On fp32 log-cumsums ``channel_product_bwd`` takes the one-product form (two launches, MODE 1 and 2) for a pair
+    of products (KDA's) and levels (one launch) for a product alone (GLA's), as measured; the gradients agree."""
+    from rankdecay.ops.triton import channel
+
+    modes = []
+
+    class Spy:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                modes.append(kw.get("MODE", 0))
+                return self.fn[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(channel, "_channel_product_bwd_kernel", Spy(channel._channel_product_bwd_kernel))
+    from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, TC = 1, 40, 1, 16, 32
+    x, y = (torch.randn(B, T, H, K, generator=gen).to(DEVICE) for _ in range(2))
+    gc = chunk_log_cumsum(F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2).to(DEVICE), TC, torch.float32)
+    dp = torch.randn(B, H, gc.shape[2], TC, TC, generator=gen).to(DEVICE)
+    sy = torch.rand(B, T, H, 1, generator=gen).to(DEVICE)
+    grads = lambda: (torch.zeros(B, H, gc.shape[2], TC, K, device=DEVICE) for _ in range(3))  # noqa: E731
+    prod = dict(T=T, TC=TC, strict=False, precision="ieee", acc_x=False, acc_y=False)
+    dx, dy, _ = grads()
+    channel.channel_product_bwd(x, y, gc, dp, dx, dy, **prod)
+    assert modes == [0], "a product alone: levels, one launch"
+    modes.clear()
+    out = []
+    for one in (None, 0):
+        monkeypatch.setitem(channel._CHANNEL, "one_level", one)
+        dx2, dy2, dy3 = grads()
+        channel.channel_product_bwd(x, y, gc, dp, dx2, dy2, y_scale=sy, dp_scaled=dp, dy_scaled=dy3, **prod)
+        out.append((dx2, dy2, dy3))
+    assert modes == [1, 2, 0], "a pair: one product, then the flagged by levels; forced off: levels"
+    for a, b in zip(*out):
+        assert_matches(a, b, 1e-5, "one product against levels")
+
+
 @pytest.mark.parametrize("one_level", [0, 60], ids=["by-levels", "one-level"])
 @pytest.mark.parametrize("pairs", [0, 1], ids=["levels", "pairs"])
 @pytest.mark.parametrize("K", [16, 37])
@@ -2339,14 +2382,19 @@ def _channel_product_reference(x, y, g, TC, strict):
     return P.reshape(B, H, NC, TC * RXP, TC * RYP)
 
 
-@pytest.mark.parametrize("R,scaled,T,strong", [(1, False, 45, False), (1, True, 37, True), (2, True, 45, True)])
-def test_channel_product_pair_matches_two_products(R, scaled, T, strong):
+@pytest.mark.parametrize("R,scaled,T,strong,one_level", [(1, False, 45, False, None), (1, False, 45, False, 60),
+                                                          (1, True, 37, True, None), (2, True, 45, True, None),
+                                                          (2, True, 45, True, 60)])
+def test_channel_product_pair_matches_two_products(R, scaled, T, strong, one_level, monkeypatch):
     """``channel.channel_product``'s x2: x's product with y (inclusive, with scale) and x2's (strict, through G_t,
     no scale) from one kernel, with y's factors and their scaled twins (out_scaled / out2_scaled) or without,
     against the two products taken apart (x2's with ``x_at_t``); a partial last chunk, log-gates of -30 per step.
-    Bad combinations are refused."""
-    from rankdecay.ops.triton.channel import channel_product
+    Bad combinations are refused. ``one_level``: the diagonal blocks in one product where the decays allow (forced
+    on fp64 log-cumsums; both sides of the comparison take it)."""
+    from rankdecay.ops.triton.channel import _CHANNEL, channel_product
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
+
+    monkeypatch.setitem(_CHANNEL, "one_level", one_level)
 
     B, H, K, TC = 1, 2, 20, 32
     gen = torch.Generator().manual_seed(R + T)
@@ -2375,15 +2423,19 @@ def test_channel_product_pair_matches_two_products(R, scaled, T, strong):
             channel_product(x, y, gc, got[0], T=T, TC=TC, precision="ieee", lowp=False, **bad)
 
 
-@pytest.mark.parametrize("T,strong,rows", [(45, False, 32), (37, True, 32), (70, True, 64)])
-def test_channel_product_bwd_pair_matches_autograd(T, strong, rows):
+@pytest.mark.parametrize("T,strong,rows,one_level", [(45, False, 32, None), (45, False, 32, 60), (37, True, 32, None),
+                                                     (37, True, 32, 60), (70, True, 64, None)])
+def test_channel_product_bwd_pair_matches_autograd(T, strong, rows, one_level, monkeypatch):
     """``channel.channel_product_bwd``'s x2: the gradients of the four products KDA's forward takes in one kernel,
     P(x, y) and P(x, sy ⊙ y) inclusive, P(x2, y) and P(x2, sy ⊙ y) strict with x2's rows through G_t, from one pass,
     against fp64 autograd (x2 through G_t is e^g ⊙ x2 through G_{t-1}: the reference's strict product on it). dx,
     dx2, dy (through the unscaled products) and dy_scaled (with respect to sy ⊙ y) on the real rows; chunks in two
-    row blocks and more, a partial last chunk, log-gates of -30 per step. Bad combinations are refused."""
-    from rankdecay.ops.triton.channel import channel_product_bwd
+    row blocks and more, a partial last chunk, log-gates of -30 per step. Bad combinations are refused.
+    ``one_level``: the diagonal blocks in one product where the decays allow (forced on fp64 log-cumsums)."""
+    from rankdecay.ops.triton.channel import _CHANNEL, channel_product_bwd
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
+
+    monkeypatch.setitem(_CHANNEL, "one_level", one_level)
 
     B, H, K = 1, 2, 20
     TC = fused_chunk_size(1, 1, True, {"channel_rows": rows})
@@ -2432,8 +2484,9 @@ def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong
     backward against the fp64 reference and its autograd; awkward T, padded ranks, log-gates of -30 per
     step; the chunk sizes the fused path takes for these ranks with a per-channel gate at either tile height
     (``fused_chunk_size``'s ``channel_rows``: 64 or 32 rows over the largest padded rank, at least 16 tokens).
-    ``one_level``: the forward's diagonal blocks in one product where the decays allow (``_channel_diag_one``;
-    forced here on fp64 log-cumsums), the blocks with strong decays by levels."""
+    ``one_level``: the diagonal blocks in one product where the decays allow, forward and backward
+    (``_channel_diag_one`` and its backward; forced here on fp64 log-cumsums), the blocks with strong decays by
+    levels."""
     from rankdecay.ops.triton.channel import _CHANNEL, channel_product, channel_product_bwd
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum, fused_chunk_size
 

@@ -80,8 +80,8 @@ _LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
 
 def one_level_span(gc_dtype: torch.dtype) -> float:
     """The bound on |G_t - G_ref| (log-cumsums against the token before a diagonal block) under which
-    ``_hdla_products_kernel``, its backward and ``_channel_product_kernel`` (the forward of KDA's and GLA's products)
-    take the block in one product through that token rather than by levels
+    ``_hdla_products_kernel``, ``_channel_product_kernel`` (KDA's and GLA's products) and their backward kernels
+    (``channel_product_bwd``'s for a pair of products only, unless forced) take the block in one product through that token rather than by levels
     (``_one_level_span``): 60 where the log-cumsums are fp32 (the products rounded to bf16 or TF32 anyway), so every
     factor lies in [e^-60, e^60], far inside fp32's and bf16's normal range, and each product keeps its operands'
     relative rounding; 0 (levels always) for fp64 log-cumsums (fp32 accuracy), where the levels' smaller exponents
@@ -786,6 +786,7 @@ def _channel_product_bwd_kernel(
     RX: tl.constexpr, RXP: tl.constexpr, RY: tl.constexpr, RYP: tl.constexpr, STRICT: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr, YSC: tl.constexpr, ACC_X: tl.constexpr, ACC_Y: tl.constexpr,
     DUAL: tl.constexpr, ACC_Y2: tl.constexpr, x2=None, dp3=None, dp4=None, dx2=None, PAIR: tl.constexpr = False,
+    ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0, flags=None,
 ):
     # dp [B, H, NC, NX, NY]: dL/dP for P = P(x, sy ⊙ y) (``_channel_product_kernel``'s without its scale);
     # entries outside the causal pattern are ignored. dx [B, H, NC, NX, K] and dy [B, H, NC, NY, K]
@@ -796,6 +797,9 @@ def _channel_product_bwd_kernel(
     # PAIR (with DUAL, not STRICT, x and y of rank 1): x2's rows (x's shape) through G_t as x's, strictly before
     # each token (``_channel_product_kernel``'s PAIR: KDA's L_BK = P(k at G_t, k) and L_BA with sy), with dp3 and
     # dp4 their dP and dP2: dx2 takes x2's share as dx takes x's, and dy and dy2 both pairs' shares.
+    # MODE 1 (ONE > 0): where this program's key block allows it (``_one_level_span``), the diagonal block in one
+    # product through the token before it; else the program only flags itself in flags [B, H, NC, programs on
+    # axis 0], and a second launch (MODE 2) runs the flagged programs by levels, the others not at all.
     i_kr, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = TC // TB
     i_k, i_r = i_kr // NB, i_kr % NB
@@ -813,122 +817,148 @@ def _channel_product_bwd_kernel(
     tokx, vx, fx = _tok_rows(o_x, i_b, i_h, i_c, T, H, TC, RX, RXP)
     o_d = i_r * YR + tl.arange(0, YR)  # y's rows in this block
     tokd, vd, fd = _tok_rows(o_d, i_b, i_h, i_c, T, H, TC, RY, RYP)
-    X = _load_rows(x, fx, vx, o_k, m_k, K)
-    Yd = _load_rows(y, fd, vd, o_k, m_k, K)
-    dP = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)  # the diagonal block
-    if DUAL:  # x's share of both products; dP stays P's for dy, dP2 is P2's for dy2
-        dP2 = tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)
-        sd = tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[None, :]
-        dPx = dP + dP2 * sd
-        if PAIR:  # x2's, strictly before each token (its diagonal entries are not read)
-            before_d = tokx[:, None] > tokd[None, :]
-            X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
-            dP3 = tl.where(before_d, tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
-            dP4 = tl.where(before_d, tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
-            dPx2 = dP3 + dP4 * sd
-    else:
-        if YSC:
-            Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
-        dPx = dP
-    # the diagonal block, level by level (and a token against itself)
-    dY2 = tl.zeros([YR, BK], dtype=tl.float32)
-    if PAIR:
-        dX2 = tl.zeros([XR, BK], dtype=tl.float32)
-    if STRICT:
-        dX = tl.zeros([XR, BK], dtype=tl.float32)
-        dY = tl.zeros([YR, BK], dtype=tl.float32)
-    else:
-        same = tokx[:, None] == tokd[None, :]
-        dX = _dot(tl.where(same, dPx, 0.0), Yd, PRECISION)
-        dY = _dot(tl.trans(tl.where(same, dP, 0.0)), X, PRECISION)
-        if DUAL:
-            dY2 = _dot(tl.trans(tl.where(same, dP2, 0.0)), X, PRECISION)
-    if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
-        Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
-    for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
-        if RXP == RYP:
-            lx, ly = _level_decays(Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl)
+    ref = i_r * TB - 1  # the token before the block (-1: the chunk's start, where G = 0)
+    run = True
+    if MODE == 1:
+        run = _span_block(g, i_r * TB + tl.arange(0, TB), ref, o_k, m_k, KG) <= ONE  # this key block alone
+        tl.store(flags + c * tl.num_programs(0) + i_kr, tl.where(run, 0, 1))
+    elif MODE == 2:
+        run = tl.load(flags + c * tl.num_programs(0) + i_kr) != 0
+    if run:
+        X = _load_rows(x, fx, vx, o_k, m_k, K)
+        Yd = _load_rows(y, fd, vd, o_k, m_k, K)
+        dP = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)  # the diagonal block
+        if DUAL:  # x's share of both products; dP stays P's for dy, dP2 is P2's for dy2
+            dP2 = tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32)
+            sd = tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[None, :]
+            dPx = dP + dP2 * sd
+            if PAIR:  # x2's, strictly before each token (its diagonal entries are not read)
+                before_d = tokx[:, None] > tokd[None, :]
+                X2 = _load_rows(x2, fx, vx, o_k, m_k, K)
+                dP3 = tl.where(before_d, tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
+                dP4 = tl.where(before_d, tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_d[None, :]).to(tl.float32), 0.0)
+                dPx2 = dP3 + dP4 * sd
         else:
-            lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
-            ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
-        blk = _same_block(tokx, tokd, TB >> lvl)
-        Xl = X * lx
-        Yl = Yd * ly
-        dX += _dot(tl.where(blk, dPx, 0.0), Yl, PRECISION) * lx
-        dY += _dot(tl.trans(tl.where(blk, dP, 0.0)), Xl, PRECISION) * ly
+            if YSC:
+                Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
+            dPx = dP
+        if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
+            Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
+        dY2 = tl.zeros([YR, BK], dtype=tl.float32)
+        if PAIR:
+            dX2 = tl.zeros([XR, BK], dtype=tl.float32)
+        if MODE == 1:  # the diagonal block in one product through the token before it (``_channel_diag_one``'s)
+            Gref = _gc_row(g, ref, o_k, m_k, KG)  # (not Gr: a [BK] Gr follows under a runtime branch)
+            Ex = tl.exp((_x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gref).to(tl.float32))
+            Ey = tl.exp((Gref - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)).to(tl.float32))
+            if STRICT:
+                causal = tokx[:, None] > tokd[None, :]
+            else:  # a token against itself included
+                causal = tokx[:, None] >= tokd[None, :]
+            Yl = Yd * Ey
+            Xl = X * Ex
+            dX = _dot(tl.where(causal, dPx, 0.0), Yl, PRECISION) * Ex
+            dY = _dot(tl.trans(tl.where(causal, dP, 0.0)), Xl, PRECISION) * Ey
+            if DUAL:
+                dY2 = _dot(tl.trans(tl.where(causal, dP2, 0.0)), Xl, PRECISION) * Ey
+            if PAIR:  # (dP3 and dP4 strictly before each token already)
+                X2l = X2 * Ex
+                dX2 = _dot(dPx2, Yl, PRECISION) * Ex
+                dY += _dot(tl.trans(dP3), X2l, PRECISION) * Ey
+                dY2 += _dot(tl.trans(dP4), X2l, PRECISION) * Ey
+        else:  # level by level (and a token against itself)
+            if STRICT:
+                dX = tl.zeros([XR, BK], dtype=tl.float32)
+                dY = tl.zeros([YR, BK], dtype=tl.float32)
+            else:
+                same = tokx[:, None] == tokd[None, :]
+                dX = _dot(tl.where(same, dPx, 0.0), Yd, PRECISION)
+                dY = _dot(tl.trans(tl.where(same, dP, 0.0)), X, PRECISION)
+                if DUAL:
+                    dY2 = _dot(tl.trans(tl.where(same, dP2, 0.0)), X, PRECISION)
+            for lvl in tl.static_range(LEVELS):  # blocks of TB >> lvl tokens
+                if RXP == RYP:
+                    lx, ly = _level_decays(Gx, Gy, g, tokx, o_k, m_k, KG, TB >> lvl)
+                else:
+                    lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
+                    ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
+                blk = _same_block(tokx, tokd, TB >> lvl)
+                Xl = X * lx
+                Yl = Yd * ly
+                dX += _dot(tl.where(blk, dPx, 0.0), Yl, PRECISION) * lx
+                dY += _dot(tl.trans(tl.where(blk, dP, 0.0)), Xl, PRECISION) * ly
+                if DUAL:
+                    dY2 += _dot(tl.trans(tl.where(blk, dP2, 0.0)), Xl, PRECISION) * ly
+                if PAIR:  # the level's decays and y's scaled rows are x's
+                    X2l = X2 * lx
+                    dX2 += _dot(tl.where(blk, dPx2, 0.0), Yl, PRECISION) * lx
+                    dY += _dot(tl.trans(tl.where(blk, dP3, 0.0)), X2l, PRECISION) * ly
+                    dY2 += _dot(tl.trans(tl.where(blk, dP4, 0.0)), X2l, PRECISION) * ly
+        # x's rows of this block against y's rows before it, through the token just before the block
+        if i_r > 0:  # (ref: the token just before the block)
+            o_y = tl.arange(0, NY)
+            toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
+            before = toky <= ref
+            Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)
+            Y = _load_rows(y, fy, vy & before, o_k, m_k, K)
+            eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
+            Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+            if DUAL:
+                sb = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
+                Pb += tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb
+            elif YSC:
+                Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
+            if RXP == RYP:
+                xb = Gx - Gr[None, :]
+            else:
+                xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
+            Yb = Y * tl.exp(eb.to(tl.float32))
+            dX += _dot(Pb, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
+            if PAIR:  # (the rows' exps taken again: kept live across the dot, they cost the unpaired kernel registers)
+                Pb2 = (tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
+                       + tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb)
+                dX2 += _dot(Pb2, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
+        # y's rows of this block against x's rows after it, through the block's last token
+        if i_r < NB - 1:
+            last = (i_r + 1) * TB - 1
+            o_a = tl.arange(0, NX)
+            toka, va, fa = _tok_rows(o_a, i_b, i_h, i_c, T, H, TC, RX, RXP)
+            after = toka > last
+            Gf = tl.load(g + last * KG + o_k, mask=m_k, other=0.0)
+            Xa = _load_rows(x, fa, va & after, o_k, m_k, K)
+            xa = tl.where(after[:, None], _x_exponent(g, toka, o_k, m_k, KG, STRICT) - Gf[None, :], -1.0e30)
+            Pa = tl.load(dp + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+            if RXP == RYP:
+                ya = Gf[None, :] - Gy
+            else:
+                ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
+            Xa = Xa * tl.exp(xa.to(tl.float32))
+            ey = tl.exp(ya.to(tl.float32))
+            dY += _dot(tl.trans(Pa), Xa, PRECISION) * ey
+            if DUAL:
+                Pa2 = tl.load(dp2 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+                dY2 += _dot(tl.trans(Pa2), Xa, PRECISION) * ey
+            if PAIR:  # x2's rows after the block, through G_t as x's
+                X2a = _load_rows(x2, fa, va & after, o_k, m_k, K) * tl.exp(xa.to(tl.float32))
+                Pa3 = tl.load(dp3 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+                Pa4 = tl.load(dp4 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
+                dY += _dot(tl.trans(Pa3), X2a, PRECISION) * ey
+                dY2 += _dot(tl.trans(Pa4), X2a, PRECISION) * ey
+        px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
+        py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]
+        if ACC_X:
+            dX += tl.load(px, mask=m_k[None, :], other=0.0)
+        if ACC_Y:
+            dY += tl.load(py, mask=m_k[None, :], other=0.0)
+        tl.store(px, dX, mask=m_k[None, :])
+        tl.store(py, dY, mask=m_k[None, :])
+        if PAIR:
+            tl.store(dx2 + (c * NX + o_x[:, None]) * K + o_k[None, :], dX2, mask=m_k[None, :])
         if DUAL:
-            dY2 += _dot(tl.trans(tl.where(blk, dP2, 0.0)), Xl, PRECISION) * ly
-        if PAIR:  # the level's decays and y's scaled rows are x's
-            X2l = X2 * lx
-            dX2 += _dot(tl.where(blk, dPx2, 0.0), Yl, PRECISION) * lx
-            dY += _dot(tl.trans(tl.where(blk, dP3, 0.0)), X2l, PRECISION) * ly
-            dY2 += _dot(tl.trans(tl.where(blk, dP4, 0.0)), X2l, PRECISION) * ly
-    # x's rows of this block against y's rows before it, through the token just before the block
-    if i_r > 0:
-        ref = i_r * TB - 1
-        o_y = tl.arange(0, NY)
-        toky, vy, fy = _tok_rows(o_y, i_b, i_h, i_c, T, H, TC, RY, RYP)
-        before = toky <= ref
-        Gr = tl.load(g + ref * KG + o_k, mask=m_k, other=0.0)
-        Y = _load_rows(y, fy, vy & before, o_k, m_k, K)
-        eb = tl.where(before[:, None], Gr[None, :] - _gc_at(g, toky, before, o_k, m_k, KG), -1.0e30)
-        Pb = tl.load(dp + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
-        if DUAL:
-            sb = tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[None, :]
-            Pb += tl.load(dp2 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb
-        elif YSC:
-            Y = Y * tl.load(sy + fy, mask=vy, other=0.0).to(tl.float32)[:, None]
-        if RXP == RYP:
-            xb = Gx - Gr[None, :]
-        else:
-            xb = _x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gr[None, :]
-        Yb = Y * tl.exp(eb.to(tl.float32))
-        dX += _dot(Pb, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
-        if PAIR:  # (the rows' exps taken again: kept live across the dot, they cost the unpaired kernel registers)
-            Pb2 = (tl.load(dp3 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32)
-                   + tl.load(dp4 + (c * NX + o_x[:, None]) * NY + o_y[None, :]).to(tl.float32) * sb)
-            dX2 += _dot(Pb2, Yb, PRECISION) * tl.exp(xb.to(tl.float32))
-    # y's rows of this block against x's rows after it, through the block's last token
-    if i_r < NB - 1:
-        last = (i_r + 1) * TB - 1
-        o_a = tl.arange(0, NX)
-        toka, va, fa = _tok_rows(o_a, i_b, i_h, i_c, T, H, TC, RX, RXP)
-        after = toka > last
-        Gf = tl.load(g + last * KG + o_k, mask=m_k, other=0.0)
-        Xa = _load_rows(x, fa, va & after, o_k, m_k, K)
-        xa = tl.where(after[:, None], _x_exponent(g, toka, o_k, m_k, KG, STRICT) - Gf[None, :], -1.0e30)
-        Pa = tl.load(dp + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
-        if RXP == RYP:
-            ya = Gf[None, :] - Gy
-        else:
-            ya = Gf[None, :] - _gc_at(g, tokd, tokd >= 0, o_k, m_k, KG)
-        Xa = Xa * tl.exp(xa.to(tl.float32))
-        ey = tl.exp(ya.to(tl.float32))
-        dY += _dot(tl.trans(Pa), Xa, PRECISION) * ey
-        if DUAL:
-            Pa2 = tl.load(dp2 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
-            dY2 += _dot(tl.trans(Pa2), Xa, PRECISION) * ey
-        if PAIR:  # x2's rows after the block, through G_t as x's
-            X2a = _load_rows(x2, fa, va & after, o_k, m_k, K) * tl.exp(xa.to(tl.float32))
-            Pa3 = tl.load(dp3 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
-            Pa4 = tl.load(dp4 + (c * NX + o_a[:, None]) * NY + o_d[None, :]).to(tl.float32)
-            dY += _dot(tl.trans(Pa3), X2a, PRECISION) * ey
-            dY2 += _dot(tl.trans(Pa4), X2a, PRECISION) * ey
-    px = dx + (c * NX + o_x[:, None]) * K + o_k[None, :]
-    py = dy + (c * NY + o_d[:, None]) * K + o_k[None, :]
-    if ACC_X:
-        dX += tl.load(px, mask=m_k[None, :], other=0.0)
-    if ACC_Y:
-        dY += tl.load(py, mask=m_k[None, :], other=0.0)
-    tl.store(px, dX, mask=m_k[None, :])
-    tl.store(py, dY, mask=m_k[None, :])
-    if PAIR:
-        tl.store(dx2 + (c * NX + o_x[:, None]) * K + o_k[None, :], dX2, mask=m_k[None, :])
-    if DUAL:
-        py2 = dy2 + (c * NY + o_d[:, None]) * K + o_k[None, :]
-        if ACC_Y2:
-            dY2 += tl.load(py2, mask=m_k[None, :], other=0.0)
-        tl.store(py2, dY2, mask=m_k[None, :])
+            py2 = dy2 + (c * NY + o_d[:, None]) * K + o_k[None, :]
+            if ACC_Y2:
+                dY2 += tl.load(py2, mask=m_k[None, :], other=0.0)
+            tl.store(py2, dY2, mask=m_k[None, :])
 
 
 def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, precision: str, acc_x: bool,
@@ -967,14 +997,24 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
                 or dp2_scaled is None or dp2_scaled.shape != dp.shape or dx2 is None or dx2.shape != dx.shape):
             raise ValueError("x2 takes dp_scaled, strict=False, x and y of rank 1, x's shape, and dp2, dp2_scaled "
                              "(dp's shape) and dx2 (dx's)")
-    _channel_product_bwd_kernel[(triton.cdiv(K, BK) * (TC // TB), NC, B * H)](
-        x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
-        dy if not dual else dy_scaled, T, NC, H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB,
-        RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict, BK=BK, PRECISION=precision,
-        YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual, ACC_Y2=acc_y_scaled,
-        x2=x2 if pair else x, dp3=dp2 if pair else dp, dp4=dp2_scaled if pair else dp, dx2=dx2 if pair else dx,
-        PAIR=pair, num_warps=warps, num_stages=1,
-    )
+    grid = (triton.cdiv(K, BK) * (TC // TB), NC, B * H)
+    args = (x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
+            dy if not dual else dy_scaled, T, NC)
+    kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
+              BK=BK, PRECISION=precision, YSC=y_scale is not None, ACC_X=acc_x, ACC_Y=acc_y, DUAL=dual,
+              ACC_Y2=acc_y_scaled, x2=x2 if pair else x, dp3=dp2 if pair else dp, dp4=dp2_scaled if pair else dp,
+              dx2=dx2 if pair else dx, PAIR=pair, num_warps=warps, num_stages=1)
+    # one product where the decays allow, then levels for the programs flagged (``hdla_products_bwd``'), by default
+    # for a pair of products (KDA's; H100: 0.874 -> 0.750 ms) but not one alone (GLA's 64-token chunks, four times
+    # the programs, where the second launch costs more than the one product saves: 0.493 -> 0.529 ms; BENCHMARKS.md
+    # session 48); ``_CHANNEL["one_level"]`` set forces either way
+    one = one_level_span(gc.dtype) if dual or _CHANNEL["one_level"] is not None else 0.0
+    if one > 0:
+        flags = torch.empty(B, H, NC, grid[0], device=x.device, dtype=torch.int32)
+        for mode in (1, 2):
+            _channel_product_bwd_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
+    else:
+        _channel_product_bwd_kernel[grid](*args, **kw)
 
 
 @triton.jit
