@@ -81,12 +81,14 @@ _LAUNCH_ELSE = dict(bk=64, warps=4, bwd_bk=32, bwd_warps=2)
 def one_level_span(gc_dtype: torch.dtype) -> float:
     """The bound on |G_t - G_ref| (log-cumsums against the token before a diagonal block) under which
     ``_hdla_products_kernel``, ``_channel_product_kernel`` (KDA's and GLA's products) and their backward kernels
-    (``channel_product_bwd``'s for a pair of products only, unless forced) take the block in one product through that token rather than by levels
-    (``_one_level_span``): 60 where the log-cumsums are fp32 (the products rounded to bf16 or TF32 anyway), so every
-    factor lies in [e^-60, e^60], far inside fp32's and bf16's normal range, and each product keeps its operands'
-    relative rounding; 0 (levels always) for fp64 log-cumsums (fp32 accuracy), where the levels' smaller exponents
-    keep the decays' error lower. A chunk with stronger decays (log-gates of -4 per step over 16 tokens) takes the
-    levels. ``_CHANNEL["one_level"]`` overrides it (0: levels always)."""
+    (``channel_product_bwd``'s for a pair of products only, unless forced) take the block in one product through
+    that token rather than by levels (``_one_level_span``).
+
+    60 where the log-cumsums are fp32 (the products rounded to bf16 or TF32 anyway): every factor then lies in
+    [e^-60, e^60], far inside fp32's and bf16's normal range, and each product keeps its operands' relative
+    rounding. 0 (levels always) for fp64 log-cumsums (fp32 accuracy), where the levels' smaller exponents keep the
+    decays' error lower. A chunk with stronger decays (log-gates of -4 per step over 16 tokens) takes the levels.
+    ``_CHANNEL["one_level"]`` overrides it (0: levels always)."""
     forced = _CHANNEL["one_level"]
     if forced is not None:
         return float(forced)
