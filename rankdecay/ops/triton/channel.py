@@ -95,6 +95,18 @@ def one_level_span(gc_dtype: torch.dtype) -> float:
     return 60.0 if gc_dtype == torch.float32 else 0.0
 
 
+def _launch_one_level(kernel, grid, args, kw: dict, one: float, flags_shape, device, one_kw: dict | None = None):
+    """Launches one of the per-channel products' kernels: where ``one`` (``one_level_span``'s bound) > 0, in one
+    product where the decays allow (MODE 1, flagging the rest in an int32 tensor of ``flags_shape``) and then by
+    levels for what it flagged (MODE 2), with ``one_kw`` over ``kw``; else by levels alone (MODE 0)."""
+    if one > 0:
+        flags = torch.empty(flags_shape, device=device, dtype=torch.int32)
+        for mode in (1, 2):
+            kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **{**kw, **(one_kw or {})})
+    else:
+        kernel[grid](*args, **kw)
+
+
 def _knob(name: str, TC: int) -> int:
     """A launch knob: ``_CHANNEL``'s where set, else ``_LAUNCH``'s for this chunk size."""
     return _CHANNEL[name] if _CHANNEL[name] is not None else _LAUNCH.get(TC, _LAUNCH_ELSE)[name]
@@ -452,13 +464,8 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
               BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
               DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
               num_warps=_knob("warps", TC), num_stages=1)
-    one = one_level_span(gc.dtype)
-    if one > 0:  # one product where the decays allow, then levels for the blocks flagged (``hdla_products``')
-        flags = torch.empty(B, H, NC, TC // TB, device=x.device, dtype=torch.int32)
-        for mode in (1, 2):
-            _channel_product_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
-    else:
-        _channel_product_kernel[grid](*args, **kw)
+    _launch_one_level(_channel_product_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
+                      x.device)
     return out
 
 
@@ -504,21 +511,28 @@ def _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.conste
 
 
 @triton.jit
+def _hdla_six(Q, Kr, A2, x0, x1, y0, PRECISION: tl.constexpr):
+    """HDLA's six token products with their decays on the rows' side (x0: q and b1 = λ ⊙ k through G_t; x1: b2 = k
+    through G_{t-1}) and the columns' (y0: k and a2): (q, k), (q, a2), (b1, k), (b1, a2), (b2, k), (b2, a2)."""
+    Qx = Q * x0
+    B1 = Kr * x0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
+    B2 = Kr * x1
+    Ky = tl.trans(Kr * y0)
+    Ay = tl.trans(A2 * y0)
+    return (_dot(Qx, Ky, PRECISION), _dot(Qx, Ay, PRECISION), _dot(B1, Ky, PRECISION), _dot(B1, Ay, PRECISION),
+            _dot(B2, Ky, PRECISION), _dot(B2, Ay, PRECISION))
+
+
+@triton.jit
 def _hdla_level(Q, Kr, A2, G0, G1, gc, tok, o_k, m_k, KG: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
     """One level of ``_hdla_products_kernel``'s diagonal block: in blocks of S tokens, the second half's rows (x:
     q and b1 through G_t, b2 through G_{t-1}) against the first half's (y: k and a2), through the token at S/2 - 1
     (G0, G1: the rows' G_t and G_{t-1}). Returns the six products' shares."""
     x0, x1, y0 = _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, KG, S)
-    Ky = Kr * y0
-    Ay = A2 * y0
+    P1, P2, P3, P4, P5, P6 = _hdla_six(Q, Kr, A2, x0, x1, y0, PRECISION)
     same = _same_block(tok, tok, S)
-    Qx = Q * x0
-    B1 = Kr * x0
-    B2 = Kr * x1
-    Ky, Ay = tl.trans(Ky), tl.trans(Ay)
-    return (tl.where(same, _dot(Qx, Ky, PRECISION), 0.0), tl.where(same, _dot(Qx, Ay, PRECISION), 0.0),
-            tl.where(same, _dot(B1, Ky, PRECISION), 0.0), tl.where(same, _dot(B1, Ay, PRECISION), 0.0),
-            tl.where(same, _dot(B2, Ky, PRECISION), 0.0), tl.where(same, _dot(B2, Ay, PRECISION), 0.0))
+    return (tl.where(same, P1, 0.0), tl.where(same, P2, 0.0), tl.where(same, P3, 0.0), tl.where(same, P4, 0.0),
+            tl.where(same, P5, 0.0), tl.where(same, P6, 0.0))
 
 
 @triton.jit
@@ -562,19 +576,15 @@ def _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K: tl.constexpr, BK: tl
             A2 = hdla_a2(Kr, tl.exp((G0 - G1).to(tl.float32)), be, cc)
         else:
             A2 = _load_rows(a, 2 * fx + 1, vx, o_k, m_k, K)
-        E0 = tl.exp((G0 - Gr).to(tl.float32))
-        Ey = tl.exp((Gr - G0).to(tl.float32))
-        Qx = Q * E0
-        B1 = Kr * E0
-        B2 = Kr * tl.exp((G1 - Gr).to(tl.float32))
-        Ky = tl.trans(Kr * Ey)
-        Ay = tl.trans(A2 * Ey)
-        P1 += _dot(Qx, Ky, PRECISION)
-        P2 += _dot(Qx, Ay, PRECISION)
-        P3 += _dot(B1, Ky, PRECISION)
-        P4 += _dot(B1, Ay, PRECISION)
-        P5 += _dot(B2, Ky, PRECISION)
-        P6 += _dot(B2, Ay, PRECISION)
+        L1, L2, L3, L4, L5, L6 = _hdla_six(Q, Kr, A2, tl.exp((G0 - Gr).to(tl.float32)),
+                                           tl.exp((G1 - Gr).to(tl.float32)), tl.exp((Gr - G0).to(tl.float32)),
+                                           PRECISION)
+        P1 += L1
+        P2 += L2
+        P3 += L3
+        P4 += L4
+        P5 += L5
+        P6 += L6
     upto = tok[:, None] >= tok[None, :]
     before = tok[:, None] > tok[None, :]
     P1 = tl.where(upto, P1, 0.0)
@@ -772,13 +782,28 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
         FORM_A2=c_parts is not None,
     )
-    one = one_level_span(gc.dtype)
-    if one > 0:  # one product where the decays allow, then levels for the blocks flagged
-        flags = torch.empty(B, H, NC, TC // TB, device=q.device, dtype=torch.int32)
-        for mode in (1, 2):
-            _hdla_products_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
-    else:
-        _hdla_products_kernel[grid](*args, **kw)
+    _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
+                      q.device)
+
+
+@triton.jit
+def _diag_bwd_add(dX, dY, dY2, dX2, X, Yd, X2, dPx, dP, dP2, dPx2, dP3, dP4, lx, ly, keep, DUAL: tl.constexpr,
+                  PAIR: tl.constexpr, PRECISION: tl.constexpr):
+    """``_channel_product_bwd_kernel``'s diagonal block's share through the pairs ``keep`` (a level's, or the causal
+    ones in one product) with the rows' decays lx and the columns' ly, added to (dX, dY, dY2, dX2) and returned:
+    dY2 with DUAL (dP2's, and PAIR's dP4), dX2 with PAIR (x2's, through x's decays; dP3's share into dY)."""
+    Xl = X * lx
+    Yl = Yd * ly
+    dX += _dot(tl.where(keep, dPx, 0.0), Yl, PRECISION) * lx
+    dY += _dot(tl.trans(tl.where(keep, dP, 0.0)), Xl, PRECISION) * ly
+    if DUAL:
+        dY2 += _dot(tl.trans(tl.where(keep, dP2, 0.0)), Xl, PRECISION) * ly
+    if PAIR:
+        X2l = X2 * lx
+        dX2 += _dot(tl.where(keep, dPx2, 0.0), Yl, PRECISION) * lx
+        dY += _dot(tl.trans(tl.where(keep, dP3, 0.0)), X2l, PRECISION) * ly
+        dY2 += _dot(tl.trans(tl.where(keep, dP4, 0.0)), X2l, PRECISION) * ly
+    return dX, dY, dY2, dX2
 
 
 @triton.jit
@@ -844,11 +869,14 @@ def _channel_product_bwd_kernel(
             if YSC:
                 Yd = Yd * tl.load(sy + fd, mask=vd, other=0.0).to(tl.float32)[:, None]
             dPx = dP
+        if not DUAL:  # (placeholders of tiles ``_diag_bwd_add`` reads only with DUAL or PAIR)
+            dP2 = dP
+        if not PAIR:
+            X2, dPx2, dP3, dP4 = X, dP, dP, dP
+        dY2 = tl.zeros([YR, BK], dtype=tl.float32)
+        dX2 = tl.zeros([XR, BK], dtype=tl.float32)  # (PAIR's; a placeholder without it)
         if RXP == RYP:  # the same tokens on both sides (``_level_decays``)
             Gx, Gy = _shared_cumsums(g, tokx, o_k, m_k, KG, STRICT)
-        dY2 = tl.zeros([YR, BK], dtype=tl.float32)
-        if PAIR:
-            dX2 = tl.zeros([XR, BK], dtype=tl.float32)
         if MODE == 1:  # the diagonal block in one product through the token before it (``_channel_diag_one``'s)
             Gref = _gc_row(g, ref, o_k, m_k, KG)  # (not Gr: a [BK] Gr follows under a runtime branch)
             Ex = tl.exp((_x_exponent(g, tokx, o_k, m_k, KG, STRICT) - Gref).to(tl.float32))
@@ -857,17 +885,9 @@ def _channel_product_bwd_kernel(
                 causal = tokx[:, None] > tokd[None, :]
             else:  # a token against itself included
                 causal = tokx[:, None] >= tokd[None, :]
-            Yl = Yd * Ey
-            Xl = X * Ex
-            dX = _dot(tl.where(causal, dPx, 0.0), Yl, PRECISION) * Ex
-            dY = _dot(tl.trans(tl.where(causal, dP, 0.0)), Xl, PRECISION) * Ey
-            if DUAL:
-                dY2 = _dot(tl.trans(tl.where(causal, dP2, 0.0)), Xl, PRECISION) * Ey
-            if PAIR:  # (dP3 and dP4 strictly before each token already)
-                X2l = X2 * Ex
-                dX2 = _dot(dPx2, Yl, PRECISION) * Ex
-                dY += _dot(tl.trans(dP3), X2l, PRECISION) * Ey
-                dY2 += _dot(tl.trans(dP4), X2l, PRECISION) * Ey
+            dX, dY, dY2, dX2 = _diag_bwd_add(tl.zeros([XR, BK], dtype=tl.float32), tl.zeros([YR, BK], dtype=tl.float32),
+                                             dY2, dX2, X, Yd, X2, dPx, dP, dP2, dPx2, dP3, dP4, Ex, Ey, causal, DUAL,
+                                             PAIR, PRECISION)
         else:  # level by level (and a token against itself)
             if STRICT:
                 dX = tl.zeros([XR, BK], dtype=tl.float32)
@@ -884,18 +904,8 @@ def _channel_product_bwd_kernel(
                 else:
                     lx = _level_x(g, tokx, o_k, m_k, KG, TB >> lvl, STRICT)
                     ly = _level_y(g, tokd, o_k, m_k, KG, TB >> lvl)
-                blk = _same_block(tokx, tokd, TB >> lvl)
-                Xl = X * lx
-                Yl = Yd * ly
-                dX += _dot(tl.where(blk, dPx, 0.0), Yl, PRECISION) * lx
-                dY += _dot(tl.trans(tl.where(blk, dP, 0.0)), Xl, PRECISION) * ly
-                if DUAL:
-                    dY2 += _dot(tl.trans(tl.where(blk, dP2, 0.0)), Xl, PRECISION) * ly
-                if PAIR:  # the level's decays and y's scaled rows are x's
-                    X2l = X2 * lx
-                    dX2 += _dot(tl.where(blk, dPx2, 0.0), Yl, PRECISION) * lx
-                    dY += _dot(tl.trans(tl.where(blk, dP3, 0.0)), X2l, PRECISION) * ly
-                    dY2 += _dot(tl.trans(tl.where(blk, dP4, 0.0)), X2l, PRECISION) * ly
+                dX, dY, dY2, dX2 = _diag_bwd_add(dX, dY, dY2, dX2, X, Yd, X2, dPx, dP, dP2, dPx2, dP3, dP4, lx, ly,
+                                                 _same_block(tokx, tokd, TB >> lvl), DUAL, PAIR, PRECISION)
         # x's rows of this block against y's rows before it, through the token just before the block
         if i_r > 0:  # (ref: the token just before the block)
             o_y = tl.arange(0, NY)
@@ -1011,12 +1021,7 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
     # the programs, where the second launch costs more than the one product saves: 0.493 -> 0.529 ms; BENCHMARKS.md
     # session 48); ``_CHANNEL["one_level"]`` set forces either way
     one = one_level_span(gc.dtype) if dual or _CHANNEL["one_level"] is not None else 0.0
-    if one > 0:
-        flags = torch.empty(B, H, NC, grid[0], device=x.device, dtype=torch.int32)
-        for mode in (1, 2):
-            _channel_product_bwd_kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **kw)
-    else:
-        _channel_product_bwd_kernel[grid](*args, **kw)
+    _launch_one_level(_channel_product_bwd_kernel, grid, args, kw, one, (B, H, NC, grid[0]), x.device)
 
 
 @triton.jit
@@ -1052,26 +1057,33 @@ def _hdla_dp_where(keep, Dqk, Dqa, D1k, D1a, D2k, D2a):
 
 
 @triton.jit
+def _hdla_twelve(Q, Kr, A2, x0, x1, y0, Dqk, Dqa, D1k, D1a, D2k, D2a, PRECISION: tl.constexpr):
+    """The gradients through ``_hdla_six``'s products given theirs (``_hdla_dp``'s tiles, masked as the caller's
+    pairs are): the shares of dq, db1, db2 (rows; b1's own exponent is G_{t-1}, so it takes x1) and dk, da2
+    (columns), twelve products of [TB, TB] by [TB, BK]."""
+    Ky = Kr * y0
+    Ay = A2 * y0
+    dQ = (_dot(Dqk, Ky, PRECISION) + _dot(Dqa, Ay, PRECISION)) * x0
+    dB1 = (_dot(D1k, Ky, PRECISION) + _dot(D1a, Ay, PRECISION)) * x1
+    dB2 = (_dot(D2k, Ky, PRECISION) + _dot(D2a, Ay, PRECISION)) * x1
+    Qx = Q * x0
+    B1 = Kr * x0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
+    B2 = Kr * x1
+    dK = (_dot(tl.trans(Dqk), Qx, PRECISION) + _dot(tl.trans(D1k), B1, PRECISION)
+          + _dot(tl.trans(D2k), B2, PRECISION)) * y0
+    dA = (_dot(tl.trans(Dqa), Qx, PRECISION) + _dot(tl.trans(D1a), B1, PRECISION)
+          + _dot(tl.trans(D2a), B2, PRECISION)) * y0
+    return dQ, dB1, dB2, dK, dA
+
+
+@triton.jit
 def _hdla_level_bwd(Q, Kr, A2, G0, G1, Dqk, Dqa, D1k, D1a, D2k, D2a, gc, tok, o_k, m_k, K: tl.constexpr,
                     S: tl.constexpr, PRECISION: tl.constexpr):
     """One level of ``_hdla_products_bwd_kernel``'s diagonal block (``_hdla_level``'s pairs): the shares of dq,
     db1, db2 (the second half's rows) and dk, da2 (the first half's), twelve products of [TB, TB] by [TB, BK]."""
     x0, x1, y0 = _hdla_level_decays(G0, G1, gc, tok, o_k, m_k, K, S)
-    same = _same_block(tok, tok, S)
-    Ky = Kr * y0
-    Ay = A2 * y0
-    Eqk, Eqa, E1k, E1a, E2k, E2a = _hdla_dp_where(same, Dqk, Dqa, D1k, D1a, D2k, D2a)
-    dQ = (_dot(Eqk, Ky, PRECISION) + _dot(Eqa, Ay, PRECISION)) * x0
-    dB1 = (_dot(E1k, Ky, PRECISION) + _dot(E1a, Ay, PRECISION)) * x1  # b1's own exponent is G_{t-1}
-    dB2 = (_dot(E2k, Ky, PRECISION) + _dot(E2a, Ay, PRECISION)) * x1
-    Qx = Q * x0
-    B1 = Kr * x0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
-    B2 = Kr * x1
-    dK = (_dot(tl.trans(Eqk), Qx, PRECISION) + _dot(tl.trans(E1k), B1, PRECISION)
-          + _dot(tl.trans(E2k), B2, PRECISION)) * y0
-    dA = (_dot(tl.trans(Eqa), Qx, PRECISION) + _dot(tl.trans(E1a), B1, PRECISION)
-          + _dot(tl.trans(E2a), B2, PRECISION)) * y0
-    return dQ, dB1, dB2, dK, dA
+    Eqk, Eqa, E1k, E1a, E2k, E2a = _hdla_dp_where(_same_block(tok, tok, S), Dqk, Dqa, D1k, D1a, D2k, D2a)
+    return _hdla_twelve(Q, Kr, A2, x0, x1, y0, Eqk, Eqa, E1k, E1a, E2k, E2a, PRECISION)
 
 
 @triton.jit
@@ -1082,22 +1094,8 @@ def _hdla_diag_one_bwd(Q, Kr, A2, G0, G1, dmqk, dmqa, dlba, dlbk, be, c, ref, to
     dk, da2 (columns, e^{G_ref - G_s}), the causal masks of ``_hdla_dp`` taking a token against itself in."""
     Dqk, Dqa, D1k, D1a, D2k, D2a = _hdla_dp(dmqk, dmqa, dlba, dlbk, be, c, tok, tok, TC)
     Gr = _gc_row(gc, ref, o_k, m_k, K)
-    E0 = tl.exp((G0 - Gr).to(tl.float32))
-    E1 = tl.exp((G1 - Gr).to(tl.float32))
-    Ey = tl.exp((Gr - G0).to(tl.float32))
-    Ky = Kr * Ey
-    Ay = A2 * Ey
-    dQ = (_dot(Dqk, Ky, PRECISION) + _dot(Dqa, Ay, PRECISION)) * E0
-    dB1 = (_dot(D1k, Ky, PRECISION) + _dot(D1a, Ay, PRECISION)) * E1  # b1's own exponent is G_{t-1}
-    dB2 = (_dot(D2k, Ky, PRECISION) + _dot(D2a, Ay, PRECISION)) * E1
-    Qx = Q * E0
-    B1 = Kr * E0  # b1 ⊙ e^{G_{t-1}} = k ⊙ e^{G_t}
-    B2 = Kr * E1
-    dK = (_dot(tl.trans(Dqk), Qx, PRECISION) + _dot(tl.trans(D1k), B1, PRECISION)
-          + _dot(tl.trans(D2k), B2, PRECISION)) * Ey
-    dA = (_dot(tl.trans(Dqa), Qx, PRECISION) + _dot(tl.trans(D1a), B1, PRECISION)
-          + _dot(tl.trans(D2a), B2, PRECISION)) * Ey
-    return dQ, dB1, dB2, dK, dA
+    return _hdla_twelve(Q, Kr, A2, tl.exp((G0 - Gr).to(tl.float32)), tl.exp((G1 - Gr).to(tl.float32)),
+                        tl.exp((Gr - G0).to(tl.float32)), Dqk, Dqa, D1k, D1a, D2k, D2a, PRECISION)
 
 
 @triton.jit
@@ -1258,12 +1256,7 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     args = (q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC)
     kw = dict(H=H, K=K, TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
               num_stages=1)
-    one = one_level_span(gc.dtype)
-    if one > 0:  # one product where the decays allow, then levels for the programs flagged (``hdla_products``')
-        flags = torch.empty(B, H, NC, grid[0], device=q.device, dtype=torch.int32)
-        for mode in (1, 2):
-            _hdla_products_bwd_kernel[grid](*args, ONE=one, MODE=mode, flags=flags,
-                                            num_warps=_CHANNEL["hdla_bwd_one_warps"], **kw)
-    else:
-        _hdla_products_bwd_kernel[grid](*args, num_warps=_CHANNEL["hdla_bwd_warps"], **kw)
+    _launch_one_level(_hdla_products_bwd_kernel, grid, args, dict(kw, num_warps=_CHANNEL["hdla_bwd_warps"]),
+                      one_level_span(gc.dtype), (B, H, NC, grid[0]), q.device,
+                      one_kw=dict(num_warps=_CHANNEL["hdla_bwd_one_warps"]))
     return dbeta
