@@ -569,24 +569,26 @@ def test_one_level_backward_for_pairs_alone(monkeypatch):
         assert_matches(a, b, 1e-5, "one product against levels")
 
 
-@pytest.mark.parametrize("one_level", [0, 60], ids=["by-levels", "one-level"])
+@pytest.mark.parametrize("one_level,C", [(0, 32), (60, 32), (60, 16)], ids=["by-levels", "one-level", "one-level-16"])
 @pytest.mark.parametrize("pairs", [0, 1], ids=["levels", "pairs"])
 @pytest.mark.parametrize("K", [16, 37])
-def test_hdla_products_match_the_four_products(K, pairs, one_level, monkeypatch):
+def test_hdla_products_match_the_four_products(K, pairs, one_level, C, monkeypatch):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
     M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
     chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
     ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's. ``one_level`` (forced here on
     fp64 log-cumsums; by default only on fp32 ones): diagonal blocks within e^60 of the token before them in one
-    product each (``_hdla_diag_one`` and its backward). The one block with log-gates of -30 (the first chunk's
-    second) is taken by levels all the same, bit for bit, and the others are not."""
+    product each: the forward's two stacked products (``_hdla_one_stacked``; ``_CHANNEL["hdla_stacked"] = 0``: six,
+    ``_hdla_diag_one``, the same within rounding), the backward's twelve (``_hdla_diag_one_bwd``). The one block with
+    log-gates of -30 (tokens 16-31) is taken by levels all the same, bit for bit, and the others are not. C = 16: the
+    chunk one block (HDLA's default), without the blocks before and after the diagonal."""
     from rankdecay.ops.triton.channel import (_CHANNEL, channel_product, channel_product_bwd, hdla_products,
                                               hdla_products_bwd)
     from rankdecay.ops.triton.chunk_fwd import chunk_log_cumsum
     from rankdecay.ops.triton.factors import hdla_factors_fwd
 
     gen = torch.Generator().manual_seed(13)
-    B, T, H, C = 1, 50, 2, 32
+    B, T, H = 1, 50, 2
     q = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE)
     g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen))
@@ -657,7 +659,13 @@ def test_hdla_products_match_the_four_products(K, pairs, one_level, monkeypatch)
         assert torch.isfinite(x).all(), f"{name}: entries not written"
         assert_matches(x, y, 1e-5, f"{name} (backward)")
     assert_matches(dbeta, ref_dbeta, 1e-5, "dbeta (backward)")
-    if one_level:  # against levels everywhere: the strong block the same bits (rows 16-31 of the first chunk)
+    if one_level:  # the six products' form (not stacked) the same within rounding
+        monkeypatch.setitem(_CHANNEL, "hdla_stacked", 0)
+        six = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
+        hdla_products(q, k, a, gc, beta, *six, T=T, TC=C, precision="ieee", scale=0.3)
+        for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], six, ours):
+            assert_matches(x, y, 1e-6, f"{name}: six products against two")
+    if one_level:  # against levels everywhere: the strong block the same bits (tokens 16-31)
         monkeypatch.setitem(_CHANNEL, "one_level", 0)
         lev = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
         hdla_products(q, k, a, gc, beta, *lev, T=T, TC=C, precision="ieee", scale=0.3)
@@ -665,9 +673,13 @@ def test_hdla_products_match_the_four_products(K, pairs, one_level, monkeypatch)
         hdla_products_bwd(q, k, a, gc, beta, *dps, lev[0], lev[3], *lev_g, T=T, TC=C, precision="ieee", scale=0.3)
         for name, x, y, r in zip(["M_QK", "M_QA", "L_BA", "L_BK", "dq", "dk", "da", "db"], ours + mine, lev + lev_g,
                                  [1, 1, 2, 2, 1, 1, 1, 2]):  # rows per token
-            strong, mild = slice(16 * r, 32 * r), slice(0, 16 * r)
-            assert torch.equal(x[:, :, 0, strong], y[:, :, 0, strong]), f"{name}: the strong block not by levels"
-            assert not torch.equal(x[:, :, 0, mild], y[:, :, 0, mild]), f"{name}: a mild block by levels"
+            if C == 32:  # the first chunk's second block is the strong one
+                strong, mild = x[:, :, 0, 16 * r:32 * r], x[:, :, 0, :16 * r]
+                lstrong, lmild = y[:, :, 0, 16 * r:32 * r], y[:, :, 0, :16 * r]
+            else:  # the second chunk
+                strong, mild, lstrong, lmild = x[:, :, 1], x[:, :, 0], y[:, :, 1], y[:, :, 0]
+            assert torch.equal(strong, lstrong), f"{name}: the strong block not by levels"
+            assert not torch.equal(mild, lmild), f"{name}: a mild block by levels"
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])

@@ -66,10 +66,12 @@ from .fused_recurrent import _pow2
 # ``hdla_products_bwd``'s two launches in one product and then by levels where flagged (sm_90: 139 registers on 4
 # warps, 244 on 2, no spills; H100 HDLA: 0.809 ms on 4 warps, 0.678 on 2, against 1.138 by levels alone, and 0.717
 # with the flagged levels' launch on 4, which nearly all its programs leave at once; BENCHMARKS.md session 48).
-# Levels alone keep hdla_bwd_warps.
+# Levels alone keep hdla_bwd_warps. hdla_stacked: ``hdla_products``' blocks in one product as two stacked products
+# (``_hdla_one_stacked``; H100 HDLA forward 1.29-1.32 -> 1.16-1.19 ms, BENCHMARKS.md session 49); 0: six
+# (``_hdla_diag_one``). Stacking the backward's twelve into four was slower (0.68 -> 0.72-0.75 ms) and is not kept.
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
-                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2)
+                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1)
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -597,6 +599,54 @@ def _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K: tl.constexpr, BK: tl
 
 
 @triton.jit
+def _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, i_b, i_h, i_c, i_r, scale, T,
+                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, TC: tl.constexpr,
+                      NKB: tl.constexpr, PRECISION: tl.constexpr, FORM_A2: tl.constexpr, SCALED: tl.constexpr):
+    """``_hdla_products_kernel``'s diagonal block in one product through the token ref before it, stored: what
+    ``_hdla_diag_one`` and ``_hdla_store`` give, from two products instead of six. The rows b1 = λ ⊙ k (through
+    G_{t-1}: k through G_t) and b2 = k (through G_{t-1}) are stacked token-major as L_BA's rows are, and so are the
+    columns k and a2 (through G_s): one [2 TB, 2 TB] product is the block of L_BA (β on k's columns) and, on its even
+    columns, L_BK's; q's [TB, 2 TB] product against the same columns is M_QA's (and on the even ones M_QK's)."""
+    r2 = i_r * 2 * TB + tl.arange(0, 2 * TB)  # (token, rank) rows of the chunk's 2 TC
+    tp, rp, _, vp, fp = _chunk_rows(r2, i_b, i_h, i_c, T, H, TC, 2, 2)  # fp: a's flat row; fp // 2: k's, β's
+    tq, vq, fq = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
+    second = (rp == 1)[:, None]
+    bep = tl.load(beta + fp // 2, mask=vp, other=0.0).to(tl.float32)
+    if FORM_A2:
+        ccp = hdla_c(cp, c, tp, vp, NKB, TC)
+    Lb = tl.zeros([2 * TB, 2 * TB], dtype=tl.float32)
+    Mq = tl.zeros([TB, 2 * TB], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        Gr = _gc_row(g, ref, o_k, m_k, K)
+        Kp = _load_rows(k, fp // 2, vp, o_k, m_k, K)  # each token's k on both its rows
+        G0 = _gc_at(g, tp, tp >= 0, o_k, m_k, K)
+        G1 = _gc_at(g, tp - 1, tp > 0, o_k, m_k, K)
+        Xb = Kp * tl.exp((tl.where(second, G1, G0) - Gr).to(tl.float32))
+        if FORM_A2:
+            A2 = hdla_a2(Kp, tl.exp((G0 - G1).to(tl.float32)), bep, ccp)
+        else:
+            A2 = _load_rows(a, fp, vp & (rp == 1), o_k, m_k, K)
+        Y = tl.trans(tl.where(second, A2, Kp) * tl.exp((Gr - G0).to(tl.float32)))
+        Xq = _load_rows(q, fq, vq, o_k, m_k, K) * tl.exp((_gc_at(g, tq, tq >= 0, o_k, m_k, K) - Gr).to(tl.float32))
+        Lb += _dot(Xb, Y, PRECISION)
+        Mq += _dot(Xq, Y, PRECISION)
+    Lb = tl.where(tp[:, None] > tp[None, :], Lb, 0.0)
+    Mq = tl.where(tq[:, None] >= tp[None, :], Mq, 0.0)
+    if SCALED:
+        colf = tl.full([2 * TB], 1.0, tl.float32)
+    else:
+        colf = tl.where(rp == 0, bep, 1.0)  # a1 = β k: β on k's columns
+    tl.store(lba + (c * 2 * TC + r2[:, None]) * (2 * TC) + r2[None, :], Lb * colf[None, :])
+    tl.store(mqa + (c * TC + tq[:, None]) * (2 * TC) + r2[None, :], Mq * (colf * scale)[None, :])
+    if not SCALED:
+        even = (rp == 0)[None, :]
+        tl.store(lbk + (c * 2 * TC + r2[:, None]) * TC + tp[None, :], Lb, mask=even)
+        tl.store(mqk + (c * TC + tq[:, None]) * TC + tp[None, :], Mq * scale, mask=even)
+
+
+@triton.jit
 def _hdla_diag_levels(q, k, a, g, be, cc, bep, ccp, tok, vx, fx, odd, H: tl.constexpr, K: tl.constexpr,
                       BK: tl.constexpr, TB: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr,
                       FORM_A2: tl.constexpr):
@@ -676,7 +726,8 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
                           H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr,
                           KP: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr = False,
                           SCALED: tl.constexpr = False, cp=None, NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False,
-                          ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0, flags=None):
+                          ONE: tl.constexpr = 0.0, MODE: tl.constexpr = 0, flags=None,
+                          STACKED: tl.constexpr = True):
     # q, k [B, T, H, K]; a [B, T, H, 2, K] (HDLA's, row 1 read: a2); gc [B, H, NC, TC, K]; beta [B, T, H].
     # Six token products, x ∈ {q ⊙ e^{G_t}, b1 = k ⊙ e^{G_t}, b2 = k ⊙ e^{G_{t-1}}} against
     # y ∈ {k, a2} ⊙ e^{-G_s}, in sub-blocks of TB tokens as ``_channel_product_kernel`` takes them:
@@ -684,7 +735,8 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
     # FORM_A2: a is not read; a2 is formed from k, the log-cumsums, β and c (``hdla_a2``; c from the log-cumsum
     # kernel's shares in cp: ``hdla_c``)
     # MODE 1 (ONE > 0: ``one_level_span``): where no log-cumsum of the diagonal block strays more than ONE from the one
-    # at the token before it (``_one_level_span``), the block is one product through that token (``_hdla_diag_one``);
+    # at the token before it (``_one_level_span``), the block is one product through that token (``_hdla_one_stacked``,
+    # or with STACKED False ``_hdla_diag_one``);
     # else flags [B, H, NC, NB] (int32) marks it, and a second launch with MODE 2 takes the flagged blocks by levels
     # and nothing else. MODE 0: levels for every block. (Two launches: one kernel with both forms spills ten times
     # as much on sm_90.)
@@ -708,7 +760,10 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
     if MODE == 1:  # in one product where the decays allow, else flagged for MODE 2
         fast = _one_level_span(g, tok, ref, K, BK, K) <= ONE
         tl.store(flags + c * NB + i_r, tl.where(fast, 0, 1))
-        if fast:
+        if fast and STACKED:
+            _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, i_b, i_h, i_c, i_r, scale, T, H, K,
+                              BK, TB, TC, NKB, PRECISION, FORM_A2, SCALED)
+        elif fast:
             P1, P2, P3, P4, P5, P6 = _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K, BK, TB, PRECISION,
                                                     FORM_A2)
             _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
@@ -721,7 +776,7 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         P1, P2, P3, P4, P5, P6 = _hdla_diag_levels(q, k, a, g, be, cc, bep, ccp, tok, vx, fx, odd, H, K, BK, TB,
                                                    PRECISION, PAIRS, FORM_A2)
         _hdla_store(P1, P2, P3, P4, P5, P6, be, mqk, mqa, lba, lbk, c, tok, tok, scale, TC, SCALED)
-    if MODE < 2:  # the blocks after the diagonal (zeros) and before it (the same either way)
+    if MODE < 2 and NB > 1:  # the blocks after the diagonal (zeros) and before it (the same either way), if any
         zero = tl.zeros([TB, TB], dtype=tl.float32)
         for jb in range(i_r + 1, NB):  # the blocks after the diagonal: zeros
             tokj = jb * TB + tl.arange(0, TB)
@@ -762,7 +817,8 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     are six products of token rows rather than nine (H100 HDLA: BENCHMARKS.md session 28). With
     ``_CHANNEL["hdla_pairs"]``, the diagonal blocks' last level (an odd token against the one before it) is taken as
     row sums through e^{G_t - G_{t-1}} rather than as masked [TB, TB] products. A diagonal block whose log-cumsums
-    stay within ``one_level_span`` of the one before it is taken in one product, not by levels.
+    stay within ``one_level_span`` of the one before it is taken in one product, not by levels: two products, b1 and
+    b2 stacked as L_BA's rows and k and a2 as its columns (``_CHANNEL["hdla_stacked"]``; 0: six).
 
     q, k [B, T, H, K] as given; a [B, T, H, 2, K] (its a2 rows are read); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); beta [B, T, H]. ``scaled``: the forward's scaled form (``chunk_fwd.chunk_dplr_fwd``'s
@@ -780,7 +836,7 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
         PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
-        FORM_A2=c_parts is not None,
+        FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]),
     )
     _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
                       q.device)
