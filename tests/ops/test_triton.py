@@ -574,8 +574,8 @@ def test_one_level_backward_for_pairs_alone(monkeypatch):
 @pytest.mark.parametrize("K", [16, 37])
 def test_hdla_products_match_the_four_products(K, pairs, one_level, C, monkeypatch):
     """``channel.hdla_products`` (six products of token rows) gives what ``channel_product`` gives for HDLA's
-    M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on two
-    chunks of 32 tokens, the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
+    M_QK, M_QA, L_BA and L_BK from a and b themselves, entry by entry, the zeros above the diagonal included, on
+    chunks of C = 32 tokens (two) or 16 (four), the last one partial, with strong decays; and ``hdla_products_bwd`` (twelve) what
     ``channel_product_bwd`` gives for the four, a1 = β k's share taken into k's and β's. ``one_level`` (forced here on
     fp64 log-cumsums; by default only on fp32 ones): diagonal blocks within e^60 of the token before them in one
     product each: the forward's two stacked products (``_hdla_one_stacked``; ``_CHANNEL["hdla_stacked"] = 0``: six,
@@ -665,7 +665,7 @@ def test_hdla_products_match_the_four_products(K, pairs, one_level, C, monkeypat
         hdla_products(q, k, a, gc, beta, *six, T=T, TC=C, precision="ieee", scale=0.3)
         for name, x, y in zip(["M_QK", "M_QA", "L_BA", "L_BK"], six, ours):
             assert_matches(x, y, 1e-6, f"{name}: six products against two")
-    if one_level:  # against levels everywhere: the strong block the same bits (tokens 16-31)
+        # against levels everywhere: the strong block the same bits (tokens 16-31)
         monkeypatch.setitem(_CHANNEL, "one_level", 0)
         lev = [full(C, C), full(C, 2 * C), full(2 * C, 2 * C), full(2 * C, C)]
         hdla_products(q, k, a, gc, beta, *lev, T=T, TC=C, precision="ieee", scale=0.3)
@@ -673,13 +673,10 @@ def test_hdla_products_match_the_four_products(K, pairs, one_level, C, monkeypat
         hdla_products_bwd(q, k, a, gc, beta, *dps, lev[0], lev[3], *lev_g, T=T, TC=C, precision="ieee", scale=0.3)
         for name, x, y, r in zip(["M_QK", "M_QA", "L_BA", "L_BK", "dq", "dk", "da", "db"], ours + mine, lev + lev_g,
                                  [1, 1, 2, 2, 1, 1, 1, 2]):  # rows per token
-            if C == 32:  # the first chunk's second block is the strong one
-                strong, mild = x[:, :, 0, 16 * r:32 * r], x[:, :, 0, :16 * r]
-                lstrong, lmild = y[:, :, 0, 16 * r:32 * r], y[:, :, 0, :16 * r]
-            else:  # the second chunk
-                strong, mild, lstrong, lmild = x[:, :, 1], x[:, :, 0], y[:, :, 1], y[:, :, 0]
-            assert torch.equal(strong, lstrong), f"{name}: the strong block not by levels"
-            assert not torch.equal(mild, lmild), f"{name}: a mild block by levels"
+            x, y = x.flatten(2, 3), y.flatten(2, 3)  # the chunks' rows in token order
+            strong, mild = slice(16 * r, 32 * r), slice(0, 16 * r)
+            assert torch.equal(x[:, :, strong], y[:, :, strong]), f"{name}: the strong block not by levels"
+            assert not torch.equal(x[:, :, mild], y[:, :, mild]), f"{name}: a mild block by levels"
 
 
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "autograd"])

@@ -599,17 +599,17 @@ def _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, i_b, i_h, i_c, i_r, scale, T,
+def _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, tq, vq, fq, i_b, i_h, i_c, i_r, scale, T,
                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TB: tl.constexpr, TC: tl.constexpr,
                       NKB: tl.constexpr, PRECISION: tl.constexpr, FORM_A2: tl.constexpr, SCALED: tl.constexpr):
     """``_hdla_products_kernel``'s diagonal block in one product through the token ref before it, stored: what
     ``_hdla_diag_one`` and ``_hdla_store`` give, from two products instead of six. The rows b1 = λ ⊙ k (through
     G_{t-1}: k through G_t) and b2 = k (through G_{t-1}) are stacked token-major as L_BA's rows are, and so are the
     columns k and a2 (through G_s): one [2 TB, 2 TB] product is the block of L_BA (β on k's columns) and, on its even
-    columns, L_BK's; q's [TB, 2 TB] product against the same columns is M_QA's (and on the even ones M_QK's)."""
+    columns, L_BK's; q's [TB, 2 TB] product against the same columns is M_QA's (and on the even ones M_QK's).
+    tq, vq, fq: the block's token rows (``_tok_rows``)."""
     r2 = i_r * 2 * TB + tl.arange(0, 2 * TB)  # (token, rank) rows of the chunk's 2 TC
     tp, rp, _, vp, fp = _chunk_rows(r2, i_b, i_h, i_c, T, H, TC, 2, 2)  # fp: a's flat row; fp // 2: k's, β's
-    tq, vq, fq = _tok_rows(i_r * TB + tl.arange(0, TB), i_b, i_h, i_c, T, H, TC, 1, 1)
     second = (rp == 1)[:, None]
     bep = tl.load(beta + fp // 2, mask=vp, other=0.0).to(tl.float32)
     if FORM_A2:
@@ -761,8 +761,8 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
         fast = _one_level_span(g, tok, ref, K, BK, K) <= ONE
         tl.store(flags + c * NB + i_r, tl.where(fast, 0, 1))
         if fast and STACKED:
-            _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, i_b, i_h, i_c, i_r, scale, T, H, K,
-                              BK, TB, TC, NKB, PRECISION, FORM_A2, SCALED)
+            _hdla_one_stacked(q, k, a, g, beta, cp, mqk, mqa, lba, lbk, c, ref, tok, vx, fx, i_b, i_h, i_c, i_r,
+                              scale, T, H, K, BK, TB, TC, NKB, PRECISION, FORM_A2, SCALED)
         elif fast:
             P1, P2, P3, P4, P5, P6 = _hdla_diag_one(q, k, a, g, be, cc, ref, tok, vx, fx, K, BK, TB, PRECISION,
                                                     FORM_A2)
