@@ -489,26 +489,37 @@ def test_backward_reuses_the_forwards_log_cumsums(mechanism, monkeypatch):
 def test_hdla_forward_alone_builds_no_rows(monkeypatch):
     """HDLA without autograd, its products in one kernel (as at the bf16 products' precision): no factor kernel
     runs and a is a placeholder; the kernels form a2 from k, the log-cumsums, β and c (``chunk_fwd.chunk_dplr_fwd``'s
-    hdla_form_a2), and the result is the one with a2 built (``_KNOBS["form_a2"] = 0``), a partial last chunk and
+    hdla_form_a2), the scaled form's rows Ã and B ⊙ e^{G_{i-1}} in the log-cumsum kernel (its hdla_rows, with all
+    of K in one key block or, ``hdla_cumsum_bk`` 16, c from three; with ``_KNOBS["hdla_cumsum_rows"] = 0`` in the
+    intra kernel), and the result is the one with a2 built (``_KNOBS["form_a2"] = 0``), a partial last chunk and
     strong decays included."""
-    knobs = importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS
-    monkeypatch.setitem(knobs, "hdla_products", True)
+    cf = importlib.import_module("rankdecay.ops.triton.chunk_fwd")
+    monkeypatch.setitem(cf._KNOBS, "hdla_products", True)
     built = _count_calls(monkeypatch, importlib.import_module("rankdecay.ops.triton.chunk_bwd"), "hdla_factors_fwd")
+    rows, cumsum = [], cf.chunk_log_cumsum
+    monkeypatch.setattr(cf, "chunk_log_cumsum", lambda *a, **kw: rows.append(kw.get("hdla_rows") is not None)
+                        or cumsum(*a, **kw))
     q, k, v, g, beta = _channel_gate_inputs(21, B=1, T=37, H=2, K=40, V=24, strong=slice(10, 13))
     beta = 2 * beta
     beta[:, 4] = 2.0
     h0 = torch.randn(1, 2, 40, 24, generator=torch.Generator().manual_seed(23))
     xs = [x.to(DEVICE) for x in (q, k, v, g, beta)]
     results = []
-    for form in (1, 0):
-        monkeypatch.setitem(knobs, "form_a2", form)
+    for form, cumsum_rows, bk in ((1, 1, None), (1, 0, None), (0, 1, None), (1, 1, 16)):
+        monkeypatch.setitem(cf._KNOBS, "form_a2", form)
+        monkeypatch.setitem(cf._KNOBS, "hdla_cumsum_rows", cumsum_rows)
+        monkeypatch.setitem(cf._KNOBS, "hdla_cumsum_bk", bk)
         built.clear()
+        rows.clear()
         with torch.no_grad():
             results.append(ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="triton"))
         assert built == ([] if form else [1]), f"form_a2={form}: the factor kernel ran {len(built)} times"
+        assert rows == [bool(form and cumsum_rows)], f"form_a2={form}, hdla_cumsum_rows={cumsum_rows}: {rows}"
     ref = ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="chunk")
-    for name, x, y, z in zip(["o", "final_state"], *results, ref):
+    for name, x, w, y, u, z in zip(["o", "final_state"], *results, ref):
         assert torch.isfinite(x).all(), name
+        assert_matches(x, w, 1e-6, f"{name}: rows from the log-cumsum kernel against the intra kernel's")
+        assert_matches(u, w, 1e-6, f"{name}: rows from the log-cumsum kernel's 16-channel blocks")
         assert_matches(x, y, 1e-6, f"{name}: a2 formed against a2 built")
         assert_matches(x, z, 1e-5, f"{name}: a2 formed against the PyTorch path")
 

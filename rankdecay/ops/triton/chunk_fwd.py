@@ -335,13 +335,17 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 # and 76 on (64, 2).
 # At 16-token chunks (HDLA's), PREP took 275 µs on 64's launch and 144 on
 # (32, 1), the plain kernel 85 µs and 73 on (64, 1) (BENCHMARKS.md session 42).
-_LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8)), 32: dict(plain=(64, 2), prep=(32, 1)),
-               16: dict(plain=(64, 1), prep=(32, 1))}
+# hdla: with HDLA's rows (HROWS). At 16-token chunks, B8 T2048 H16 K128 (BENCHMARKS.md session 50): 311–323 µs on
+# (128, 2), 332 on (128, 4), 665 on (128, 1), 327 on (64, 2), 362 on (32, 2), 394 on (32, 1); the others take 16's
+_LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8), hdla=(128, 2)),
+               32: dict(plain=(64, 2), prep=(32, 1), hdla=(128, 2)),
+               16: dict(plain=(64, 1), prep=(32, 1), hdla=(128, 2))}
 
 
-def log_cumsum_launch(chunk_size: int, prep: bool) -> tuple[int, int]:
-    """The log-cumsum kernel's (key block, warps) at ``chunk_size`` tokens per chunk, with or without PREP."""
-    return _LOG_CUMSUM.get(chunk_size, _LOG_CUMSUM[64])["prep" if prep else "plain"]
+def log_cumsum_launch(chunk_size: int, prep: bool, hdla: bool = False) -> tuple[int, int]:
+    """The log-cumsum kernel's (key block, warps) at ``chunk_size`` tokens per chunk, with or without PREP (and
+    HDLA's rows)."""
+    return _LOG_CUMSUM.get(chunk_size, _LOG_CUMSUM[64])["hdla" if hdla else "prep" if prep else "plain"]
 
 
 @triton.jit
@@ -349,13 +353,17 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
                              RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False,
                              KDO: tl.constexpr = True, cp=None, CPART: tl.constexpr = False,
-                             KG_K: tl.constexpr = False):
+                             KG_K: tl.constexpr = False, ad=None, hb=None, HROWS: tl.constexpr = False):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
     # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
     # of B; KG_K: b = e^g ⊙ k, KDA's, is not read, and kg is k ⊙ e^{G_t}, the same). CPART (HDLA, RKV 1): this
     # key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp [B, H, NC, key blocks, TC] (``hdla_c``), from
-    # which the products' and intra kernels form a2 themselves
+    # which the products' and intra kernels form a2 themselves. HROWS (with CPART, all of K in one key block, so that
+    # (with CPART; HDLA's scaled forward): also its update rows [k, a2] ⊙ e^{G_C - G} in ad and B ⊙ e^{G_{i-1}}
+    # ([k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}]) in kg, both [B, H, NC, 2 TC, K], the intra kernel's HDLA rows (hb: β
+    # [B, T, H]), formed here where k and G are in registers already (c from every key block's k and g), so that the
+    # intra kernel reads neither k nor G
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -396,11 +404,28 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
         tl.store(dch + c * K + o_k, tl.exp(G_end.to(tl.float32)), mask=m_k)
         if CPART:
             Kr = tl.load(k + rows, mask=m_t, other=0.0).to(tl.float32)
-            tl.store(cp + (c * tl.num_programs(0) + i_k) * TC + r, tl.sum(Kr * Kr * tl.exp(x.to(tl.float32)), axis=1))
+            cc = tl.sum(Kr * Kr * tl.exp(x.to(tl.float32)), axis=1)
+            tl.store(cp + (c * tl.num_programs(0) + i_k) * TC + r, cc)
+            if HROWS and BK < K:  # c whole: every key block's share in hdla_c's order (the others' k and g from L2)
+                cc = tl.zeros([TC], dtype=tl.float32)
+                for j0 in tl.static_range(0, K, BK):
+                    o_j = j0 + tl.arange(0, BK)
+                    m_j = (t < T)[:, None] & (o_j < K)[None, :]
+                    r_j = ((i_b * T + t[:, None]) * H + i_h) * K + o_j[None, :]
+                    Kj = tl.load(k + r_j, mask=m_j, other=0.0).to(tl.float32)
+                    cc += tl.sum(Kj * Kj * tl.exp(tl.load(g + r_j, mask=m_j, other=0.0).to(tl.float32)), axis=1)
+            if HROWS:  # (λ = e^{G_t - G_{t-1}} from the stored log-cumsums, as the products kernel takes it)
+                Gp = (G64 - x.to(tl.float64)).to(gc.dtype.element_ty)
+                be = tl.load(hb + (i_b * T + t) * H + i_h, mask=t < T, other=0.0).to(tl.float32)
+                two = ((c * TC + r[:, None]) * 2) * K + o_k[None, :]  # row (t, 0); (t, 1) is K further
+                tl.store(ad + two, Kr * dk, mask=m_k[None, :])
+                tl.store(ad + two + K, hdla_a2(Kr, tl.exp((G - Gp).to(tl.float32)), be, cc) * dk, mask=m_k[None, :])
+                tl.store(kg + two, Kr * tl.exp(G.to(tl.float32)), mask=m_k[None, :])
+                tl.store(kg + two + K, Kr * tl.exp(Gp.to(tl.float32)), mask=m_k[None, :])
 
 
 def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64, prep=None,
-                     c_parts: bool = False):
+                     c_parts: bool = False, hdla_rows=None, launch=None):
     """Chunk-local inclusive log-cumsums of a per-channel log-gate, summed in fp64.
 
     g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] in ``dtype`` (fp64, or
@@ -416,24 +441,35 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
 
     c_parts (with prep, k of one row per token: HDLA's): also each key block's share of c = kᵀ(λ ⊙ k) per token,
     λ = e^g, and return (gc, those shares [B, H, NC, key blocks, chunk_size] fp32), from which the products' and intra
-    kernels form HDLA's a2 = β k ⊙ (λ - β c) themselves (``chunk_dplr_fwd``'s ``hdla_form_a2``)."""
+    kernels form HDLA's a2 = β k ⊙ (λ - β c) themselves (``chunk_dplr_fwd``'s ``hdla_form_a2``).
+
+    hdla_rows (with c_parts): None, or (β [B, T, H], ad, kg) with ad and kg [B, H, NC, 2 * chunk_size, K] to fill with
+    HDLA's update rows [k, a2] ⊙ e^{G_C - G} and [k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}] (its scaled forward's Ã and
+    B ⊙ e^{G_{i-1}}, token-major).
+    launch: None, or the kernel's (key block, warps), either None for ``log_cumsum_launch``'s."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
-    knob = log_cumsum_launch(chunk_size, prep is not None)
+    knob = log_cumsum_launch(chunk_size, prep is not None, hdla_rows is not None)
+    knob = tuple(x or y for x, y in zip(launch or (None, None), knob))
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
     NKB = triton.cdiv(K, BK)
     q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
                                        else (gc, gc[..., None, :], gc, gc, gc, 1.0, None, None))
     if c_parts and (prep is None or k.shape[-2] != 1):
         raise ValueError("c_parts: HDLA's shares of c need prep with one row of k per token")
+    if hdla_rows is not None and not c_parts:
+        raise ValueError("hdla_rows: HDLA's rows need c_parts (their c)")
+    hb, ad, hkg = hdla_rows if hdla_rows is not None else (None, None, None)
     cp = torch.empty(B, H, NC, NKB, chunk_size, device=g.device, dtype=torch.float32) if c_parts else None
     kdo = kd is not None
     _chunk_log_cumsum_kernel[(NKB, NC, B * H)](
         g.contiguous(), gc, T, q, k, qd, kd if kdo else gc, dch, scale, H=H, K=K, TC=chunk_size, BK=BK,
-        PREP=prep is not None, RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]), kg=gc if kg is None else kg,
+        PREP=prep is not None, RKV=k.shape[-2], RKVP=_pow2(k.shape[-2]),
+        kg=hkg if hkg is not None else gc if kg is None else kg,
         b=gc if kg is None or b is None else b, KGO=kg is not None, KDO=kdo, cp=gc if cp is None else cp,
-        CPART=c_parts, KG_K=kg is not None and b is None, num_warps=knob[1])
+        CPART=c_parts, KG_K=kg is not None and b is None, ad=ad, hb=hb, HROWS=hdla_rows is not None,
+        num_warps=knob[1])
     return (gc, cp) if c_parts else gc
 
 
@@ -460,6 +496,7 @@ def _intra_kernel(
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
     GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
     NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False, HG_PROD: tl.constexpr = False,
+    HROWS: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -489,6 +526,8 @@ def _intra_kernel(
     # of k and this mask (``factors.hh_factors``'), formed from k here (``_hh_rows``) and not read.
     # FORM_A2 (with HDLA; ``chunk_dplr_fwd``'s ``hdla_form_a2``): a is not read either; a2 = β k ⊙ (λ - β c) is
     # formed from k, the log-cumsums, β and c (the log-cumsum kernel's shares in cp: ``channel.hdla_c``).
+    # HROWS (with HDLA, SCALED and FORM_A2): the log-cumsum kernel wrote Ã and B ⊙ e^{G_{i-1}} (its HROWS), so this
+    # kernel forms T' and D alone.
     # KDA_B (a per-channel gate, ranks 1, b = e^g ⊙ k: ``chunk_dplr_fwd``'s ``kda_b``): b is not read, B ⊙ e^{G_{t-1}}
     # is formed as k ⊙ e^{G_t}.
     # HG_PROD (with HH, K / r a power of two of at least 16: ``hh_gram_products``): Head-in-Head's products come from
@@ -633,10 +672,10 @@ def _intra_kernel(
             be = tl.full([NA, 1], 1.0, tl.float32)
         else:
             be = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)[:, None]  # the row's token's β
-        if FORM_A2:  # a2's β and c, per row
+        if FORM_A2 and not HROWS:  # a2's β and c, per row
             bt = tl.load(hb + fa // 2, mask=va, other=0.0).to(tl.float32)
             ct = hdla_c(cp, c, toka, va, NKB, TC)
-    for k0 in tl.static_range(0, K if not SCALED or HDLA else 0, BK):
+    for k0 in tl.static_range(0, K if (not SCALED or HDLA) and not HROWS else 0, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
         if HDLA:
@@ -765,7 +804,10 @@ def _output_kernel(
 # block's groups' rows of U, ``chunk_bwd._block_groups``, H100 HH-GDN r=4 forward+backward 6.99-7.03 -> 6.91-6.94
 # ms, BENCHMARKS.md session 47; 0: all of them, masked after), "hh_grams" (1, the default: Head-in-Head's products in
 # the intra kernel from per-group Grams of q and k, ``hh_gram_products``, H100 HH-GDN r=4 intra 1.23 -> 1.12 ms,
-# session 47; 0: from its rows).
+# session 47; 0: from its rows), "hdla_cumsum_rows" (1, the default: HDLA's scaled forward without autograd takes
+# its rows Ã and B ⊙ e^{G_{i-1}} from the log-cumsum kernel, ``chunk_log_cumsum``'s hdla_rows; 0: the intra kernel
+# forms them), "hdla_cumsum_bk" and "hdla_cumsum_warps" (that kernel's key block and warps there; absent:
+# ``log_cumsum_launch``'s).
 _KNOBS: dict = {}
 
 
@@ -1128,6 +1170,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     if hdla_form_a2 and (not fused or save):
         raise ValueError("hdla_form_a2: HDLA's a2 is formed in the kernels only with hdla_beta, its products in one "
                          "kernel (hdla_fused_products) and no save (the backward reads a2)")
+    # and in the scaled form its rows Ã and B ⊙ e^{G_{i-1}} by the log-cumsum kernel (its HROWS)
+    hdla_rows = hdla_form_a2 and hdla_scaled and bool(cfg.get("hdla_cumsum_rows", 1))
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
     if grouped and (Rab < 1 or K % Rab):
         raise ValueError(f"grouped: a's Rab = {Rab} rows are k's channels in equal groups, so Rab must divide K = {K}")
@@ -1182,7 +1226,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         g = chunk_log_cumsum(g, TC, log_cumsum_dtype(prec), prep=(q, k, qd, kd, dch, scale,
                                                                       kg if channel_scaled else None,
                                                                       None if kda_b and channel_scaled else b),
-                             c_parts=hdla_form_a2)
+                             c_parts=hdla_form_a2,
+                             hdla_rows=(hdla_beta.contiguous(), ad, kg) if hdla_rows else None,
+                             launch=(cfg.get("hdla_cumsum_bk"), cfg.get("hdla_cumsum_warps")) if hdla_rows else None)
         g, cparts = g if hdla_form_a2 else (g, None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
@@ -1230,7 +1276,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             E_B=b is not None and _is16(b), E_V=_is16(v), TIED=tied, SCALED=scaled,
             MERGE=cfg.get("merge") or "ieee", HDLA=fused, GROUPED=grouped,
             hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
-            NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b,
+            NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b, HROWS=hdla_rows,
             HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
             NILP=16 // _pow2(Rab) if Rab and neumann else 0,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
