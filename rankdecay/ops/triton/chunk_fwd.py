@@ -336,7 +336,8 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 # At 16-token chunks (HDLA's), PREP took 275 µs on 64's launch and 144 on
 # (32, 1), the plain kernel 85 µs and 73 on (64, 1) (BENCHMARKS.md session 42).
 # hdla: with HDLA's rows (HROWS). At 16-token chunks, B8 T2048 H16 K128 (BENCHMARKS.md session 50): 311–323 µs on
-# (128, 2), 332 on (128, 4), 665 on (128, 1), 327 on (64, 2), 362 on (32, 2), 394 on (32, 1); the others take 16's
+# (128, 2), 332 on (128, 4), 665 on (128, 1), 327 on (64, 2), 369 on (64, 1), 362 on (32, 2), 394 on (32, 1), 450
+# on (16, 1); the other chunk sizes take 16's
 _LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8), hdla=(128, 2)),
                32: dict(plain=(64, 2), prep=(32, 1), hdla=(128, 2)),
                16: dict(plain=(64, 1), prep=(32, 1), hdla=(128, 2))}
