@@ -836,8 +836,9 @@ def test_tensors_between_kernels_16bit_only_where_products_are():
 def test_state_kernel_pipelined_only_where_measured():
     """The forward state kernel's chunk loop on two pipeline stages only at the bf16 products' precision with
     16-bit k and v and K <= 128 (``chunk_fwd.state_stages``), for the delta rule's fused forward and a per-channel
-    gate's state kernel without the outputs: elsewhere it was slower (HDLA fused, HH-GDN) or ran out of shared
-    memory (fp32 tiles) on the H100. The backward's on two stages at the bf16 precision with 16-bit tiles and
+    gate's state kernel without the outputs, and on three for a per-channel gate's scaled form (KDA's and HDLA's
+    forward without autograd): elsewhere it was slower (HDLA fused, HH-GDN) or ran out of shared memory (fp32 tiles)
+    on the H100. The backward's on two stages at the bf16 precision with 16-bit tiles and
     K <= 128 (``chunk_state.bwd_stages``)."""
     from rankdecay.ops.triton.chunk_fwd import state_stages
     from rankdecay.ops.triton.chunk_state import _LAUNCH, bwd_stages
@@ -856,6 +857,11 @@ def test_state_kernel_pipelined_only_where_measured():
     wide = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert state_stages(True, True, "bf16", wide, bf) == 1
     assert state_stages(False, False, "bf16", wide, bf, per_channel=True) == 1
+    for fuse, tied in ((True, False), (True, True)):  # KDA's scaled form, HDLA's (passed as tied)
+        assert state_stages(fuse, tied, "bf16", bf, bf, per_channel=True, channel_scaled=True) == 3
+    assert state_stages(True, False, "bf16", f32, bf, per_channel=True, channel_scaled=True) == 1
+    assert state_stages(True, False, "tf32", bf, bf, per_channel=True, channel_scaled=True) == 1
+    assert state_stages(True, False, "bf16", wide, bf, per_channel=True, channel_scaled=True) == 1
     assert _LAUNCH["bwd_stages"] == 0  # the rule below, not a knob
     assert bwd_stages("bf16", 128, True) == 2 and bwd_stages("bf16", 64, True) == 2
     assert bwd_stages("bf16", 256, True) == 1  # wider tiles

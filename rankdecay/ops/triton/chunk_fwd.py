@@ -360,11 +360,10 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
     # of B; KG_K: b = e^g ⊙ k, KDA's, is not read, and kg is k ⊙ e^{G_t}, the same). CPART (HDLA, RKV 1): this
     # key block's share of c = kᵀ(λ ⊙ k), λ = e^g, per token, to cp [B, H, NC, key blocks, TC] (``hdla_c``), from
-    # which the products' and intra kernels form a2 themselves. HROWS (with CPART, all of K in one key block, so that
-    # (with CPART; HDLA's scaled forward): also its update rows [k, a2] ⊙ e^{G_C - G} in ad and B ⊙ e^{G_{i-1}}
-    # ([k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}]) in kg, both [B, H, NC, 2 TC, K], the intra kernel's HDLA rows (hb: β
-    # [B, T, H]), formed here where k and G are in registers already (c from every key block's k and g), so that the
-    # intra kernel reads neither k nor G
+    # which the products' and intra kernels form a2 themselves. HROWS (with CPART; HDLA's scaled forward): also its
+    # update rows [k, a2] ⊙ e^{G_C - G} in ad and B ⊙ e^{G_{i-1}} ([k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}]) in kg, both
+    # [B, H, NC, 2 TC, K], the intra kernel's HDLA rows (hb: β [B, T, H]), formed here where k and G are in registers
+    # already (c from every key block's k and g), so that the intra kernel reads neither k nor G
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -868,7 +867,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor,
-                 per_channel: bool = False) -> int:
+                 per_channel: bool = False, channel_scaled: bool = False) -> int:
     """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
     products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
     (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
@@ -877,8 +876,13 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
     backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN's fused forward
     before the scaled form (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md
-    sessions 23, 24, 31)."""
+    sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward without
+    autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the state kernel
+    KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went 148 -> 164 and
+    Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
+    if tiles and channel_scaled:
+        return 3
     ok = tiles and ((fuse and tied) or (not fuse and per_channel))
     return 2 if ok else _LAUNCH["stages"]
 
@@ -1285,9 +1289,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or state_stages(fuse, tied or grouped or hdla_scaled,
-                                                                            cfg["state_precision"], k, v,
-                                                                            per_channel=gate == 2))
+    stages = state_stages(fuse, tied or grouped or hdla_scaled, cfg["state_precision"], k, v, per_channel=gate == 2,
+                          channel_scaled=channel_scaled or hdla_scaled)
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or stages)
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
