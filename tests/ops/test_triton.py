@@ -486,14 +486,21 @@ def test_backward_reuses_the_forwards_log_cumsums(mechanism, monkeypatch):
         assert_matches(x, y, 1e-5, mechanism)
 
 
-def test_hdla_forward_alone_builds_no_rows(monkeypatch):
+@pytest.mark.parametrize("one_level", [None, 60], ids=["levels", "one-level"])
+def test_hdla_forward_alone_builds_no_rows(one_level, monkeypatch):
     """HDLA without autograd, its products in one kernel (as at the bf16 products' precision): no factor kernel
     runs and a is a placeholder; the kernels form a2 from k, the log-cumsums, β and c (``chunk_fwd.chunk_dplr_fwd``'s
     hdla_form_a2), the scaled form's rows Ã and B ⊙ e^{G_{i-1}} in the log-cumsum kernel (its hdla_rows, with all
     of K in one key block or, ``hdla_cumsum_bk`` 16, c from three; with ``_KNOBS["hdla_cumsum_rows"] = 0`` in the
     intra kernel), and the result is the one with a2 built (``_KNOBS["form_a2"] = 0``), a partial last chunk and
-    strong decays included."""
+    strong decays included. fp32 inputs take fp64 log-cumsums and the products go by levels; with ``one_level`` 60
+    (as fp32 log-cumsums would) the products come from those rows (``channel.hdla_row_products``) for the chunks
+    within 30 of 0, and by levels for the one with the strong decays (``_KNOBS["hdla_row_products"] = 0``: from q, k
+    and the log-cumsums, one product where they allow)."""
     cf = importlib.import_module("rankdecay.ops.triton.chunk_fwd")
+    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.channel")._CHANNEL, "one_level", one_level)
+    from_rows, row_products = [], cf.hdla_row_products
+    monkeypatch.setattr(cf, "hdla_row_products", lambda *a, **kw: from_rows.append(1) or row_products(*a, **kw))
     monkeypatch.setitem(cf._KNOBS, "hdla_products", True)
     built = _count_calls(monkeypatch, importlib.import_module("rankdecay.ops.triton.chunk_bwd"), "hdla_factors_fwd")
     rows, cumsum = [], cf.chunk_log_cumsum
@@ -505,21 +512,27 @@ def test_hdla_forward_alone_builds_no_rows(monkeypatch):
     h0 = torch.randn(1, 2, 40, 24, generator=torch.Generator().manual_seed(23))
     xs = [x.to(DEVICE) for x in (q, k, v, g, beta)]
     results = []
-    for form, cumsum_rows, bk in ((1, 1, None), (1, 0, None), (0, 1, None), (1, 1, 16)):
+    for form, cumsum_rows, bk, by_rows in ((1, 1, None, 1), (1, 0, None, 1), (0, 1, None, 1), (1, 1, 16, 1),
+                                           (1, 1, None, 0)):
         monkeypatch.setitem(cf._KNOBS, "form_a2", form)
         monkeypatch.setitem(cf._KNOBS, "hdla_cumsum_rows", cumsum_rows)
         monkeypatch.setitem(cf._KNOBS, "hdla_cumsum_bk", bk)
+        monkeypatch.setitem(cf._KNOBS, "hdla_row_products", by_rows)
         built.clear()
         rows.clear()
+        from_rows.clear()
         with torch.no_grad():
             results.append(ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="triton"))
         assert built == ([] if form else [1]), f"form_a2={form}: the factor kernel ran {len(built)} times"
         assert rows == [bool(form and cumsum_rows)], f"form_a2={form}, hdla_cumsum_rows={cumsum_rows}: {rows}"
+        expect = bool(form and cumsum_rows and by_rows and one_level and bk is None)
+        assert from_rows == [1] * expect, f"{form, cumsum_rows, bk, by_rows}: hdla_row_products ran {from_rows}"
     ref = ops.hdla(*xs, initial_state=h0.to(DEVICE), output_final_state=True, mode="chunk")
-    for name, x, w, y, u, z in zip(["o", "final_state"], *results, ref):
+    for name, x, w, y, u, n, z in zip(["o", "final_state"], *results, ref):
         assert torch.isfinite(x).all(), name
         assert_matches(x, w, 1e-6, f"{name}: rows from the log-cumsum kernel against the intra kernel's")
         assert_matches(u, w, 1e-6, f"{name}: rows from the log-cumsum kernel's 16-channel blocks")
+        assert_matches(x, n, 1e-6, f"{name}: the products from the rows against those from q, k and G")
         assert_matches(x, y, 1e-6, f"{name}: a2 formed against a2 built")
         assert_matches(x, z, 1e-5, f"{name}: a2 formed against the PyTorch path")
 

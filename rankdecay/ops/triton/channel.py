@@ -808,8 +808,65 @@ def _hdla_products_kernel(q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC,
                             bej, mqk, mqa, lba, lbk, c, tok, tokj, scale, TC, SCALED)
 
 
+@triton.jit
+def _hdla_row_products_kernel(qd, kg, ad, dch, flags, mqa, lba, NC, K: tl.constexpr, TC: tl.constexpr,
+                              BK: tl.constexpr, PRECISION: tl.constexpr):
+    # HDLA's scaled forward, a chunk one sub-block, not flagged: its products from the log-cumsum kernel's rows
+    # through the chunk's start (``hdla_row_products``), with no exp of its own: X = B ⊙ e^{G_{i-1}} (kg) and
+    # Q̃ (qd, scale included) against Y = Ã ⊙ e^{-G_C} = [k, a2] ⊙ e^{-G} (ad over e^{G_C}, dch)
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    c = i_bh * NC + i_c
+    if tl.load(flags + c) == 0:
+        NA: tl.constexpr = 2 * TC
+        r2 = tl.arange(0, NA)
+        rq = tl.arange(0, TC)
+        Lb = tl.zeros([NA, NA], dtype=tl.float32)
+        Mq = tl.zeros([TC, NA], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = (o_k < K)[None, :]
+            X = tl.load(kg + (c * NA + r2[:, None]) * K + o_k[None, :], mask=m_k, other=0.0)
+            Xq = tl.load(qd + (c * TC + rq[:, None]) * K + o_k[None, :], mask=m_k, other=0.0)
+            Y = (tl.load(ad + (c * NA + r2[:, None]) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+                 / tl.load(dch + c * K + o_k[None, :], mask=m_k, other=1.0))
+            Y = tl.trans(Y)
+            Lb += _dot(X, Y, PRECISION)
+            Mq += _dot(Xq, Y, PRECISION)
+        tl.store(lba + (c * NA + r2[:, None]) * NA + r2[None, :],
+                 tl.where(r2[:, None] // 2 > r2[None, :] // 2, Lb, 0.0))
+        tl.store(mqa + (c * TC + rq[:, None]) * NA + r2[None, :], tl.where(rq[:, None] >= r2[None, :] // 2, Mq, 0.0))
+
+
+def hdla_row_products(qd, kg, ad, dch, flags, mqa, lba, TC: int, precision: str) -> None:
+    """HDLA's scaled forward's M_QA and L_BA (``hdla_products``' with ``scaled``) for the chunks that ``flags``
+    leaves at 0, from the rows the log-cumsum kernel stored (``chunk_fwd.chunk_log_cumsum``'s hdla_rows, with its
+    flags): the chunk one sub-block (``hdla_inverts``), each product is one, through the chunk's start, of
+    B ⊙ e^{G_{t-1}} (kg [B, H, NC, 2 TC, K]) and Q̃ = scale q ⊙ e^G (qd [.., TC, K]) against
+    Ã ⊙ e^{-G_C} = [k, a2] ⊙ e^{-G} (ad [.., 2 TC, K] over dch = e^{G_C} [B, H, NC, K]). The flagged chunks'
+    log-cumsums stray beyond ``row_span`` from 0 and are left to ``hdla_products``' levels (its flags); every factor
+    here lies within e^{±2 row_span}. Needs no q, k, β, c or log-cumsums, and takes no exp."""
+    B, H, NC, NA, K = kg.shape
+    if not hdla_inverts(TC) or NA != 2 * TC:
+        raise ValueError(f"hdla_row_products: a chunk of TC = {TC} tokens as one sub-block, kg of 2 TC rows (got {NA})")
+    _hdla_row_products_kernel[(NC, B * H)](qd, kg, ad, dch, flags, mqa, lba, NC, K=K, TC=TC,
+                                           BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))),
+                                           PRECISION=precision, num_warps=_knob("warps", TC), num_stages=1)
+
+
+def row_span(gc_dtype: torch.dtype) -> float:
+    """The bound on |G_t| (log-cumsums from the chunk's start) under which ``hdla_row_products`` takes a chunk: half
+    ``one_level_span``'s, so that every difference of two of them, and e^{±G}, stays within e^{±one_level_span}
+    whatever the gates' signs; 0 (off) where that is 0."""
+    return one_level_span(gc_dtype) / 2
+
+
+def hdla_inverts(TC: int) -> bool:
+    """Whether a chunk of TC tokens is one of ``hdla_products``' sub-blocks (one program holds its whole L_BA)."""
+    return _sub_block(TC, 1, 1) == TC
+
+
 def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precision: str, scale: float,
-                  scaled: bool = False, c_parts=None) -> None:
+                  scaled: bool = False, c_parts=None, flags=None) -> None:
     """HDLA's four per-channel products in one kernel: what ``channel_product`` gives for M_QK = P(q, k),
     M_QA = P(q, a), L_BA = P(b, a) and L_BK = P(b, k) (strict) with a = [β k, a2] and b = [λ ⊙ k, k]
     (``triton.factors.hdla_factors``), written into mqk [B, H, NC, TC, TC], mqa [.., TC, 2 TC], lba
@@ -825,7 +882,8 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     ``hdla_scaled``), whose update rows are [k, a2]: M_QA and L_BA without β (L_BA then takes it on its rows in
     the intra kernel), M_QK and L_BK not written. ``c_parts`` ([B, H, NC, key blocks, TC] fp32:
     ``chunk_fwd.chunk_log_cumsum``'s): a2 is formed from k, gc, β and c = kᵀ(λ ⊙ k) (those shares' sum) in the
-    kernel, and a is not read (a placeholder of its shape will do)."""
+    kernel, and a is not read (a placeholder of its shape will do). ``flags`` ([B, H, NC] int32,
+    ``hdla_row_products``'): only the chunks it marks are taken (by levels), and only theirs of gc are read."""
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
@@ -838,8 +896,13 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
         FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]),
     )
-    _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
-                      q.device)
+    if flags is not None:
+        if TB != TC:
+            raise ValueError(f"flags: one per chunk, for chunks of one sub-block (TC = {TC}, sub-blocks of {TB})")
+        _hdla_products_kernel[grid](*args, ONE=one_level_span(gc.dtype), MODE=2, flags=flags, **kw)
+    else:
+        _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
+                          q.device)
 
 
 @triton.jit

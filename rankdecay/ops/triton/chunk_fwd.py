@@ -40,7 +40,8 @@ import triton.language as tl
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
                           _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
                           _state_fwd_kernel, _values_out)
-from .channel import _CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_products
+from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_inverts, hdla_products,
+                      hdla_row_products, row_span)
 from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -354,7 +355,8 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
                              BK: tl.constexpr, PREP: tl.constexpr = False, RKV: tl.constexpr = 1,
                              RKVP: tl.constexpr = 1, kg=None, b=None, KGO: tl.constexpr = False,
                              KDO: tl.constexpr = True, cp=None, CPART: tl.constexpr = False,
-                             KG_K: tl.constexpr = False, ad=None, hb=None, HROWS: tl.constexpr = False):
+                             KG_K: tl.constexpr = False, ad=None, hb=None, HROWS: tl.constexpr = False,
+                             flags=None, SPAN: tl.constexpr = 0.0):
     # PREP (the fused forward with a per-channel gate): also Q̃ = scale q ⊙ e^G, K̃ = k ⊙ e^{G_C - G} (k's RKV
     # rows per token, padded to RKVP with zero rows; not with KDO False) and e^{G_C}, from the log-cumsums in
     # registers; KGO: also b ⊙ e^{G_{t-1}} in kg (kd's layout, b [B, T, H, RKV, K]: the scaled form's decayed rows
@@ -363,7 +365,9 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     # which the products' and intra kernels form a2 themselves. HROWS (with CPART; HDLA's scaled forward): also its
     # update rows [k, a2] ⊙ e^{G_C - G} in ad and B ⊙ e^{G_{i-1}} ([k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}]) in kg, both
     # [B, H, NC, 2 TC, K], the intra kernel's HDLA rows (hb: β [B, T, H]), formed here where k and G are in registers
-    # already (c from every key block's k and g), so that the intra kernel reads neither k nor G
+    # already (c from every key block's k and g), so that the intra kernel reads neither k nor G.
+    # SPAN > 0 (all of K in one key block; HDLA's products from those rows, ``channel.hdla_row_products``): flags
+    # [B, H, NC] (int32) marks the chunks whose log-cumsums stray beyond SPAN from 0, and only theirs are stored
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, TC)
@@ -377,7 +381,12 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     G64 = tl.cumsum(x.to(tl.float64), axis=0)
     G = G64.to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
     block = (c * TC + r[:, None]) * K + o_k[None, :]
-    tl.store(gc + block, G, mask=m_k[None, :])
+    if SPAN > 0:  # (past T and K the gates count as 0: G stays the last token's, or 0)
+        far = (tl.max(tl.max(tl.abs(G.to(tl.float32)), axis=1), axis=0) > SPAN).to(tl.int32)
+        tl.store(flags + c, far)
+        tl.store(gc + block, G, mask=m_k[None, :] & (tl.zeros([TC, BK], dtype=tl.int32) + far != 0))
+    else:
+        tl.store(gc + block, G, mask=m_k[None, :])
     if PREP:
         G_end = tl.sum(tl.where(r[:, None] == TC - 1, G, 0.0), axis=0)
         Q = tl.load(q + rows, mask=m_t, other=0.0).to(tl.float32)
@@ -425,7 +434,7 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
 
 
 def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torch.float64, prep=None,
-                     c_parts: bool = False, hdla_rows=None, launch=None):
+                     c_parts: bool = False, hdla_rows=None, launch=None, flags=None, span: float = 0.0):
     """Chunk-local inclusive log-cumsums of a per-channel log-gate, summed in fp64.
 
     g: [B, T, H, K] (any float dtype). Returns [B, H, NC, chunk_size, K] in ``dtype`` (fp64, or
@@ -446,7 +455,11 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     hdla_rows (with c_parts): None, or (β [B, T, H], ad, kg) with ad and kg [B, H, NC, 2 * chunk_size, K] to fill with
     HDLA's update rows [k, a2] ⊙ e^{G_C - G} and [k ⊙ e^{G_t}, k ⊙ e^{G_{t-1}}] (its scaled forward's Ã and
     B ⊙ e^{G_{i-1}}, token-major).
-    launch: None, or the kernel's (key block, warps), either None for ``log_cumsum_launch``'s."""
+    launch: None, or the kernel's (key block, warps), either None for ``log_cumsum_launch``'s.
+
+    flags ([B, H, NC] int32, with span > 0 and all of K in one key block): set to 1 for the chunks whose log-cumsums
+    stray more than ``span`` from 0 (else 0), and only those chunks' log-cumsums are stored (the rest of the
+    returned tensor is left unset: ``channel.hdla_row_products``)."""
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
@@ -461,6 +474,8 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     if hdla_rows is not None and not c_parts:
         raise ValueError("hdla_rows: HDLA's rows need c_parts (their c)")
     hb, ad, hkg = hdla_rows if hdla_rows is not None else (None, None, None)
+    if flags is not None and (span <= 0 or NKB != 1):
+        raise ValueError(f"flags: the chunks' spans need span > 0 and all of K = {K} in one key block (of {BK})")
     cp = torch.empty(B, H, NC, NKB, chunk_size, device=g.device, dtype=torch.float32) if c_parts else None
     kdo = kd is not None
     _chunk_log_cumsum_kernel[(NKB, NC, B * H)](
@@ -469,7 +484,7 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
         kg=hkg if hkg is not None else gc if kg is None else kg,
         b=gc if kg is None or b is None else b, KGO=kg is not None, KDO=kdo, cp=gc if cp is None else cp,
         CPART=c_parts, KG_K=kg is not None and b is None, ad=ad, hb=hb, HROWS=hdla_rows is not None,
-        num_warps=knob[1])
+        flags=flags, SPAN=float(span) if flags is not None else 0.0, num_warps=knob[1])
     return (gc, cp) if c_parts else gc
 
 
@@ -807,7 +822,9 @@ def _output_kernel(
 # session 47; 0: from its rows), "hdla_cumsum_rows" (1, the default: HDLA's scaled forward without autograd takes
 # its rows Ã and B ⊙ e^{G_{i-1}} from the log-cumsum kernel, ``chunk_log_cumsum``'s hdla_rows; 0: the intra kernel
 # forms them), "hdla_cumsum_bk" and "hdla_cumsum_warps" (that kernel's key block and warps there; absent:
-# ``log_cumsum_launch``'s).
+# ``log_cumsum_launch``'s), "hdla_row_products" (1, the default: with those rows, HDLA's products from them,
+# ``channel.hdla_row_products``, the log-cumsums stored only for the chunks it leaves to the levels; 0: the products
+# kernel from q, k and the log-cumsums).
 _KNOBS: dict = {}
 
 
@@ -1177,6 +1194,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                          "kernel (hdla_fused_products) and no save (the backward reads a2)")
     # and in the scaled form its rows Ã and B ⊙ e^{G_{i-1}} by the log-cumsum kernel (its HROWS)
     hdla_rows = hdla_form_a2 and hdla_scaled and bool(cfg.get("hdla_cumsum_rows", 1))
+    # and its products from those rows where a chunk is one sub-block, the log-cumsum kernel holds all of K and the
+    # products may take one product (``channel.hdla_row_products``); the log-cumsum kernel flags the chunks beyond
+    # ``row_span``, which alone keep their log-cumsums and go by levels
+    span = row_span(log_cumsum_dtype(prec)) if hdla_rows else 0.0
+    row_products = (span > 0 and hdla_inverts(TC) and bool(cfg.get("hdla_row_products", 1))
+                    and (cfg.get("hdla_cumsum_bk") or log_cumsum_launch(TC, True, True)[0]) >= K)
+    row_flags = torch.empty(B, H, NC, device=q.device, dtype=torch.int32) if row_products else None
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
     if grouped and (Rab < 1 or K % Rab):
         raise ValueError(f"grouped: a's Rab = {Rab} rows are k's channels in equal groups, so Rab must divide K = {K}")
@@ -1233,7 +1257,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                                                                       None if kda_b and channel_scaled else b),
                              c_parts=hdla_form_a2,
                              hdla_rows=(hdla_beta.contiguous(), ad, kg) if hdla_rows else None,
-                             launch=(cfg.get("hdla_cumsum_bk"), cfg.get("hdla_cumsum_warps")) if hdla_rows else None)
+                             launch=(cfg.get("hdla_cumsum_bk"), cfg.get("hdla_cumsum_warps")) if hdla_rows else None,
+                             flags=row_flags, span=span)
         g, cparts = g if hdla_form_a2 else (g, None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
         prod = dict(T=T, TC=TC, precision=prec)
@@ -1241,8 +1266,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
             hdla_beta = hdla_beta.contiguous()
+            if row_products:  # the chunks near 0 from the rows, the flagged ones by levels
+                hdla_row_products(qd, kg, ad, dch, row_flags, mqa, lba, TC, prec)
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled,
-                          c_parts=cparts, **prod)
+                          c_parts=cparts, flags=row_flags, **prod)
         elif paired:
             # M_QK and L_BK, and unless the forward takes the scaled form (channel_scaled, which needs no more) their
             # scaled twins M_QA and L_BA (D on their columns) from the same kernels (H100 KDA: 1.29 -> 0.69 ms for
