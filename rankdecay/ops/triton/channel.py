@@ -29,7 +29,9 @@ rounded to TF32 or bf16 anyway (``chunk_fwd.log_cumsum_dtype``).
 HDLA's rows have structure the general products do not use: b1 = λ ⊙ k through G_{t-1} is k through G_t,
 b2 = k, and a1 = β k. ``hdla_products`` forms its four products from six products of token rows (q, b1 and b2
 against k and a2) in one kernel, the same sub-blocks and levels, instead of nine [C, C] products in four;
-``hdla_products_bwd`` their gradients from twelve, instead of sixteen in four launches.
+``hdla_products_bwd`` their gradients from twelve, instead of sixteen in four launches. HDLA's forward without
+autograd, whose 16-token chunk is one sub-block, takes them from the rows the log-cumsum kernel has already decayed
+(``hdla_row_products``: one product through the chunk's start, no exp), where the chunk's log-cumsums stay near 0.
 
 Where a is k with per-row factors (``kda``: a = β ⊙ k), Q A is Q K with β on its columns and B A is B K:
 ``channel_product(..., out_scaled=)`` writes each pair from one product and ``channel_product_bwd(...,
