@@ -99,11 +99,15 @@ def one_level_span(gc_dtype: torch.dtype) -> float:
     return 60.0 if gc_dtype == torch.float32 else 0.0
 
 
-def _launch_one_level(kernel, grid, args, kw: dict, one: float, flags_shape, device, one_kw: dict | None = None):
+def _launch_one_level(kernel, grid, args, kw: dict, one: float, flags_shape, device, one_kw: dict | None = None,
+                      flags=None):
     """Launches one of the per-channel products' kernels: where ``one`` (``one_level_span``'s bound) > 0, in one
     product where the decays allow (MODE 1, flagging the rest in an int32 tensor of ``flags_shape``) and then by
-    levels for what it flagged (MODE 2), with ``one_kw`` over ``kw``; else by levels alone (MODE 0)."""
-    if one > 0:
+    levels for what it flagged (MODE 2), with ``one_kw`` over ``kw``; else by levels alone (MODE 0). ``flags``
+    (of ``flags_shape``, set by another kernel): MODE 2 alone, for what it flags."""
+    if flags is not None:
+        kernel[grid](*args, ONE=one, MODE=2, flags=flags, **{**kw, **(one_kw or {})})
+    elif one > 0:
         flags = torch.empty(flags_shape, device=device, dtype=torch.int32)
         for mode in (1, 2):
             kernel[grid](*args, ONE=one, MODE=mode, flags=flags, **{**kw, **(one_kw or {})})
@@ -842,13 +846,13 @@ def _hdla_row_products_kernel(qd, kg, ad, dch, flags, mqa, lba, NC, K: tl.conste
 def hdla_row_products(qd, kg, ad, dch, flags, mqa, lba, TC: int, precision: str) -> None:
     """HDLA's scaled forward's M_QA and L_BA (``hdla_products``' with ``scaled``) for the chunks that ``flags``
     leaves at 0, from the rows the log-cumsum kernel stored (``chunk_fwd.chunk_log_cumsum``'s hdla_rows, with its
-    flags): the chunk one sub-block (``hdla_inverts``), each product is one, through the chunk's start, of
+    flags): the chunk one sub-block (``hdla_one_block``), each product is one, through the chunk's start, of
     B ⊙ e^{G_{t-1}} (kg [B, H, NC, 2 TC, K]) and Q̃ = scale q ⊙ e^G (qd [.., TC, K]) against
     Ã ⊙ e^{-G_C} = [k, a2] ⊙ e^{-G} (ad [.., 2 TC, K] over dch = e^{G_C} [B, H, NC, K]). The flagged chunks'
     log-cumsums stray beyond ``row_span`` from 0 and are left to ``hdla_products``' levels (its flags); every factor
     here lies within e^{±2 row_span}. Needs no q, k, β, c or log-cumsums, and takes no exp."""
     B, H, NC, NA, K = kg.shape
-    if not hdla_inverts(TC) or NA != 2 * TC:
+    if not hdla_one_block(TC) or NA != 2 * TC:
         raise ValueError(f"hdla_row_products: a chunk of TC = {TC} tokens as one sub-block, kg of 2 TC rows (got {NA})")
     _hdla_row_products_kernel[(NC, B * H)](qd, kg, ad, dch, flags, mqa, lba, NC, K=K, TC=TC,
                                            BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))),
@@ -862,7 +866,7 @@ def row_span(gc_dtype: torch.dtype) -> float:
     return one_level_span(gc_dtype) / 2
 
 
-def hdla_inverts(TC: int) -> bool:
+def hdla_one_block(TC: int) -> bool:
     """Whether a chunk of TC tokens is one of ``hdla_products``' sub-blocks (one program holds its whole L_BA)."""
     return _sub_block(TC, 1, 1) == TC
 
@@ -898,13 +902,10 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
         FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]),
     )
-    if flags is not None:
-        if TB != TC:
-            raise ValueError(f"flags: one per chunk, for chunks of one sub-block (TC = {TC}, sub-blocks of {TB})")
-        _hdla_products_kernel[grid](*args, ONE=one_level_span(gc.dtype), MODE=2, flags=flags, **kw)
-    else:
-        _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
-                          q.device)
+    if flags is not None and TB != TC:
+        raise ValueError(f"flags: one per chunk, for chunks of one sub-block (TC = {TC}, sub-blocks of {TB})")
+    _launch_one_level(_hdla_products_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
+                      q.device, flags=flags)
 
 
 @triton.jit

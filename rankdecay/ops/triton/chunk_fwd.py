@@ -40,7 +40,7 @@ import triton.language as tl
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
                           _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
                           _state_fwd_kernel, _values_out)
-from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_inverts, hdla_products,
+from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_one_block, hdla_products,
                       hdla_row_products, row_span)
 from .fused_recurrent import _pow2, gate_kind
 
@@ -344,10 +344,11 @@ _LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8), hdla=(128, 2)),
                16: dict(plain=(64, 1), prep=(32, 1), hdla=(128, 2))}
 
 
-def log_cumsum_launch(chunk_size: int, prep: bool, hdla: bool = False) -> tuple[int, int]:
+def log_cumsum_launch(chunk_size: int, prep: bool, hdla: bool = False, launch=None) -> tuple[int, int]:
     """The log-cumsum kernel's (key block, warps) at ``chunk_size`` tokens per chunk, with or without PREP (and
-    HDLA's rows)."""
-    return _LOG_CUMSUM.get(chunk_size, _LOG_CUMSUM[64])["hdla" if hdla else "prep" if prep else "plain"]
+    HDLA's rows); ``launch``: None, or (key block, warps) to take instead, either None for this table's."""
+    table = _LOG_CUMSUM.get(chunk_size, _LOG_CUMSUM[64])["hdla" if hdla else "prep" if prep else "plain"]
+    return tuple(x or y for x, y in zip(launch or (None, None), table))
 
 
 @triton.jit
@@ -463,8 +464,7 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     B, T, H, K = g.shape
     NC = triton.cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
-    knob = log_cumsum_launch(chunk_size, prep is not None, hdla_rows is not None)
-    knob = tuple(x or y for x, y in zip(launch or (None, None), knob))
+    knob = log_cumsum_launch(chunk_size, prep is not None, hdla_rows is not None, launch)
     BK = min(knob[0], max(16, triton.next_power_of_2(K)))
     NKB = triton.cdiv(K, BK)
     q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
@@ -893,10 +893,10 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
     backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN's fused forward
     before the scaled form (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md
-    sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward without
-    autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the state kernel
-    KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went 148 -> 164 and
-    Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50)."""
+    sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
+    without autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the
+    state kernel KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went
+    148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     if tiles and channel_scaled:
         return 3
@@ -1146,6 +1146,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # products' operands between kernels
     st = dict(device=q.device, dtype=cfg.get("stored", stored_dtype(prec, K, q.device)))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if hh_mask is not None:
         if gate == 2 or Rkv != 1 or Rab < 1:
             raise ValueError("hh_mask: Head-in-Head's rows a and b (Rab >= 1, Rkv = 1) with a scalar gate or none only")
@@ -1197,9 +1198,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # and its products from those rows where a chunk is one sub-block, the log-cumsum kernel holds all of K and the
     # products may take one product (``channel.hdla_row_products``); the log-cumsum kernel flags the chunks beyond
     # ``row_span``, which alone keep their log-cumsums and go by levels
+    cumsum_launch = (cfg.get("hdla_cumsum_bk"), cfg.get("hdla_cumsum_warps")) if hdla_rows else None
     span = row_span(log_cumsum_dtype(prec)) if hdla_rows else 0.0
-    row_products = (span > 0 and hdla_inverts(TC) and bool(cfg.get("hdla_row_products", 1))
-                    and (cfg.get("hdla_cumsum_bk") or log_cumsum_launch(TC, True, True)[0]) >= K)
+    row_products = (span > 0 and hdla_one_block(TC) and bool(cfg.get("hdla_row_products", 1))
+                    and log_cumsum_launch(TC, True, True, cumsum_launch)[0] >= K)
     row_flags = torch.empty(B, H, NC, device=q.device, dtype=torch.int32) if row_products else None
     # the same over a's rows where they sum to k (Head-in-Head's), its outputs from the state kernel
     if grouped and (Rab < 1 or K % Rab):
@@ -1256,8 +1258,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                                                                       kg if channel_scaled else None,
                                                                       None if kda_b and channel_scaled else b),
                              c_parts=hdla_form_a2,
-                             hdla_rows=(hdla_beta.contiguous(), ad, kg) if hdla_rows else None,
-                             launch=(cfg.get("hdla_cumsum_bk"), cfg.get("hdla_cumsum_warps")) if hdla_rows else None,
+                             hdla_rows=(hdla_beta, ad, kg) if hdla_rows else None, launch=cumsum_launch,
                              flags=row_flags, span=span)
         g, cparts = g if hdla_form_a2 else (g, None)
         # and the intra kernel reads the products (``channel``), each in sub-blocks of the chunk
@@ -1265,7 +1266,6 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         if fused:
             if Rab != 2 or Rkv != 1 or sa is not None or sv is not None:
                 raise ValueError("hdla_beta takes HDLA's rows: Rab = 2, Rkv = 1, no a_scale or v_scale")
-            hdla_beta = hdla_beta.contiguous()
             if row_products:  # the chunks near 0 from the rows, the flagged ones by levels
                 hdla_row_products(qd, kg, ad, dch, row_flags, mqa, lba, TC, prec)
             hdla_products(q, k[..., 0, :], a, g, hdla_beta, mqk, mqa, lba, lbk, scale=scale, scaled=hdla_scaled,
