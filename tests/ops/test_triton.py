@@ -537,6 +537,32 @@ def test_hdla_forward_alone_builds_no_rows(one_level, monkeypatch):
         assert_matches(x, z, 1e-5, f"{name}: a2 formed against the PyTorch path")
 
 
+def test_hdla_forward_alone_allocates_no_qk_products(monkeypatch):
+    """HDLA's scaled forward takes M_QA over its update rows [k, a2] in M_QK's place and inverts I + D L_BA: no M_QK
+    [B, H, NC, TC, TC] nor L_BK [B, H, NC, 2 TC, TC] is allocated (a placeholder stands in for M_QK as the kernels'
+    dummy pointer), while the training forward, whose backward reads both, allocates them; the result is the PyTorch
+    path's. The placeholders' one element is made once per dtype and device (``factors.placeholder``)."""
+    from rankdecay.ops.triton.factors import placeholder
+
+    monkeypatch.setitem(importlib.import_module("rankdecay.ops.triton.chunk_fwd")._KNOBS, "hdla_products", True)
+    shapes, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: shapes.append(tuple(a[0] if len(a) == 1 else a))
+                        or empty(*a, **kw))
+    q, k, v, g, beta = _channel_gate_inputs(3, B=1, T=37, H=2, K=40, V=24, strong=slice(10, 13))
+    TC, NC = 16, 3
+    qk, bk = (1, 2, NC, TC, TC), (1, 2, NC, 2 * TC, TC)
+    for grad in (False, True):
+        shapes.clear()
+        xs = [x.to(DEVICE).requires_grad_(grad) for x in (q, k, v, g, beta)]
+        with torch.set_grad_enabled(grad):
+            o, _ = ops.hdla(*xs, mode="triton")
+        assert (qk in shapes, bk in shapes) == (grad, grad), f"autograd {grad}: {shapes}"
+        assert_matches(o.detach(), ops.hdla(*[x.detach() for x in xs], mode="chunk")[0], 1e-5, f"autograd {grad}")
+    one, two = placeholder((3, 4), torch.bfloat16, DEVICE), placeholder((5,), torch.bfloat16, DEVICE)
+    assert one.shape == (3, 4) and two.shape == (5,) and one.data_ptr() == two.data_ptr()
+    assert placeholder((2,), torch.float32, DEVICE).dtype == torch.float32
+
+
 def test_one_level_span_by_log_cumsum_dtype(monkeypatch):
     """The products' diagonal blocks go in one product within e^60 on fp32 log-cumsums (the bf16 and TF32 products'
     precision), never on fp64 ones (fp32 accuracy); ``_CHANNEL["one_level"]`` overrides both, 0 turning it off."""

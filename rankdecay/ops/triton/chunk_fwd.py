@@ -42,6 +42,7 @@ from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot
                           _state_fwd_kernel, _values_out)
 from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_one_block, hdla_products,
                       hdla_row_products, row_span)
+from .factors import placeholder
 from .fused_recurrent import _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
@@ -1223,7 +1224,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     qd = torch.empty(B, H, NC, TC, K, **st) if not raw else None
     qf = torch.empty(B, H, NC, TC, **f32) if raw else None
     kdec = torch.empty(B, H, NC, NK, **f32) if raw and save else None
-    mqk = torch.empty(B, H, NC, TC, NK, **st)
+    # (HDLA's scaled form takes M_QA over its update rows [k, a2] in M_QK's place: no M_QK nor L_BK, 100 MB at B8
+    # T2048 H16 K128; a stand-in of M_QK's shape and dtype, never read, is the dummy pointer)
+    mqk = placeholder((B, H, NC, TC, NK), st["dtype"], q.device) if hdla_scaled else torch.empty(B, H, NC, TC, NK, **st)
     # HDLA's scaled form reads Ã's rows (ad) in K̃'s place, so K̃ is not formed (67 MB at B8 T2048 H16 K128)
     kd = torch.empty(B, H, NC, NK, K, **st) if not (raw or hdla_scaled) else None
     vf = torch.empty(B, H, NC, NK, V, **st) if not (raw or raw_v or channel_scaled) else None
@@ -1234,7 +1237,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
-    lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) else None
+    lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) and not hdla_scaled else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     # the intra kernel's key block: 32 for a per-channel gate without a low-rank decay (GLA); with one
     # (HDLA) 64 even where K is 32 (masked): at 32, Triton 3.6 on the H100 miscompiled that kernel with

@@ -365,11 +365,20 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor,
     return _HHFactors.apply(k.contiguous(), mask.contiguous(), b_dtype)
 
 
+_PLACEHOLDERS: dict = {}
+
+
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A stand-in for rows the fused kernels form themselves (Head-in-Head's a and b: ``hh_placeholders``; HDLA's a,
-    ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``; KDA's b, its ``kda_b``): one element expanded to ``shape``, so no
-    memory and no kernel, with the shape and dtype the kernels read off it. Its contents must never be read."""
-    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+    ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``; KDA's b, its ``kda_b``) or for a tensor no kernel of a form
+    touches (HDLA's M_QK in its scaled forward): one element expanded to ``shape``, so no memory and no kernel, with
+    the shape and dtype the kernels read off it. Its contents must never be read nor written. The element is made
+    once per dtype and device and kept (a zeros kernel per call cost the H100's host 10 µs or so)."""
+    key = (dtype, torch.device(device))
+    one = _PLACEHOLDERS.get(key)
+    if one is None:
+        one = _PLACEHOLDERS[key] = torch.zeros((), dtype=dtype, device=device)
+    return one.expand(*shape)
 
 
 def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
