@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import _chunk_rows, _dot, _load_rows
+from .chunk_state import _chunk_rows, _dot, _load_rows, _maxnreg
 from .fused_recurrent import _pow2
 
 # Knobs: rows of a sub-block (at least 16, tl.dot's smallest tile); key block and warps of the forward and
@@ -73,7 +73,10 @@ from .fused_recurrent import _pow2
 # (``_hdla_diag_one``). Stacking the backward's twelve into four was slower (0.68 -> 0.72-0.75 ms) and is not kept.
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
-                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1)
+                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1, hdla_maxnreg=0,
+                hdla_bwd_maxnreg=None)
+# hdla_maxnreg, hdla_bwd_maxnreg: a register cap (Triton's maxnreg) for HDLA's products' kernel or their backward's, 0
+# none; the backward's None: ``hdla_products_bwd``'s rule
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -900,7 +903,7 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
         BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
         PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
-        FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]),
+        FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]), **_maxnreg(_CHANNEL["hdla_maxnreg"]),
     )
     if flags is not None and TB != TC:
         raise ValueError(f"flags: one per chunk, for chunks of one sub-block (TC = {TC}, sub-blocks of {TB})")
@@ -1378,7 +1381,13 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     args = (q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC)
     kw = dict(H=H, K=K, TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
               num_stages=1)
+    one = one_level_span(gc.dtype)
+    # both one-product launches (2 warps, 244 registers) under a cap of 168, six programs an SM where four fit:
+    # H100, bf16, K = 128, 0.675 -> 0.557 ms (0.59 at 152, 0.64 at 144, 0.74 at 128, 0.69 at 184 and 200: BENCHMARKS.md
+    # session 51); not by levels alone (fp64 log-cumsums) nor for K > 128 (not measured)
+    cap = _CHANNEL["hdla_bwd_maxnreg"]
+    cap = (168 if one > 0 and precision.startswith("bf16") and K <= 128 else 0) if cap is None else cap
     _launch_one_level(_hdla_products_bwd_kernel, grid, args, dict(kw, num_warps=_CHANNEL["hdla_bwd_warps"]),
-                      one_level_span(gc.dtype), (B, H, NC, grid[0]), q.device,
-                      one_kw=dict(num_warps=_CHANNEL["hdla_bwd_one_warps"]))
+                      one, (B, H, NC, grid[0]), q.device,
+                      one_kw=dict(num_warps=_CHANNEL["hdla_bwd_one_warps"], **_maxnreg(cap)))
     return dbeta

@@ -42,8 +42,8 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
 from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
                       placeholder, rows_dtype)
 from .fused_recurrent import _pow2, gate_kind
-from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _out_dtype,
-                          _precision, _state_bwd_kernel, bwd_stages)
+from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _maxnreg,
+                          _out_dtype, _precision, _state_bwd_kernel, bwd_stages)
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
 # inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
@@ -57,7 +57,9 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
 # inputs 0: by chunk size and gate (``_inputs_warps``).
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
-               hh_grouped=1, hh_bk=0, hh_inputs=1)
+               hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
+               grad_maxnreg=0)
+# (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
 
 
 def _products_warps(C: int) -> int:
@@ -72,6 +74,27 @@ def _inputs_warps(C: int, gate: int) -> int:
     fewer (HDLA) and 4 otherwise (H100, bf16, K = 128: HDLA 1.19 -> 0.95 ms on 2; KDA at 32 tokens 0.68 / 0.66, and
     Head-in-Head r = 4 at 16 tokens 1.58 -> 3.31 ms, so they keep 4; BENCHMARKS.md session 43)."""
     return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 else 4)
+
+
+def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool, precision: str, K: int,
+                  V: int) -> int:
+    """A register cap for the products' gradient kernel (``kernel`` "products") or the inputs' ("inputs"), 0 for none:
+    ``_CONFIG``'s ``<kernel>_maxnreg`` where set, else where measured faster. Both run at 255 or so registers a thread
+    and are bound by latency more than by DRAM or the SMs; capped, more programs fit an SM. H100, bf16 products,
+    K = V = 128, ms (BENCHMARKS.md session 51): the products' gradient on 2 warps with a per-channel gate and a
+    low-rank decay, HDLA (16-token chunks) 0.36 -> 0.26 at 128 (0.29 at 112 and 168, 0.35 at 96), KDA (32) 0.21 ->
+    0.17 at 168 (0.20 at 128); the inputs' kernel on 4 warps, Head-in-Head r = 4 1.51 -> 1.37 at 168 (2.52 at 128) and
+    KDA 0.68 -> 0.56. Not for the others measured: Head-in-Head's products' gradient (0.71 -> 1.29 at 168), HDLA's
+    inputs' kernel on 2 warps (0.95 -> 1.31 at 200), Gated DeltaNet's and GLA's (no faster), nor at fp32 accuracy or
+    K, V > 128 (not measured; more registers a tile)."""
+    knob = _CONFIG[f"{kernel}_maxnreg"]
+    if knob is not None:
+        return knob
+    if not precision.startswith("bf16") or K > 128 or V > 128:
+        return 0
+    if kernel == "products":
+        return (128 if C <= 16 else 168) if gate == 2 and Rab > 0 and warps == 2 else 0
+    return 168 if warps == 4 and (hh or (gate == 2 and Rab == 1 and C == 32)) else 0
 
 
 def _block_groups(K: int, r: int, BK: int) -> int:
@@ -996,7 +1019,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     kinds = dict(K=K, V=V, CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch),
                  PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1),
                  RABP=max(_pow2(Rab), 1), E_Q=_is16(q), E_A=_is16(k if hh else a), GROUPED=bool(hh),
-                 num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+                 num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+                 **_maxnreg(_CONFIG["state_bwd_maxnreg"]))
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
     ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"))
     dh0 = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
@@ -1055,6 +1079,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
         RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
         num_warps=_inputs_warps(C, gate), num_stages=1,
+        **_maxnreg(_register_cap("inputs", _inputs_warps(C, gate), C, gate, Rab, bool(hh), prec, K, V)),
     )
     # the gradients of the products
     dmqk = stc(C, NK)
@@ -1067,8 +1092,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
         TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
         RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
-        num_warps=_products_warps(C),
-        num_stages=1,
+        num_warps=_products_warps(C), num_stages=1,
+        **_maxnreg(_register_cap("products", _products_warps(C), C, gate, Rab, bool(hh), prec, K, V)),
     )
     # dq, dk, da, db, dg
     # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
@@ -1150,6 +1175,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
             KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0, HFIN=bool(fin), HAS_DBR=dbeta_rows is not None,
             num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
+            **_maxnreg(_CONFIG["grad_maxnreg"]),
         )
     dbeta = None
     if gate == 1:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot_ex, _hh_rows, _is16, _load_rows,
-                          _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
+                          _maxnreg, _out_dtype, _precision, _query_state, _raw_rows, _row_factor, _segment_starts_kernel,
                           _state_fwd_kernel, _values_out)
 from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_one_block, hdla_products,
                       hdla_row_products, row_span)
@@ -925,11 +925,6 @@ def neumann_blocks(knob=None) -> bool:
     return True if knob is None else bool(knob)
 
 
-def _maxnreg(n) -> dict:
-    """A kernel launch's register cap (Triton's ``maxnreg``), where a knob sets one."""
-    return {"maxnreg": int(n)} if n else {}
-
-
 def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None) -> bool:
     """Whether the delta rule's forward takes its rows' update already scaled by a's factors (the kernels'
     SCALED): with D = diag(a_scale), D T = T' D for T' = (I + D L_BK)^{-1}, and T' D L_BK = I - T', so the
@@ -1351,7 +1346,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device)
     _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
-        FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks,
+        FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks, **_maxnreg(cfg.get("state_maxnreg")),
     )
     ht = ht[-1]
     if not fuse:

@@ -539,6 +539,11 @@ def bwd_stages(precision: str, K: int, e_do: bool) -> int:
     return 2 if precision == "bf16" and K <= 128 and e_do else 1
 
 
+def _maxnreg(n) -> dict:
+    """A kernel launch's register cap (Triton's ``maxnreg``), where a knob sets one."""
+    return {"maxnreg": int(n)} if n else {}
+
+
 def _is16(x) -> bool:
     """Whether x is a 16-bit tensor: its entries are exact in TF32 (``_dot_ex``)."""
     return x is not None and x.dtype in (torch.float16, torch.bfloat16)
