@@ -1038,7 +1038,7 @@ def test_decay_rows_16bit_only_under_bf16_products(name, matmul_precision, monke
         monkeypatch.setattr(module, "_maxnreg", lambda n, cap=cap: (caps.append(n) if n else None) or cap(n))
     got = call("triton")
     assert seen[:1] == [torch.bfloat16 if low else torch.float32], seen
-    expect = {"hh_gated_delta_rule": [168], "kda": [168, 168], "hdla": [128, 168]}[name] if low else []
+    expect = {"hh_gated_delta_rule": [168], "kda": [168, 168, 128, 128], "hdla": [128, 168]}[name] if low else []
     assert sorted(caps) == sorted(expect), f"{name} at {matmul_precision}: register caps {caps}"
     names_ = ["o", "s", "dq", "dk", "dv"] + names_
     if low:

@@ -74,9 +74,9 @@ from .fused_recurrent import _pow2
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
                 pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1, hdla_maxnreg=0,
-                hdla_bwd_maxnreg=None)
-# hdla_maxnreg, hdla_bwd_maxnreg: a register cap (Triton's maxnreg) for HDLA's products' kernel or their backward's, 0
-# none; the backward's None: ``hdla_products_bwd``'s rule
+                hdla_bwd_maxnreg=None, maxnreg=None)
+# maxnreg, hdla_maxnreg, hdla_bwd_maxnreg: a register cap (Triton's maxnreg) for the per-channel products' kernel,
+# HDLA's or HDLA's backward's, 0 none; None: the caller's (``channel_product``'s maxnreg) or ``hdla_products_bwd``'s
 # the launch knobs left None, by tokens per chunk (H100, bf16, K = 128; BENCHMARKS.md session 21): 64-token
 # chunks (ranks <= 1: GLA) ran their products' forward 0.36 -> 0.31 ms on 2 warps instead of 4; 32-token chunks
 # (HDLA's rank 2) their backward 3.88 -> 3.35 ms on 2 warps, and kept 4 in the forward
@@ -440,8 +440,9 @@ def _sub_block(TC: int, rx: int, ry: int) -> int:
 
 def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str, lowp: bool,
                     scale: float = 1.0, y_scale=None, out_scaled=None, x_at_t: bool = False, x2=None, out2=None,
-                    out2_scaled=None) -> torch.Tensor:
+                    out2_scaled=None, maxnreg: int = 0) -> torch.Tensor:
     """Writes P ⊙ y_scale (columns) times ``scale`` into ``out`` [B, H, NC, TC*Rxp, TC*Ryp] (any float dtype).
+    ``maxnreg``: a register cap for the kernel's launches (0 none; ``_CHANNEL["maxnreg"]`` where set overrides it).
 
     x [B, T, H, Rx, K], y [B, T, H, Ry, K] (contiguous, as given; [B, T, H, K]: rank 1); gc [B, H, NC, TC, K]
     (``chunk_log_cumsum``); y_scale [B, T, H, Ry] fp32 or None; lowp: x and y are 16-bit of one
@@ -474,7 +475,7 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
               BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
               DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
-              num_warps=_knob("warps", TC), num_stages=1)
+              num_warps=_knob("warps", TC), num_stages=1, **_maxnreg(maxnreg if _CHANNEL["maxnreg"] is None else _CHANNEL["maxnreg"]))
     _launch_one_level(_channel_product_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
                       x.device)
     return out

@@ -58,7 +58,7 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # inputs 0: by chunk size and gate (``_inputs_warps``).
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
-               grad_maxnreg=0)
+               grad_maxnreg=None, grad_hh_maxnreg=0)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
 
 
@@ -78,14 +78,16 @@ def _inputs_warps(C: int, gate: int) -> int:
 
 def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool, precision: str, K: int,
                   V: int) -> int:
-    """A register cap for the products' gradient kernel (``kernel`` "products") or the inputs' ("inputs"), 0 for none:
-    ``_CONFIG``'s ``<kernel>_maxnreg`` where set, else where measured faster. Both run at 255 or so registers a thread
-    and are bound by latency more than by DRAM or the SMs; capped, more programs fit an SM. H100, bf16 products,
+    """A register cap for the products' gradient kernel (``kernel`` "products"), the inputs' ("inputs") or step 4's
+    ("grad"), 0 for none: ``_CONFIG``'s ``<kernel>_maxnreg`` where set, else where measured faster. They run at 140-255
+    registers a thread and are bound by latency more than by DRAM or the SMs; capped, more programs fit an SM. H100, bf16 products,
     K = V = 128, ms (BENCHMARKS.md session 51): the products' gradient on 2 warps with a per-channel gate and a
     low-rank decay, HDLA (16-token chunks) 0.36 -> 0.26 at 128 (0.29 at 112 and 168, 0.35 at 96), KDA (32) 0.21 ->
     0.17 at 168 (0.20 at 128); the inputs' kernel on 4 warps, Head-in-Head r = 4 1.51 -> 1.37 at 168 (2.52 at 128) and
-    KDA 0.68 -> 0.56. Not for the others measured: Head-in-Head's products' gradient (0.71 -> 1.29 at 168), HDLA's
-    inputs' kernel on 2 warps (0.95 -> 1.31 at 200), Gated DeltaNet's and GLA's (no faster), nor at fp32 accuracy or
+    KDA 0.68 -> 0.56; step 4 of a per-channel gate of rank 1 at 32-token chunks (KDA) on 4 warps, 138 registers, 0.67
+    -> 0.54 at 128. Not for the others measured: Head-in-Head's products' gradient (0.71 -> 1.29 at 168), HDLA's
+    inputs' kernel on 2 warps (0.95 -> 1.31 at 200) and step 4 (0.93 -> 1.01 at 96), Gated DeltaNet's and GLA's
+    products' gradient (no faster), nor at fp32 accuracy or
     K, V > 128 (not measured; more registers a tile)."""
     knob = _CONFIG[f"{kernel}_maxnreg"]
     if knob is not None:
@@ -94,6 +96,8 @@ def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool
         return 0
     if kernel == "products":
         return (128 if C <= 16 else 168) if gate == 2 and Rab > 0 and warps == 2 else 0
+    if kernel == "grad":
+        return 128 if warps == 4 and gate == 2 and Rab == 1 and C == 32 and not hh else 0
     return 168 if warps == 4 and (hh or (gate == 2 and Rab == 1 and C == 32)) else 0
 
 
@@ -1122,7 +1126,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
             opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
             PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, num_warps=_CONFIG["grad_hh"],
-            num_stages=1,
+            num_stages=1, **_maxnreg(_CONFIG["grad_hh_maxnreg"]),
         )
     elif tied:
         _grad_tied_kernel[(NKB, NC, B * H)](
@@ -1175,7 +1179,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
             KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0, HFIN=bool(fin), HAS_DBR=dbeta_rows is not None,
             num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
-            **_maxnreg(_CONFIG["grad_maxnreg"]),
+            **_maxnreg(_register_cap("grad", _grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2
+                                                                                     else "grad"],
+                                     C, gate, Rab, bool(hh), prec, K, V)),
         )
     dbeta = None
     if gate == 1:

@@ -1275,9 +1275,13 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             # (and L_BA) are k's product with itself, taken in M_QK's kernel (forward without autograd, H200:
             # 1.17 -> 1.07 ms, session 45; forward+backward, H100: 5.31-5.33 -> 5.29-5.31 ms, session 46)
             twins = not channel_scaled
+            # the four in one kernel (KDA's training) under a register cap of 128 (168 uncapped, 3 programs an SM):
+            # H100, bf16, K = 128, 0.414 -> 0.364 ms (BENCHMARKS.md session 51)
+            cap = 128 if twins and kda_pair and prec.startswith("bf16") and K <= 128 else 0
             channel_product(q, k, g, mqk, strict=False, lowp=_lowp(q, k), scale=scale,
                             **(dict(y_scale=sa, out_scaled=mqa) if twins else {}),
-                            **(dict(x2=k, out2=lbk, out2_scaled=lba if twins else None) if kda_pair else {}), **prod)
+                            **(dict(x2=k, out2=lbk, out2_scaled=lba if twins else None) if kda_pair else {}),
+                            maxnreg=cap, **prod)
             if not kda_pair:  # b's own kernel; where b is a placeholder, k's through G_t (x_at_t)
                 at_t = kda_b and not twins
                 rows = k if at_t else b
