@@ -289,6 +289,9 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "products' gradients in two passes); hdla_finish=0 (HDLA's dβ and c's share in a kernel after step 4); "
              "hh_sparse_inputs=0 (Head-in-Head's inputs' kernel reads every rank's rows of U); hh_grams=0 "
              "(Head-in-Head's products in the intra kernel from its rows, not per-group Grams); "
+             "register caps (Triton's maxnreg, 0: none): bwd_inputs_maxnreg, bwd_products_maxnreg, "
+             "bwd_grad_maxnreg, bwd_grad_hh_maxnreg, bwd_state_bwd_maxnreg, ch_maxnreg, ch_hdla_maxnreg, "
+             "ch_hdla_bwd_maxnreg, fwd_state_maxnreg; "
              "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
 
 
