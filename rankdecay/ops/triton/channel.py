@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .chunk_state import _chunk_rows, _dot, _load_rows, _maxnreg
-from .fused_recurrent import _pow2
+from .fused_recurrent import _cdiv, _pow2
 
 # Knobs: rows of a sub-block (at least 16, tl.dot's smallest tile); key block and warps of the forward and
 # backward kernels (None: by chunk size, ``_LAUNCH``); log_cumsum: the log-cumsums' dtype (None:
@@ -459,7 +459,7 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     RY = y.shape[-2]
     NC = gc.shape[2]
     TB = _sub_block(TC, RX, RY)
-    BK = min(_knob("bk", TC), max(16, triton.next_power_of_2(K)))
+    BK = min(_knob("bk", TC), max(16, _pow2(K)))
     if out_scaled is not None and (y_scale is None or out_scaled.shape != out.shape):
         raise ValueError("out_scaled takes y_scale and out's shape")
     if x2 is not None:
@@ -473,7 +473,7 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
             x if x2 is None else x2, out if out2 is None else out2, out if out2_scaled is None else out2_scaled, scale,
             T, NC)
     kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
-              BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=triton.next_power_of_2(K),
+              BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=_pow2(K),
               DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
               num_warps=_knob("warps", TC), num_stages=1, **_maxnreg(maxnreg if _CHANNEL["maxnreg"] is None else _CHANNEL["maxnreg"]))
     _launch_one_level(_channel_product_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
@@ -859,7 +859,7 @@ def hdla_row_products(qd, kg, ad, dch, flags, mqa, lba, TC: int, precision: str)
     if not hdla_one_block(TC) or NA != 2 * TC:
         raise ValueError(f"hdla_row_products: a chunk of TC = {TC} tokens as one sub-block, kg of 2 TC rows (got {NA})")
     _hdla_row_products_kernel[(NC, B * H)](qd, kg, ad, dch, flags, mqa, lba, NC, K=K, TC=TC,
-                                           BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))),
+                                           BK=min(_knob("bk", TC), max(16, _pow2(K))),
                                            PRECISION=precision, num_warps=_knob("warps", TC), num_stages=1)
 
 
@@ -901,7 +901,7 @@ def hdla_products(q, k, a, gc, beta, mqk, mqa, lba, lbk, T: int, TC: int, precis
     args = (q, k, a, gc, beta, mqk, mqa, lba, lbk, scale, T, NC)
     kw = dict(
         H=H, K=K, TC=TC, TB=TB,
-        BK=min(_knob("bk", TC), max(16, triton.next_power_of_2(K))), KP=triton.next_power_of_2(K),
+        BK=min(_knob("bk", TC), max(16, _pow2(K))), KP=_pow2(K),
         PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_pairs"]), SCALED=scaled, num_warps=_knob("warps", TC),
         num_stages=1, cp=gc if c_parts is None else c_parts, NKB=1 if c_parts is None else c_parts.shape[3],
         FORM_A2=c_parts is not None, STACKED=bool(_CHANNEL["hdla_stacked"]), **_maxnreg(_CHANNEL["hdla_maxnreg"]),
@@ -1126,7 +1126,7 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
         bk, warps = _CHANNEL["dual_bwd_bk"] or bk, _CHANNEL["dual_bwd_warps"] or warps
     if pair:  # and two pairs' (KDA's four)
         warps = _CHANNEL["pair_bwd_warps"] or warps
-    BK = min(bk, max(16, triton.next_power_of_2(K)))
+    BK = min(bk, max(16, _pow2(K)))
     if dual and (y_scale is None or dy_scaled is None or dp_scaled.shape != dp.shape or dy_scaled.shape != dy.shape):
         raise ValueError("dp_scaled takes y_scale and dy_scaled, of dp's and dy's shapes")
     if pair:
@@ -1135,7 +1135,7 @@ def channel_product_bwd(x, y, gc, dp, dx, dy, T: int, TC: int, strict: bool, pre
                 or dp2_scaled is None or dp2_scaled.shape != dp.shape or dx2 is None or dx2.shape != dx.shape):
             raise ValueError("x2 takes dp_scaled, strict=False, x and y of rank 1, x's shape, and dp2, dp2_scaled "
                              "(dp's shape) and dx2 (dx's)")
-    grid = (triton.cdiv(K, BK) * (TC // TB), NC, B * H)
+    grid = (_cdiv(K, BK) * (TC // TB), NC, B * H)
     args = (x, y, gc, dx if y_scale is None else y_scale, dp, dx, dy, dp if not dual else dp_scaled,
             dy if not dual else dy_scaled, T, NC)
     kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
@@ -1376,9 +1376,9 @@ def hdla_products_bwd(q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, p
     B, _, H, K = q.shape
     NC = gc.shape[2]
     TB = _sub_block(TC, 1, 1)
-    BK = min(_CHANNEL["hdla_bwd_bk"], max(16, triton.next_power_of_2(K)))
+    BK = min(_CHANNEL["hdla_bwd_bk"], max(16, _pow2(K)))
     dbeta = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(K, BK) * (TC // TB), NC, B * H)
+    grid = (_cdiv(K, BK) * (TC // TB), NC, B * H)
     args = (q, k, a, gc, beta, dmqk, dmqa, dlba, dlbk, mqk, lbk, pq, pk, pa, pb, dbeta, 1.0 / scale, T, NC)
     kw = dict(H=H, K=K, TC=TC, TB=TB, BK=BK, PRECISION=precision, PAIRS=bool(_CHANNEL["hdla_bwd_pairs"]),
               num_stages=1)

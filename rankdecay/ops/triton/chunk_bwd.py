@@ -41,7 +41,7 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
                         kda_b_formed, segments, ties_keys)
 from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
                       placeholder, rows_dtype)
-from .fused_recurrent import _pow2, gate_kind
+from .fused_recurrent import _cdiv, _pow2, gate_kind
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _maxnreg,
                           _out_dtype, _precision, _state_bwd_kernel, bwd_stages)
 
@@ -122,7 +122,7 @@ def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
     products (H100, GDN: 0.46 / 0.56 ms against 0.50 / 0.67 at 32; BENCHMARKS.md session 14), 32 at
     fp32 accuracy (64 was slower there, session 9) and in step 4 with a per-channel gate."""
     wide = precision.startswith("bf16") and not (knob == "grad_bk" and per_channel)
-    return min(_CONFIG[knob] or (64 if wide else 32), max(16, triton.next_power_of_2(K)))
+    return min(_CONFIG[knob] or (64 if wide else 32), max(16, _pow2(K)))
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec",
           "gc")
 
@@ -1030,11 +1030,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dh0 = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
     if ns > 1:
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
-        _state_bwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
+        _state_bwd_kernel[(_cdiv(V + K, blocks["BV"]), B * H * ns)](
             dummy, *rows, dummy, dummy, dummy, dummy, ends, *outs, HAS_DHT=False, NS=ns, LS=ls, VS=V + K, EYE=True,
             STORE=False, **kinds)
         dht = chain_segments(dht, ends, K, V, blocks["BK"], reverse=True)
-    _state_bwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
+    _state_bwd_kernel[(_cdiv(V, blocks["BV"]), B * H * ns)](
         opt(dht), *rows, dummy, dummy, dhn, opt(du if Rab else None), dh0, *outs, HAS_DHT=dht is not None, NS=ns,
         LS=ls, **kinds)
     dh0 = dh0[0]
@@ -1042,15 +1042,15 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
     dv = like(v)
     dx = torch.empty_like(u) if Rab else None
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = min(64, max(16, _pow2(V)))
     sv32 = sv.float().contiguous() if sv is not None else None
-    NVB = triton.cdiv(V, BV)
+    NVB = _cdiv(V, BV)
     dsv = torch.empty(*v.shape[:-1], NVB, **f32) if sv is not None else None
     gate = gate_kind(g)
     # step 4's key block; Head-in-Head's inside one group where its groups allow (``_grad_hh_kernel``)
     bk_hh = hh_key_block(K, Rab) if hh and Rkv == 1 else None
     BKg = bk_hh or _key_block("grad_bk", K, prec, gate == 2)
-    NKB = 1 if bk_hh else triton.cdiv(K, BKg)  # Head-in-Head's groups: one program per chunk
+    NKB = 1 if bk_hh else _cdiv(K, BKg)  # Head-in-Head's groups: one program per chunk
     asc = sa is not None and Rab > 0
     sa32 = sa.float().contiguous() if asc else None
     # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
@@ -1058,7 +1058,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     _grad_values_kernel[(NVB, NC, B * H)](
         do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
         opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
-        RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, triton.next_power_of_2(K))), BV=BV, PRECISION=prec,
+        RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, _pow2(K))), BV=BV, PRECISION=prec,
         VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, num_warps=_CONFIG["values"], num_stages=1,
     )
     # the gradients of the decayed inputs
@@ -1074,7 +1074,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dbd = stc(rows_in, K) if Rab else None
     ddch = f32c(K) if g is not None else None
     BKi = _key_block("inputs_bk", K, prec, gate == 2)
-    NKI = triton.cdiv(K, BKi)
+    NKI = _cdiv(K, BKi)
     yb = f32c(NA, Rab, NKI) if ig else None
     _grad_inputs_kernel[(NKI, NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),

@@ -43,7 +43,7 @@ from .chunk_state import (_LAUNCH, _blocks, _chunk_cols, _chunk_rows, _dot, _dot
 from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hdla_c, hdla_one_block, hdla_products,
                       hdla_row_products, row_span)
 from .factors import placeholder
-from .fused_recurrent import _pow2, gate_kind
+from .fused_recurrent import _cdiv, _pow2, gate_kind
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 
@@ -463,11 +463,11 @@ def chunk_log_cumsum(g: torch.Tensor, chunk_size: int, dtype: torch.dtype = torc
     stray more than ``span`` from 0 (else 0), and only those chunks' log-cumsums are stored (the rest of the
     returned tensor is left unset: ``channel.hdla_row_products``)."""
     B, T, H, K = g.shape
-    NC = triton.cdiv(T, chunk_size)
+    NC = _cdiv(T, chunk_size)
     gc = torch.empty(B, H, NC, chunk_size, K, device=g.device, dtype=dtype)
     knob = log_cumsum_launch(chunk_size, prep is not None, hdla_rows is not None, launch)
-    BK = min(knob[0], max(16, triton.next_power_of_2(K)))
-    NKB = triton.cdiv(K, BK)
+    BK = min(knob[0], max(16, _pow2(K)))
+    NKB = _cdiv(K, BK)
     q, k, qd, kd, dch, scale, kg, b = ((*prep, None, None)[:8] if prep is not None
                                        else (gc, gc[..., None, :], gc, gc, gc, 1.0, None, None))
     if c_parts and (prep is None or k.shape[-2] != 1):
@@ -874,7 +874,7 @@ def state_value_block(scaled: bool, BV: int, sequences_heads: int, V: int, devic
     B8 T2048 (a full grid) 148 -> 203, so not there; the results were bitwise the same (BENCHMARKS.md
     session 25). The 32-wide block that Triton 3.6 miscompiled (sessions 13, 14) had bf16 W tiles, which
     the scaled form does not read."""
-    if scaled and BV == 64 and device.type == "cuda" and triton.cdiv(V, 64) * sequences_heads < _sm_count(device):
+    if scaled and BV == 64 and device.type == "cuda" and _cdiv(V, 64) * sequences_heads < _sm_count(device):
         return 32
     return BV
 
@@ -977,7 +977,7 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
     elif device.type != "cuda" or NC < _SEGMENT_RULE["min_chunks"]:
         ns = 1
     else:
-        programs = triton.cdiv(V, 64) * sequences_heads
+        programs = _cdiv(V, 64) * sequences_heads
         ns = 1
         while (2 * ns * programs <= _SEGMENT_RULE["programs_per_sm"] * _sm_count(device)
                and NC // (2 * ns) >= _SEGMENT_RULE["min_segment"]):
@@ -986,8 +986,8 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
             ns = 1
     if ns == 1:
         return 1, 0
-    ls = triton.cdiv(NC, ns)
-    return triton.cdiv(NC, ls), ls
+    ls = _cdiv(NC, ns)
+    return _cdiv(NC, ls), ls
 
 
 # the automatic rule of ``segments``: walks of at least min_chunks chunks, split while the second walk's programs
@@ -1002,8 +1002,8 @@ def chain_segments(h0, ends, K: int, V: int, BK: int, reverse: bool = False) -> 
     dht), from the last."""
     ns, B, H = ends.shape[:3]
     starts = torch.empty(ns, B, H, K, V, device=ends.device, dtype=torch.float32)
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    _segment_starts_kernel[(triton.cdiv(V, BV), B * H)](
+    BV = min(32, max(16, _pow2(V)))
+    _segment_starts_kernel[(_cdiv(V, BV), B * H)](
         ends if h0 is None else h0, ends, starts, ns, K=K, V=V, BK=BK, BV=BV, BR=BK if BK <= 128 else 32,
         HAS_H0=h0 is not None, PRECISION="tf32x3" if ends.is_cuda else "ieee", REVERSE=reverse, num_warps=8,
         num_stages=2)
@@ -1123,7 +1123,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     TC = fused_chunk_size(Rab, Rkv, gate_kind(g) == 2, {**_KNOBS, **(_config or {})})
     if TC is None:
         raise ValueError(f"the fused forward takes ranks up to 4, got Rab={Rab}, Rkv={Rkv}")
-    NC = triton.cdiv(T, TC)
+    NC = _cdiv(T, TC)
     NK, NA = TC * _pow2(Rkv), TC * _pow2(Rab)
     gate = gate_kind(g)
     KG = 1 if g is None else g.shape[-1]
@@ -1205,7 +1205,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     grouped = grouped_update(grouped, raw, Rab, Rkv, sa is not None, blocks["BCA"] == NA, save, cfg.get("scaled"))
     fuse = True if grouped or hdla_scaled else cfg.get("fuse_output")
     if fuse is None:
-        fuse = fuse_output(triton.cdiv(V, blocks["BV"]) * B * H, q.device, scalable or channel_scaled, save, TC,
+        fuse = fuse_output(_cdiv(V, blocks["BV"]) * B * H, q.device, scalable or channel_scaled, save, TC,
                            channel_rank=gate == 2 and Rab > 0)
     scaled = (scalable and fuse) or channel_scaled or grouped or hdla_scaled
     # (the 32-wide block for the delta rule's alone: with KDA's bf16 kg and K̃ tiles it read wrong results on the
@@ -1238,11 +1238,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # (HDLA) 64 even where K is 32 (masked): at 32, Triton 3.6 on the H100 miscompiled that kernel with
     # bf16 products (wrong results at K = 32 and 128, out-of-range shared-memory reads, an illegal
     # access); at 64 it is right (BENCHMARKS.md session 17)
-    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BK = min(64, max(16, _pow2(K)))
     if gate == 2:
         BK = (64 if K > 16 else 16) if Rab else min(BK, 32)
     BK = cfg.get("intra_bk", BK)
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = min(64, max(16, _pow2(V)))
     dummy = mqk
     opt = lambda x: dummy if x is None else x  # noqa: E731
     # HDLA: six products of token rows instead of nine (H100 HDLA forward: 4.1 -> 3.0 ms), and its rows formed from
@@ -1343,20 +1343,20 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                  bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b))
     if ns > 1:  # long walks on few programs: segments walked in parallel, twice (``segments``)
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
-        _state_fwd_kernel[(triton.cdiv(V + K, blocks["BV"]), B * H * ns)](
+        _state_fwd_kernel[(_cdiv(V + K, blocks["BV"]), B * H * ns)](
             dummy, *rows, dummy, dummy, ends, NC, opt(kf), opt(af), T, HAS_H0=False, o=dummy, FUSE_O=False,
             STORE=False, NS=ns, LS=ls, VS=V + K, EYE=True, **kinds, **out, **blocks)
         h0 = chain_segments(h0, ends, K, V, blocks["BK"])
     blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device)
-    _state_fwd_kernel[(triton.cdiv(V, blocks["BV"]), B * H * ns)](
+    _state_fwd_kernel[(_cdiv(V, blocks["BV"]), B * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
         FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks, **_maxnreg(cfg.get("state_maxnreg")),
     )
     ht = ht[-1]
     if not fuse:
-        BKo = min(64, max(16, triton.next_power_of_2(K)))
-        BVo = min(cfg["output_bv"], max(16, triton.next_power_of_2(V)))
-        _output_kernel[(triton.cdiv(V, BVo), NC, B * H)](
+        BKo = min(64, max(16, _pow2(K)))
+        BVo = min(cfg["output_bv"], max(16, _pow2(V)))
+        _output_kernel[(_cdiv(V, BVo), NC, B * H)](
             s0, v, u, o, T, NC, H=H, K=K, V=V, TC=TC, NK=NK, NA=NA, RKV=Rkv, RKVP=_pow2(Rkv), BK=BKo, BV=BVo,
             PRECISION=prec, RAW=raw, VALUES=scaled, num_warps=cfg["output_warps"], num_stages=1, **out,
         )

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_recurrent import gate_kind
+from .fused_recurrent import _cdiv, _pow2, gate_kind
 
 
 @triton.jit
@@ -521,10 +521,10 @@ def _blocks(K: int, V: int, CR: int, CA: int, backward: bool = False, precision:
     session 14). In the backward it is 64 wide up to K = 128 with bf16 products (0.26 against
     0.40 ms) and 32 at fp32 accuracy, where 64 was the slower (session 9).
     """
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, _pow2(K))
     wide = 64 if BK <= (128 if not backward or precision.startswith("bf16") else 64) else 32
-    BV = _LAUNCH["bwd_bv" if backward else "bv"] or max(16, min(triton.next_power_of_2(V), wide))
-    rows = lambda n: max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(max(n, 1))))  # noqa: E731
+    BV = _LAUNCH["bwd_bv" if backward else "bv"] or max(16, min(_pow2(V), wide))
+    rows = lambda n: max(16, min(64 if BK <= 128 else 32, _pow2(max(n, 1))))  # noqa: E731
     return dict(BK=BK, BV=BV, BCR=rows(CR), BCA=rows(CA), num_warps=_LAUNCH["warps"], num_stages=_LAUNCH["stages"])
 
 
@@ -589,7 +589,7 @@ class _ChunkStatePassing(torch.autograd.Function):
         u = kd.new_empty(B, H, NC, CA, V)
         ht = kd.new_empty(B, H, K, V)
         dummy = kd
-        grid = (triton.cdiv(V, blocks["BV"]), B * H)
+        grid = (_cdiv(V, blocks["BV"]), B * H)
         _state_fwd_kernel[grid](
             h0 if h0 is not None else dummy, d if d is not None else dummy, kd, vf,
             w if w is not None else dummy, uv if uv is not None else dummy, ad if ad is not None else dummy,
@@ -623,7 +623,7 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     du_tot = torch.empty_like(u)
     dh0 = kd.new_empty(B, H, K, V)
     dummy = kd
-    grid = (triton.cdiv(V, blocks["BV"]), B * H)
+    grid = (_cdiv(V, blocks["BV"]), B * H)
     _state_bwd_kernel[grid](
         dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
         w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0,

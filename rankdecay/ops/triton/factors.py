@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_recurrent import _cdiv, _pow2
+
 # Rows per program: the [ROWS, BK] tiles of k, g and the four factor rows stay in registers.
 _ELEMS = 4096
 
@@ -83,9 +85,9 @@ def _hdla_factors_bwd_kernel(k, g, beta, da, db, dk, dg, dbeta, N, K: tl.constex
 
 
 def _grid(N: int, K: int) -> tuple[int, int, tuple[int]]:
-    BK = triton.next_power_of_2(K)
+    BK = _pow2(K)
     rows = max(1, min(64, _ELEMS // BK))
-    return BK, rows, (triton.cdiv(N, rows),)
+    return BK, rows, (_cdiv(N, rows),)
 
 
 def hdla_factors_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a2_only: bool = False,
