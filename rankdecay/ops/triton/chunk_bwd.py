@@ -80,15 +80,14 @@ def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool
                   V: int) -> int:
     """A register cap for the products' gradient kernel (``kernel`` "products"), the inputs' ("inputs") or step 4's
     ("grad"), 0 for none: ``_CONFIG``'s ``<kernel>_maxnreg`` where set, else where measured faster. They run at 140-255
-    registers a thread and are bound by latency more than by DRAM or the SMs; capped, more programs fit an SM. H100, bf16 products,
-    K = V = 128, ms (BENCHMARKS.md session 51): the products' gradient on 2 warps with a per-channel gate and a
-    low-rank decay, HDLA (16-token chunks) 0.36 -> 0.26 at 128 (0.29 at 112 and 168, 0.35 at 96), KDA (32) 0.21 ->
+    registers a thread and are bound by latency more than by DRAM or the SMs; capped, more programs fit an SM. H100,
+    bf16 products, K = V = 128, ms (BENCHMARKS.md session 51): the products' gradient on 2 warps with a per-channel gate
+    and a low-rank decay, HDLA (16-token chunks) 0.36 -> 0.26 at 128 (0.29 at 112 and 168, 0.35 at 96), KDA (32) 0.21 ->
     0.17 at 168 (0.20 at 128); the inputs' kernel on 4 warps, Head-in-Head r = 4 1.51 -> 1.37 at 168 (2.52 at 128) and
-    KDA 0.68 -> 0.56; step 4 of a per-channel gate of rank 1 at 32-token chunks (KDA) on 4 warps, 138 registers, 0.67
-    -> 0.54 at 128. Not for the others measured: Head-in-Head's products' gradient (0.71 -> 1.29 at 168), HDLA's
-    inputs' kernel on 2 warps (0.95 -> 1.31 at 200) and step 4 (0.93 -> 1.01 at 96), Gated DeltaNet's and GLA's
-    products' gradient (no faster), nor at fp32 accuracy or
-    K, V > 128 (not measured; more registers a tile)."""
+    KDA 0.68 -> 0.56; step 4 of a per-channel gate of rank 1 at 32-token chunks (KDA) on 4 warps, 138 registers, 0.67 ->
+    0.54 at 128. Not for the others measured: Head-in-Head's products' gradient (0.71 -> 1.29 at 168), HDLA's inputs'
+    kernel on 2 warps (0.95 -> 1.31 at 200) and step 4 (0.93 -> 1.01 at 96), Gated DeltaNet's and GLA's products'
+    gradient (no faster), nor at fp32 accuracy or K, V > 128 (not measured; more registers a tile)."""
     knob = _CONFIG[f"{kernel}_maxnreg"]
     if knob is not None:
         return knob
