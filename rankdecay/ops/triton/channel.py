@@ -475,7 +475,8 @@ def channel_product(x, y, gc, out, T: int, TC: int, strict: bool, precision: str
     kw = dict(H=H, K=K, KG=gc.shape[-1], TC=TC, TB=TB, RX=RX, RXP=_pow2(RX), RY=RY, RYP=_pow2(RY), STRICT=strict,
               BK=BK, PRECISION=precision, LP=lowp, YSC=y_scale is not None, KP=_pow2(K),
               DUAL=out_scaled is not None, XSTRICT=strict and not x_at_t, PAIR=x2 is not None,
-              num_warps=_knob("warps", TC), num_stages=1, **_maxnreg(maxnreg if _CHANNEL["maxnreg"] is None else _CHANNEL["maxnreg"]))
+              num_warps=_knob("warps", TC), num_stages=1,
+              **_maxnreg(maxnreg if _CHANNEL["maxnreg"] is None else _CHANNEL["maxnreg"]))
     _launch_one_level(_channel_product_kernel, grid, args, kw, one_level_span(gc.dtype), (B, H, NC, TC // TB),
                       x.device)
     return out

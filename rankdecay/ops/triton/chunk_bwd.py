@@ -96,7 +96,7 @@ def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool
     if kernel == "products":
         return (128 if C <= 16 else 168) if gate == 2 and Rab > 0 and warps == 2 else 0
     if kernel == "grad":
-        return 128 if warps == 4 and gate == 2 and Rab == 1 and C == 32 and not hh else 0
+        return 128 if warps == 4 and gate == 2 and Rab == 1 and C == 32 else 0
     return 168 if warps == 4 and (hh or (gate == 2 and Rab == 1 and C == 32)) else 0
 
 
@@ -1074,6 +1074,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     ddch = f32c(K) if g is not None else None
     BKi = _key_block("inputs_bk", K, prec, gate == 2)
     NKI = _cdiv(K, BKi)
+    warps = _inputs_warps(C, gate)
     yb = f32c(NA, Rab, NKI) if ig else None
     _grad_inputs_kernel[(NKI, NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
@@ -1081,8 +1082,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
         RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
-        num_warps=_inputs_warps(C, gate), num_stages=1,
-        **_maxnreg(_register_cap("inputs", _inputs_warps(C, gate), C, gate, Rab, bool(hh), prec, K, V)),
+        num_warps=warps, num_stages=1, **_maxnreg(_register_cap("inputs", warps, C, gate, Rab, bool(hh), prec, K, V)),
     )
     # the gradients of the products
     dmqk = stc(C, NK)
@@ -1090,13 +1090,13 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dmqa, dlba = (stc(C, NA), stc(NA, NA)) if Rab and not tied else (None, None)
     dlbk = stc(NA, NK) if Rab else None
     dgp = f32c(C) if gate == 1 else None
+    warps = _products_warps(C)
     _grad_products_kernel[(NC, B * H)](
         do, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), mqk, opt(mqa), opt(lba), opt(lbk), dmqk,
         opt(dmqa), opt(dlba), opt(dlbk), opt(dgp), opt(sv32), opt(sa32), scale, T, NC, H=H, V=V,
         TC=C, RKV=Rkv, RKVP=_pow2(Rkv), RABP=_pow2(Rab), BV=min(32, BV), GATE=gate, PRECISION=prec, E_DO=e_do,
         RAW=raw, VSC=sv is not None, LP_DV=_lowp(do, v), E_V=_is16(v), TIED=tied, RAW_V=raw_v,
-        num_warps=_products_warps(C), num_stages=1,
-        **_maxnreg(_register_cap("products", _products_warps(C), C, gate, Rab, bool(hh), prec, K, V)),
+        num_warps=warps, num_stages=1, **_maxnreg(_register_cap("products", warps, C, gate, Rab, bool(hh), prec, K, V)),
     )
     # dq, dk, da, db, dg
     # the inputs' gradients in their own dtypes (the kernels accumulate in fp32 and cast on store)
@@ -1167,6 +1167,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                     channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
                                         **prod)
                     channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
+        warps = _grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"]
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
@@ -1177,10 +1178,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
             KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0, HFIN=bool(fin), HAS_DBR=dbeta_rows is not None,
-            num_warps=_grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"], num_stages=1,
-            **_maxnreg(_register_cap("grad", _grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2
-                                                                                     else "grad"],
-                                     C, gate, Rab, bool(hh), prec, K, V)),
+            num_warps=warps, num_stages=1, **_maxnreg(_register_cap("grad", warps, C, gate, Rab, bool(hh), prec, K, V)),
         )
     dbeta = None
     if gate == 1:
