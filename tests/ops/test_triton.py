@@ -77,6 +77,45 @@ def test_triton_chunk_matches_pytorch_chunk(Rab, Rkv, gate, path):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate}: {name}")
 
 
+@pytest.mark.parametrize("ut", [True, False], ids=["u-from-t", "w-and-u"])
+@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (4, 2, None), (1, 2, "channel")])
+def test_training_forms_u_from_t_either_way(Rab, Rkv, gate, ut, monkeypatch):
+    """``chunk_fwd.u_from_t``: the training forward's state kernel forms U_n = T (B̃ S_n + L_BK V) from T (the intra
+    kernel stores B̃ in W's place and no Ũ), and the backward's state kernel dX_n = Tᵀ dU_n for the values kernel;
+    or W and Ũ come from the intra kernel, as before. Forced each way (the rule takes the first for a per-channel
+    gate and Head-in-Head, the second for the rest), the output, final state and every gradient match the PyTorch
+    path at fp32 accuracy, with strong decays in one chunk and a partial last chunk, and the forward took the form
+    asked for."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    monkeypatch.setitem(chunk_fwd._KNOBS, "u_from_t", ut)
+    taken, forward = [], chunk_bwd.chunk_dplr_fwd
+
+    def spy(*args, **kw):
+        out = forward(*args, **kw)
+        taken.append(out[2]["ut"])
+        return out
+
+    monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", spy)
+    inputs = random_inputs(2, 37, 2, 16, 8, Rab, Rkv, gate, seed=7)
+    if gate is not None:
+        inputs[5][:, 17:19] = -30.0
+    got, ref = run("triton", inputs, chunk_size=16), run("chunk", inputs, chunk_size=16)
+    assert taken == [ut], taken
+    for name, x, y in zip(names(inputs), got, ref):
+        assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate} u_from_t={ut}: {name}")
+
+
+def test_u_from_t_rule():
+    """Where the training forward forms U_n from T by default (``chunk_fwd.u_from_t``): a per-channel gate and
+    Head-in-Head's rows, not the delta rule's tied keys nor the other scalar-gated ones; the knob forces either way."""
+    from rankdecay.ops.triton.chunk_fwd import u_from_t
+
+    assert u_from_t(2, False, False) and u_from_t(1, False, True) and u_from_t(0, False, True)
+    assert not u_from_t(1, True, False) and not u_from_t(1, False, False) and not u_from_t(0, False, False)
+    assert u_from_t(1, True, False, knob=True) and not u_from_t(2, False, False, knob=False)
+
+
 @pytest.fixture(params=["output-kernel", "state-kernel"])
 def output_form(request, monkeypatch):
     """Where the fused forward forms its outputs: a kernel of their own, one program per chunk, or the

@@ -641,14 +641,15 @@ def _grad_values_kernel(
     do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, u, dsa, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
     NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
-    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr, TIED: tl.constexpr = False,
+    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr, TIED: tl.constexpr = False, UT: tl.constexpr = False,
 ):
     """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
     chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
     With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv.
     RAW (a decay per row): kd is k [B, T, H, Rkv, K] as given and K̃ = kdec ⊙ k (two TF32 passes
     when k is 16-bit: E_K). TIED (a = sa ⊙ k, b = k): all of d sa, this block's share -Σ_v U ⊙ dV,
-    goes to dsa [B, T, H, 1, value blocks]."""
+    goes to dsa [B, T, H, 1, value blocks]. UT (``chunk_fwd.u_from_t``): the state kernel formed dX = Tᵀ dU and
+    stored it in dx, which is read here (du and tinv are not)."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -678,10 +679,14 @@ def _grad_values_kernel(
     dV += kdS
     if NA > 0:
         r_a = tl.arange(0, NA)
-        Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
-        dU = tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-        dX = _dot(tl.trans(Ti), dU, PRECISION)
-        tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
+        if UT:
+            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        else:
+            Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
+            dU = tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                         other=0.0).to(tl.float32)
+            dX = _dot(tl.trans(Ti), dU, PRECISION)
+            tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
         Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         dV += _dot(tl.trans(Lbk), dX, PRECISION)
     if TIED:
@@ -964,18 +969,19 @@ class _ChunkDPLR(torch.autograd.Function):
                                       hh_mask=hh_mask, kda_b=kda_b)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
         ctx.scale, ctx.C, ctx.tied, ctx.paired, ctx.kda_rows = scale, saved["TC"], tied, saved["paired"], kda_rows
+        ctx.ut = saved["ut"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, hh_mask = ctx.saved_tensors
         grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask,
-                          kda_rows=ctx.kda_rows)
+                          kda_rows=ctx.kda_rows, ut=ctx.ut)
         return grads + (None, None) if hh_mask is not None else grads + (None, None, None)
 
 
 def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
-              paired: bool = False, hh_mask=None, kda_rows: bool = False):
+              paired: bool = False, hh_mask=None, kda_rows: bool = False, ut: bool = False):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
@@ -992,7 +998,9 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     are its rows of k (``factors.hh_factors``'), whose gradients step 4 carries on to dk and the mask's: da and db
     come back None, and one more result holds the mask's gradient. ``kda_rows`` (``kda``'s rows: a per-channel gate,
     ranks 1, a = k with a_scale, b = e^g ⊙ k): step 4 reads no b, forms it from k and g, and carries a's and b's
-    gradients on to dk and dg; da and db come back None."""
+    gradients on to dk and dg; da and db come back None. ``ut``: the forward formed U_n from T in its state kernel
+    (its saved "ut", ``chunk_fwd.u_from_t``): w holds B̃, and the state kernel here forms dX_n = Tᵀ dU_n for the
+    values kernel."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -1015,14 +1023,16 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # (Head-in-Head's a formed from k: the kernel's GROUPED)
     blocks = dict(_blocks(K, V, NK, NA, backward=True, precision=prec), num_stages=bwd_stages(prec, K, e_do))
     dhn = torch.empty_like(s0)
-    du = torch.empty_like(u)
+    # dX_n = Tᵀ dU_n for the values kernel, by the state kernel where the forward formed U_n from T (``ut``)
+    dx = torch.empty_like(u) if Rab else None
+    du = dx if ut else torch.empty_like(u)
     dht = dht.contiguous() if dht is not None else None
     rows = (opt(dch), opt(w), opt(k if hh else a if raw else ad))
     outs = (q if raw else qd, opt(mqa), do, NC, T, opt(qf), opt(af))
     kinds = dict(K=K, V=V, CA=NA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"], GATE=gate_kind(dch),
                  PRECISION=prec, FROM_OUT=True, H=H, TC=C, E_DO=e_do, RAW=raw, RAB=max(Rab, 1),
                  RABP=max(_pow2(Rab), 1), E_Q=_is16(q), E_A=_is16(k if hh else a), GROUPED=bool(hh),
-                 num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+                 num_warps=blocks["num_warps"], num_stages=blocks["num_stages"], UT=ut, tinv=tinv if ut else None,
                  **_maxnreg(_CONFIG["state_bwd_maxnreg"]))
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
     ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"))
@@ -1040,7 +1050,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # dV and dX = Tᵀ dU
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
     dv = like(v)
-    dx = torch.empty_like(u) if Rab else None
     BV = min(64, max(16, _pow2(V)))
     sv32 = sv.float().contiguous() if sv is not None else None
     NVB = _cdiv(V, BV)
@@ -1058,7 +1067,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
         opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
         RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, _pow2(K))), BV=BV, PRECISION=prec,
-        VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, num_warps=_CONFIG["values"], num_stages=1,
+        VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, UT=ut, num_warps=_CONFIG["values"],
+        num_stages=1,
     )
     # the gradients of the decayed inputs
     f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
@@ -1220,13 +1230,13 @@ class _GatedDeltaRule(torch.autograd.Function):
         k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, h0, save=True, a_scale=sa, v_scale=sv)
         ctx.save_for_backward(q, k1, v1, None, None, g1, h0, sa, sv, *(saved[n] for n in _SAVED), beta)
-        ctx.scale, ctx.C = scale, saved["TC"]
+        ctx.scale, ctx.C, ctx.ut = scale, saved["TC"], saved["ut"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, beta = ctx.saved_tensors
-        dq, dk, dv, dg, dh0, dbeta = _backward(tensors, ctx.scale, ctx.C, True, do, dht, fold=beta)
+        dq, dk, dv, dg, dh0, dbeta = _backward(tensors, ctx.scale, ctx.C, True, do, dht, fold=beta, ut=ctx.ut)
         B, T, H, K = dq.shape
         dg = dg.view(B, T, H) if dg is not None else None
         return dq, dk.view(B, T, H, K), dv.view(B, T, H, -1), dg, dbeta.view(B, T, H), dh0, None
@@ -1355,14 +1365,14 @@ class _HDLA(torch.autograd.Function):
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
         ctx.save_for_backward(q, k1, v1, a, b, g, h0, None, None, *(saved[n] for n in _SAVED), k, beta, c)
-        ctx.scale, ctx.C = scale, saved["TC"]
+        ctx.scale, ctx.C, ctx.ut = scale, saved["TC"], saved["ut"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         *tensors, k, beta, c = ctx.saved_tensors
         dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows, part, finished = _backward(
-            tensors, ctx.scale, ctx.C, False, do, dht, hdla_beta=beta, hdla_c=c)
+            tensors, ctx.scale, ctx.C, False, do, dht, hdla_beta=beta, hdla_c=c, ut=ctx.ut)
         dk = dk.view(k.shape)
         if finished:  # step 4 took the rows' gradients whole, c's share and dβ included
             dbeta = dbeta_rows

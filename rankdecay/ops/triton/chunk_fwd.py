@@ -512,7 +512,7 @@ def _intra_kernel(
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
     GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
     NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False, HG_PROD: tl.constexpr = False,
-    HROWS: tl.constexpr = False,
+    HROWS: tl.constexpr = False, UT: tl.constexpr = False,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -548,6 +548,8 @@ def _intra_kernel(
     # is formed as k ⊙ e^{G_t}.
     # HG_PROD (with HH, K / r a power of two of at least 16: ``hh_gram_products``): Head-in-Head's products come from
     # per-group Grams of q and k and the mask's entries (``_hh_grams``), not from its rows.
+    # UT (with SAVE, not SCALED; ``chunk_dplr_fwd``'s ``u_from_t``): the state kernels form U_n = T (B̃ S_n + L_BK V)
+    # from T (saved anyway), so w holds B̃ = B ⊙ e^{G_{i-1}} itself, not W = T B̃, and no Ũ = T L_BK V is formed.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -639,7 +641,7 @@ def _intra_kernel(
         fac_v = _row_factor(sv, fk, vk)
         if RAB > 0 and not SCALED:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
-    for v0 in tl.static_range(0, V if not SCALED else 0, BV):
+    for v0 in tl.static_range(0, V if not SCALED and not (UT and not (GATE == 2 and VSC)) else 0, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         V16 = _load_rows(v, fk, vk, o_v, m_v, V)
@@ -649,14 +651,14 @@ def _intra_kernel(
             Vr = V16
         if GATE == 2 and VSC:  # without factors the later kernels read v as given (RAW_V)
             tl.store(vf + (c * NK + r_k[:, None]) * V + o_v[None, :], Vr, mask=m_v[None, :])
-        if RAB > 0:
+        if RAB > 0 and not UT:
             LV = _dot_ex(L, V16, PRECISION, E_V)
             tl.store(uv + (c * NA + r_a[:, None]) * V + o_v[None, :], _dot(Tinv, LV, PRECISION),
                      mask=m_v[None, :])
 
     # Per key channel: W = T (B ⊙ e^{G_{i-1}}), and with a per-channel gate A ⊙ e^{G_C - G} (Q̃, K̃ and
     # e^{G_C} come from ``chunk_log_cumsum``); with a decay per row, K's, A's and Q's decays as row factors
-    if RAB > 0 and GATE == 1:
+    if RAB > 0 and GATE == 1 and not UT:
         Tinv_b = Tinv * tl.exp(Gb.to(tl.float32))[None, :]  # W = (T e^{G_{i-1}}) B: B as given
     if GATE != 2:
         if GATE == 1:
@@ -709,7 +711,7 @@ def _intra_kernel(
                 # b_r ⊙ e^{G_{t-1}}: k ⊙ e^{G_t} (r = 0), k ⊙ e^{G_{t-1}} (r = 1; G_{-1} = 0)
                 Bm = Kt * tl.exp(_gc_at(gc, toka - rka, toka - rka >= 0, o_k, m_k, KG).to(tl.float32))
             tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
-            if SCALED:  # B ⊙ e^{G_{i-1}} itself, for the state kernel (in w's place: its kg)
+            if SCALED or UT:  # B ⊙ e^{G_{i-1}} itself, for the state kernels (in w's place; the scaled form's kg)
                 tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], Bm, mask=m_k[None, :])
             else:
                 tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], _dot(Tinv, Bm, PRECISION),
@@ -721,7 +723,9 @@ def _intra_kernel(
                 Bm = _load_rows(k, fa, va, o_k, m_k, K)
             else:
                 Bm = _load_rows(b, fa, va, o_k, m_k, K)
-            if GATE == 1:
+            if UT and GATE == 1:  # B̃ itself: B with its rows' decays
+                W = Bm * tl.exp(Gb.to(tl.float32))[:, None]
+            elif GATE == 1:
                 W = _dot_ex(Tinv_b, Bm, PRECISION, E_B)
             elif GATE == 2:
                 A = _load_rows(a, fa, va, o_k, m_k, K)
@@ -730,9 +734,9 @@ def _intra_kernel(
                 A = A * _channel_decays(gc, toka, o_k, m_k, KG, TC, True, False)
                 tl.store(ad + (c * NA + r_a[:, None]) * K + o_k[None, :], A, mask=m_k[None, :])
                 Bm = Bm * _channel_decays(gc, toka, o_k, m_k, KG, TC, False, not KDA_B)
-                W = _dot(Tinv, Bm, PRECISION)
+                W = Bm if UT else _dot(Tinv, Bm, PRECISION)
             else:
-                W = _dot_ex(Tinv, Bm, PRECISION, E_B)
+                W = Bm if UT else _dot_ex(Tinv, Bm, PRECISION, E_B)
             tl.store(w + (c * NA + r_a[:, None]) * K + o_k[None, :], W, mask=m_k[None, :])
     if GATE == 1:
         tl.store(dch + c + tl.arange(0, 1), tl.exp(G_end.to(tl.float32)) + tl.zeros([1], dtype=tl.float32))
@@ -944,6 +948,23 @@ def scaled_update(tied: bool, one_block: bool, fuse: bool, save: bool, knob=None
     M_QK or L_BK). H100 HDLA forward: intra 615 -> 366 µs, state 618 -> 434 (374 on two stages), 2.48 -> 1.92 ms
     (session 35)."""
     return tied and one_block and fuse and not save and (knob is None or bool(knob))
+
+
+def u_from_t(gate: int, tied: bool, hh: bool, knob=None) -> bool:
+    """Whether the training forward's state kernels form each chunk's U_n = T (B̃ S_n + L_BK V) from T themselves
+    (``_state_fwd_kernel``'s UT), so that the intra kernel forms neither W = T B̃ nor Ũ = T L_BK V and w holds B̃ =
+    B ⊙ e^{G_{i-1}}; the backward's state kernel then takes Wᵀ dU_n as B̃ᵀ (Tᵀ dU_n) and hands dX_n = Tᵀ dU_n to the
+    values kernel, which no longer forms it. One more [rows, rows] product on each walk's chain, for less work and
+    traffic in the intra and values kernels: on for a per-channel gate (``gate`` 2) and for Head-in-Head's rows
+    (``hh``), where measured faster. H100, bf16, B8 T2048 H16 K=V=128, forward+backward ms (BENCHMARKS.md session
+    52): HDLA 5.52-5.56 -> 5.28 (intra 0.45 -> 0.26, values 0.38 -> 0.31, state kernels 1.13 -> 1.13), KDA 4.03-4.04
+    -> 3.89-3.90, HH-GDN r=4 6.65-6.68 -> 6.61-6.63 (its walks 1.59 -> 2.01 ms, intra and values 1.74 -> 1.27);
+    Gated DeltaNet (``tied``: 64-token chunks, whose intra kernel had less of it to save) 2.17 -> 2.20, so not
+    there. ``knob`` (``_KNOBS["u_from_t"]``) True / False forces it; it needs the chunk's rows in one block of the
+    state kernels' (``chunk_dplr_fwd`` checks)."""
+    if knob is not None:
+        return bool(knob)
+    return (gate == 2 or hh) and not tied
 
 
 def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool, one_block: bool, save: bool,
@@ -1229,7 +1250,10 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     w = torch.empty(B, H, NC, NA, K, **st) if Rab and not scaled else None
     ad = torch.empty(B, H, NC, NA, K, **st) if Rab and (hdla_scaled or not (raw or scaled)) else None
     # scaled: T' [NA, NA] in Ũ's place
-    uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab else None
+    # the training forward's U_n formed by the state kernels from T (``u_from_t``): no W nor Ũ, B̃ in w's place
+    ut = (save and Rab > 0 and not scaled and blocks["BCA"] == NA
+          and u_from_t(gate, tied, hh_mask is not None, cfg.get("u_from_t")))
+    uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab and not ut else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) and not hdla_scaled else None
@@ -1312,7 +1336,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
             NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b, HROWS=hdla_rows,
             HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
-            NILP=16 // _pow2(Rab) if Rab and neumann else 0,
+            NILP=16 // _pow2(Rab) if Rab and neumann else 0, UT=ut,
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
@@ -1336,11 +1360,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     rows = (opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf, opt(w),
-            opt(uv), opt(k if hh else a if raw else ad))
+            tinv if ut else opt(uv), opt(k if hh else a if raw else ad))
     kinds = dict(K=K, V=V, CR=NK, CA=NA, GATE=gate, PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv,
                  RKVP=_pow2(Rkv), RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a),
                  SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
-                 bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b))
+                 bb=b if grouped else None, HDLA=hdla_scaled, E_B=grouped and _is16(b), UT=ut,
+                 lbk=lbk if ut else None)
     if ns > 1:  # long walks on few programs: segments walked in parallel, twice (``segments``)
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
         _state_fwd_kernel[(_cdiv(V + K, blocks["BV"]), B * H * ns)](
@@ -1365,5 +1390,5 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # Ũ is not needed: dL_BA = -dX Uᵀ. A per-channel gate's log-cumsums (gc) are kept rather than taken again in the
     # backward: the same values, one kernel fewer
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired)
+                 u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired, ut=ut)
     return o, ht, saved

@@ -213,7 +213,7 @@ def _state_fwd_kernel(
     STORE: tl.constexpr = True, TIED: tl.constexpr = False, VSC: tl.constexpr = False, ASC: tl.constexpr = False,
     E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
     GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False, HDLA: tl.constexpr = False,
-    NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False,
+    NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False, UT: tl.constexpr = False, lbk=None,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -239,6 +239,9 @@ def _state_fwd_kernel(
     # HDLA (with SCALED, a per-channel gate; ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_scaled``): the rows are HDLA's
     # update rows [k, a2], (token, rank), v on rank 0 alone; kd holds their Ã, kg B ⊙ e^{G_{i-1}}, af D = (β, 1),
     # and mqk is M_QA.
+    # UT (not SCALED, the chunk's rows one block: BCA = CA; ``chunk_fwd.u_from_t``): w holds B̃ = B ⊙ e^{G_{i-1}}, uv
+    # T [CA, CA] and lbk L_BK [CA, CR] (fp32, without v's factors), and U_n = T (B̃ S_n + L_BK V) is formed here
+    # (the intra kernel formed neither W = T B̃ nor Ũ = T L_BK V).
     # NS, LS (``chunk_fwd.segments``; LS 0: all NC): each sequence's chunks fall into NS segments of LS chunks,
     # walked by programs of their own; program axis 1 is (sequence x head, segment), and h0 / ht hold each segment's
     # entering / leaving state [NS, B, H, K, VS]. VS: the state's width where it is not v's (v's columns from V on
@@ -335,7 +338,23 @@ def _state_fwd_kernel(
             else:
                 W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 Uc = _dot(W, S, PRECISION)
-                Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av, other=0.0).to(tl.float32)
+                if UT:  # U = T (B̃ S_n + L_BK V), V with its factors (one row block: o_a is every row)
+                    r_r = tl.arange(0, CR)
+                    Lr = tl.load(lbk + (c * CA + o_a[:, None]) * CR + r_r[None, :], mask=m_a[:, None], other=0.0)
+                    if RAW or RAW_V:  # v as given, its factors on L's columns
+                        Vu = _raw_rows(vf, r_r, i_bh, n, T, H, TC, RKV, RKVP, o_v, m_v, V)
+                        if VSC and RAW:
+                            Lr = Lr * _chunk_factor(sv, r_r, i_bh, n, T, H, TC, RKV, RKVP)[None, :]
+                    else:
+                        Vu = tl.load(vf + c * CR * V + r_r[:, None] * V + o_v[None, :], mask=m_v[None, :],
+                                     other=0.0).to(tl.float32)
+                    Uc += _dot_ex(Lr, Vu, PRECISION, E_V and (RAW or RAW_V))
+                    Tt = tl.load(uv + (c * CA + o_a[:, None]) * CA + o_a[None, :], mask=m_a[:, None] & m_a[None, :],
+                                 other=0.0).to(tl.float32)
+                    Uc = _dot(Tt, Uc, PRECISION)
+                else:
+                    Uc += tl.load(uv + c * CA * V + o_a[:, None] * V + o_v[None, :], mask=m_av,
+                                  other=0.0).to(tl.float32)
                 if STORE:
                     tl.store(u + c * CA * V + o_a[:, None] * V + o_v[None, :], Uc, mask=m_av)
                 if FUSE_O and not TIED:
@@ -430,6 +449,7 @@ def _state_bwd_kernel(
     RAW: tl.constexpr = False, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_Q: tl.constexpr = False,
     E_A: tl.constexpr = False, GROUPED: tl.constexpr = False,
     NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False, STORE: tl.constexpr = True,
+    UT: tl.constexpr = False, tinv=None,
 ):
     # NS, LS, VS, EYE: ``_state_fwd_kernel``'s, the walk in reverse: dht / dh0 hold each segment's entering (at its
     # last chunk) / leaving (before its first) dS [NS, B, H, K, VS], and the first segment's transition is the one
@@ -441,6 +461,8 @@ def _state_bwd_kernel(
     # as given, Q̃ = qf ⊙ q and Ã = af ⊙ a (``_state_fwd_kernel``'s RAW): Q̃ᵀ dO = qᵀ (qf ⊙ dO) and
     # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A). GROUPED (RAW): a's rows are k
     # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
+    # UT (``_state_fwd_kernel``'s: w holds B̃, not W = T B̃; one row block, BCA = CA): Wᵀ dU_n = B̃ᵀ dX_n with
+    # dX_n = Tᵀ dU_n (T in tinv [CA, CA], fp32), and dX_n is stored in du_tot (the values kernel then reads it).
     VW: tl.constexpr = V if VS == 0 else VS
     i_v = tl.program_id(0)
     i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, False)
@@ -499,6 +521,10 @@ def _state_bwd_kernel(
             else:
                 Ad = tl.load(ad + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
                 dU -= _dot(Ad, dS, PRECISION)
+            if UT:  # dX = Tᵀ dU, which B̃ᵀ takes on to dS_n
+                Tt = tl.load(tinv + (c * CA + o_a[:, None]) * CA + o_a[None, :],
+                             mask=(o_a < CA)[:, None] & (o_a < CA)[None, :], other=0.0).to(tl.float32)
+                dU = _dot(tl.trans(Tt), dU, PRECISION)
             if STORE:
                 tl.store(du_tot + c * CA * V + o_a[:, None] * V + o_v[None, :], dU, mask=m_av)
             W = tl.load(w + c * CA * K + o_a[:, None] * K + o_k[None, :], mask=m_ak, other=0.0).to(tl.float32)
