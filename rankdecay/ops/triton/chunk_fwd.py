@@ -829,7 +829,8 @@ def _output_kernel(
 # forms them), "hdla_cumsum_bk" and "hdla_cumsum_warps" (that kernel's key block and warps there; absent:
 # ``log_cumsum_launch``'s), "hdla_row_products" (1, the default: with those rows, HDLA's products from them,
 # ``channel.hdla_row_products``, the log-cumsums stored only for the chunks it leaves to the levels; 0: the products
-# kernel from q, k and the log-cumsums).
+# kernel from q, k and the log-cumsums), "u_from_t" (True / False: the training forward's state kernels form U_n from
+# T and the intra kernel forms neither W nor Ũ, or not; None, the default: ``u_from_t``'s choice).
 _KNOBS: dict = {}
 
 
