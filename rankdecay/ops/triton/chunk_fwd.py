@@ -641,6 +641,7 @@ def _intra_kernel(
         fac_v = _row_factor(sv, fk, vk)
         if RAB > 0 and not SCALED:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
+    # (none in the scaled forms; with UT only a per-channel gate's V with its factors, no Ũ)
     for v0 in tl.static_range(0, V if not SCALED and not (UT and not (GATE == 2 and VSC)) else 0, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
