@@ -106,6 +106,47 @@ def test_training_forms_u_from_t_either_way(Rab, Rkv, gate, ut, monkeypatch):
         assert_matches(x, y, 1e-5, f"Rab={Rab} Rkv={Rkv} gate={gate} u_from_t={ut}: {name}")
 
 
+def test_u_from_t_with_t_in_16_bits(monkeypatch):
+    """``_KNOBS["u_from_t_16"]``: with the tensors between kernels in 16 bits (bf16, as on a GPU at the "medium"
+    precision), T for the state kernels is stored in bf16 too, and the backward's state kernel reads that copy. Their
+    products round T to bf16 anyway, so every result is the one with T read in fp32, to 1e-6, and within 3e-2 of the
+    PyTorch path (relative RMS; with bf16 tiles between kernels da and db reach 2.1e-2 either way). With fp32 tensors
+    between kernels it does nothing (no copy is made). A copy never written fails it."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    saved_t, forward = [], chunk_bwd.chunk_dplr_fwd
+
+    def spy(*args, **kw):
+        out = forward(*args, **kw)
+        saved_t.append(out[2]["tinv"].dtype)
+        return out
+
+    monkeypatch.setattr(chunk_bwd, "chunk_dplr_fwd", spy)
+    monkeypatch.setitem(chunk_fwd._KNOBS, "u_from_t", True)
+    inputs = random_inputs(2, 37, 2, 16, 8, 2, 1, "channel", seed=8)
+    inputs[5][:, 17:19] = -30.0
+    ref = run("chunk", inputs, chunk_size=16)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        results = {}
+        for stored in (torch.bfloat16, None):
+            for t16 in (0, 1):
+                monkeypatch.setitem(chunk_fwd._KNOBS, "u_from_t_16", t16)
+                if stored is None:
+                    monkeypatch.delitem(chunk_fwd._KNOBS, "stored", raising=False)
+                else:
+                    monkeypatch.setitem(chunk_fwd._KNOBS, "stored", stored)
+                results[stored, t16] = run("triton", inputs, chunk_size=16)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    expected = [torch.float32, torch.bfloat16, torch.float32, torch.float32] if DEVICE == "cpu" else saved_t
+    assert saved_t == expected, saved_t
+    for name, x, y, z in zip(names(inputs), results[torch.bfloat16, 1], results[torch.bfloat16, 0], ref):
+        assert_matches(x.float(), y.float(), 1e-6, f"T in bf16 against fp32: {name}")
+        assert_matches(x.float(), z.float(), 3e-2, f"T in bf16 against the PyTorch path: {name}")
+
+
 def test_u_from_t_rule():
     """Where the training forward forms U_n from T by default (``chunk_fwd.u_from_t``): a per-channel gate and
     Head-in-Head's rows, not the delta rule's tied keys nor the other scalar-gated ones; the knob forces either way."""

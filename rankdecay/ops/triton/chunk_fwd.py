@@ -512,7 +512,7 @@ def _intra_kernel(
     SCALED: tl.constexpr = False, MERGE: tl.constexpr = "ieee", HDLA: tl.constexpr = False,
     GROUPED: tl.constexpr = False, NILP: tl.constexpr = 0, hmask=None, HH: tl.constexpr = 0, cp=None,
     NKB: tl.constexpr = 1, FORM_A2: tl.constexpr = False, KDA_B: tl.constexpr = False, HG_PROD: tl.constexpr = False,
-    HROWS: tl.constexpr = False, UT: tl.constexpr = False,
+    HROWS: tl.constexpr = False, UT: tl.constexpr = 0,
 ):
     # LP_XY: x and y are both 16-bit (their undecayed products are exact in their own dtype).
     # ASC / VSC: a's / v's rows carry the fp32 factors sa / sv, applied to the products' columns
@@ -550,6 +550,7 @@ def _intra_kernel(
     # per-group Grams of q and k and the mask's entries (``_hh_grams``), not from its rows.
     # UT (with SAVE, not SCALED; ``chunk_dplr_fwd``'s ``u_from_t``): the state kernels form U_n = T (B̃ S_n + L_BK V)
     # from T (saved anyway), so w holds B̃ = B ⊙ e^{G_{i-1}} itself, not W = T B̃, and no Ũ = T L_BK V is formed.
+    # UT 2: T is also stored in uv, in the dtype of the tensors between kernels, for the state kernels to read.
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c  # chunk row of [B, H, NC, ...]
@@ -630,7 +631,7 @@ def _intra_kernel(
                               PRECISION, LP_BK, k, hmask, 2 if HH else 0, 0, HH)
             else:
                 L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-        if SCALED:  # T' itself, for the state kernel (in uv's place)
+        if SCALED or UT == 2:  # T' (or T) itself, for the state kernels (in uv's place)
             tl.store(uv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
         if SAVE:  # for the backward: T, L_BA and L_BK
             tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
@@ -831,7 +832,8 @@ def _output_kernel(
 # ``log_cumsum_launch``'s), "hdla_row_products" (1, the default: with those rows, HDLA's products from them,
 # ``channel.hdla_row_products``, the log-cumsums stored only for the chunks it leaves to the levels; 0: the products
 # kernel from q, k and the log-cumsums), "u_from_t" (True / False: the training forward's state kernels form U_n from
-# T and the intra kernel forms neither W nor Ũ, or not; None, the default: ``u_from_t``'s choice).
+# T and the intra kernel forms neither W nor Ũ, or not; None, the default: ``u_from_t``'s choice), "u_from_t_16"
+# (1: with it, T for the state kernels in the 16-bit dtype of the tensors between kernels; 0, the default).
 _KNOBS: dict = {}
 
 
@@ -1255,7 +1257,11 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the training forward's U_n formed by the state kernels from T (``u_from_t``): no W nor Ũ, B̃ in w's place
     ut = (save and Rab > 0 and not scaled and blocks["BCA"] == NA
           and u_from_t(gate, tied, hh_mask is not None, cfg.get("u_from_t")))
-    uv = torch.empty(B, H, NC, NA, NA if scaled else V, **st) if Rab and not ut else None
+    # and T for the state kernels in the 16-bit dtype of the tensors between kernels (``_KNOBS["u_from_t_16"]``, off
+    # by default, not yet timed): at the bf16 products' precision their products round T to bf16 anyway, so the
+    # results are the same, for half of T's reads and one more store
+    t16 = ut and st["dtype"] != torch.float32 and bool(cfg.get("u_from_t_16", 0))
+    uv = torch.empty(B, H, NC, NA, NA if scaled or t16 else V, **st) if Rab and (t16 or not ut) else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) and not hdla_scaled else None
@@ -1338,7 +1344,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             hmask=hh_mask if hh else None, HH=hh, cp=cparts if hdla_form_a2 else None,
             NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b, HROWS=hdla_rows,
             HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
-            NILP=16 // _pow2(Rab) if Rab and neumann else 0, UT=ut,
+            NILP=16 // _pow2(Rab) if Rab and neumann else 0, UT=2 if t16 else int(ut),
             num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
@@ -1362,7 +1368,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     rows = (opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf, opt(w),
-            tinv if ut else opt(uv), opt(k if hh else a if raw else ad))
+            (uv if t16 else tinv) if ut else opt(uv), opt(k if hh else a if raw else ad))
     kinds = dict(K=K, V=V, CR=NK, CA=NA, GATE=gate, PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv,
                  RKVP=_pow2(Rkv), RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a),
                  SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
@@ -1391,6 +1397,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
         return o, ht
     # Ũ is not needed: dL_BA = -dX Uᵀ. A per-channel gate's log-cumsums (gc) are kept rather than taken again in the
     # backward: the same values, one kernel fewer
-    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=tinv, lba=lba, lbk=lbk, s0=s0,
-                 u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired, ut=ut)
+    # (with ``u_from_t`` only the backward's state kernel reads T: the 16-bit copy where there is one)
+    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=uv if t16 else tinv, lba=lba,
+                 lbk=lbk, s0=s0, u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired,
+                 ut=ut)
     return o, ht, saved
