@@ -640,7 +640,7 @@ def _intra_kernel(
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
     if VSC:
         fac_v = _row_factor(sv, fk, vk)
-        if RAB > 0 and not SCALED:
+        if RAB > 0 and not SCALED and not UT:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
     # (none in the scaled forms; with UT only a per-channel gate's V with its factors, no Ũ)
     for v0 in tl.static_range(0, V if not SCALED and not (UT and not (GATE == 2 and VSC)) else 0, BV):
