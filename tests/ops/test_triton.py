@@ -108,7 +108,8 @@ def test_training_forms_u_from_t_either_way(Rab, Rkv, gate, ut, monkeypatch):
 
 def test_u_from_t_with_t_in_16_bits(monkeypatch):
     """``_KNOBS["u_from_t_16"]``: with the tensors between kernels in 16 bits (bf16, as on a GPU at the "medium"
-    precision), T for the state kernels is stored in bf16 too, and the backward's state kernel reads that copy. Their
+    precision), T for the state kernels is stored in bf16 too (by default, or forced by the knob; the knob at 0 keeps
+    it in fp32), and the backward's state kernel reads that copy. Their
     products round T to bf16 anyway, so every result is the one with T read in fp32, to 1e-6, and within 3e-2 of the
     PyTorch path (relative RMS; with bf16 tiles between kernels da and db reach 2.1e-2 either way). With fp32 tensors
     between kernels (the CPU's default; a GPU's is bf16 at this precision) it does nothing (no copy is made). A copy
@@ -131,18 +132,22 @@ def test_u_from_t_with_t_in_16_bits(monkeypatch):
     torch.set_float32_matmul_precision("medium")
     try:
         results = {}
-        for stored in (torch.bfloat16, None):
-            for t16 in (0, 1):
+        for stored, t16 in ((torch.bfloat16, 0), (torch.bfloat16, 1), (None, 0), (None, 1), (torch.bfloat16, None)):
+            if t16 is None:
+                monkeypatch.delitem(chunk_fwd._KNOBS, "u_from_t_16", raising=False)
+            else:
                 monkeypatch.setitem(chunk_fwd._KNOBS, "u_from_t_16", t16)
-                if stored is None:
-                    monkeypatch.delitem(chunk_fwd._KNOBS, "stored", raising=False)
-                else:
-                    monkeypatch.setitem(chunk_fwd._KNOBS, "stored", stored)
-                results[stored, t16] = run("triton", inputs, chunk_size=16)
+            if stored is None:
+                monkeypatch.delitem(chunk_fwd._KNOBS, "stored", raising=False)
+            else:
+                monkeypatch.setitem(chunk_fwd._KNOBS, "stored", stored)
+            results[stored, t16] = run("triton", inputs, chunk_size=16)
     finally:
         torch.set_float32_matmul_precision(old)
     default = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # (``chunk_fwd.stored_dtype`` at "medium")
-    assert saved_t == [torch.float32, torch.bfloat16, torch.float32, default], saved_t
+    # the knob forces it either way; left unset, bf16 between kernels takes it (``chunk_fwd.u_from_t_16``)
+    assert saved_t == [torch.float32, torch.bfloat16, torch.float32, default, torch.bfloat16], saved_t
+    assert all(torch.equal(x, y) for x, y in zip(results[torch.bfloat16, None], results[torch.bfloat16, 1]))
     for name, x, y, z in zip(names(inputs), results[torch.bfloat16, 1], results[torch.bfloat16, 0], ref):
         assert_matches(x.float(), y.float(), 1e-6, f"T in bf16 against fp32: {name}")
         assert_matches(x.float(), z.float(), 3e-2, f"T in bf16 against the PyTorch path: {name}")
@@ -156,6 +161,17 @@ def test_u_from_t_rule():
     assert u_from_t(2, False, False) and u_from_t(1, False, True) and u_from_t(0, False, True)
     assert not u_from_t(1, True, False) and not u_from_t(1, False, False) and not u_from_t(0, False, False)
     assert u_from_t(1, True, False, knob=True) and not u_from_t(2, False, False, knob=False)
+
+
+def test_u_from_t_16_rule():
+    """Where T for the state kernels is stored in the 16-bit dtype of the tensors between kernels
+    (``chunk_fwd.u_from_t_16``): bf16 by default, not fp16 (T's entries can leave its range) unless forced, never
+    fp32 (there is no 16-bit copy to make); the knob forces either way."""
+    from rankdecay.ops.triton.chunk_fwd import u_from_t_16
+
+    assert u_from_t_16(torch.bfloat16) and u_from_t_16(torch.float16, knob=1) and u_from_t_16(torch.bfloat16, knob=1)
+    assert not u_from_t_16(torch.float16) and not u_from_t_16(torch.bfloat16, knob=0)
+    assert not u_from_t_16(torch.float32) and not u_from_t_16(torch.float32, knob=1)
 
 
 @pytest.fixture(params=["output-kernel", "state-kernel"])

@@ -833,7 +833,8 @@ def _output_kernel(
 # ``channel.hdla_row_products``, the log-cumsums stored only for the chunks it leaves to the levels; 0: the products
 # kernel from q, k and the log-cumsums), "u_from_t" (True / False: the training forward's state kernels form U_n from
 # T and the intra kernel forms neither W nor Ũ, or not; None, the default: ``u_from_t``'s choice), "u_from_t_16"
-# (1: with it, T for the state kernels in the 16-bit dtype of the tensors between kernels; 0, the default).
+# (1 / 0: with it, T for the state kernels in the 16-bit dtype of the tensors between kernels, or in fp32; None, the
+# default: ``u_from_t_16``'s choice).
 _KNOBS: dict = {}
 
 
@@ -969,6 +970,20 @@ def u_from_t(gate: int, tied: bool, hh: bool, knob=None) -> bool:
     if knob is not None:
         return bool(knob)
     return (gate == 2 or hh) and not tied
+
+
+def u_from_t_16(stored: torch.dtype, knob=None) -> bool:
+    """Whether, with ``u_from_t``, the intra kernel stores T for the state kernels in ``stored``, the dtype of the
+    tensors between kernels, and the backward's state kernel reads that copy (else both read T in fp32): by default
+    where that is bf16, as on a GPU at the bf16 products' precision, whose products round T to bf16 anyway, so the
+    results are the same for half of T's reads. bf16 has fp32's range; fp16 (only by ``_KNOBS["stored"]``) has not,
+    and T's entries are not bounded by 1, so it takes fp32 unless forced. H100, bf16, B8 T2048 H16 K=V=128,
+    forward+backward ms, alternated (BENCHMARKS.md session 53): HH-GDN r=4 6.64-6.65 -> 6.52-6.53 (its state
+    kernels 1.09 + 0.91 -> 1.04 + 0.84), HDLA 5.27-5.34 -> 5.26-5.30, KDA 3.89-3.90 -> 3.86-3.88; peak memory 16-128 MB
+    lower. ``knob`` (``_KNOBS["u_from_t_16"]``) 1 / 0 forces it either way for a 16-bit ``stored``."""
+    if stored == torch.float32:
+        return False
+    return bool(knob) if knob is not None else stored == torch.bfloat16
 
 
 def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool, one_block: bool, save: bool,
@@ -1257,10 +1272,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # the training forward's U_n formed by the state kernels from T (``u_from_t``): no W nor Ũ, B̃ in w's place
     ut = (save and Rab > 0 and not scaled and blocks["BCA"] == NA
           and u_from_t(gate, tied, hh_mask is not None, cfg.get("u_from_t")))
-    # and T for the state kernels in the 16-bit dtype of the tensors between kernels (``_KNOBS["u_from_t_16"]``, off
-    # by default, not yet timed): at the bf16 products' precision their products round T to bf16 anyway, so the
-    # results are the same, for half of T's reads and one more store
-    t16 = ut and st["dtype"] != torch.float32 and bool(cfg.get("u_from_t_16", 0))
+    # and T for the state kernels in the 16-bit dtype of the tensors between kernels (``u_from_t_16``): at the bf16
+    # products' precision their products round T to bf16 anyway, so the results are the same, for half of T's reads
+    t16 = ut and u_from_t_16(st["dtype"], cfg.get("u_from_t_16"))
     uv = torch.empty(B, H, NC, NA, NA if scaled or t16 else V, **st) if Rab and (t16 or not ut) else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
