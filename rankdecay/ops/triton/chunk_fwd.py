@@ -633,8 +633,9 @@ def _intra_kernel(
                 L = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
         if SCALED or UT == 2:  # T' (or T) itself, for the state kernels (in uv's place)
             tl.store(uv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
-        if SAVE:  # for the backward: T, L_BA and L_BK
-            tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
+        if SAVE:  # for the backward: T (but for UT 2's copy in uv, which the backward reads), L_BA and L_BK
+            if UT != 2:  # (tinv is then the inverse's scratch alone: its blocks above the diagonal stay unwritten)
+                tl.store(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :], Tinv)
             if GATE < 2:
                 tl.store(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :], L)
     # V in the chunk layout the state kernel reads and, with a low-rank decay, Ũ = T L_BK V
