@@ -981,7 +981,8 @@ def u_from_t_16(stored: torch.dtype, knob=None) -> bool:
     and T's entries are not bounded by 1, so it takes fp32 unless forced. H100, bf16, B8 T2048 H16 K=V=128,
     forward+backward ms, alternated (BENCHMARKS.md session 53): HH-GDN r=4 6.64-6.65 -> 6.52-6.53 (its state
     kernels 1.09 + 0.91 -> 1.04 + 0.84), HDLA 5.27-5.34 -> 5.26-5.30, KDA 3.89-3.90 -> 3.86-3.88; peak memory 16-128 MB
-    lower. ``knob`` (``_KNOBS["u_from_t_16"]``) 1 / 0 forces it either way for a 16-bit ``stored``."""
+    lower. With it no fp32 T is stored beside the copy (tinv is then the inverse's scratch alone): HH-GDN 6.51-6.54
+    -> 6.49-6.51. ``knob`` (``_KNOBS["u_from_t_16"]``) 1 / 0 forces it either way for a 16-bit ``stored``."""
     if stored == torch.float32:
         return False
     return bool(knob) if knob is not None else stored == torch.bfloat16
@@ -1278,7 +1279,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     t16 = ut and u_from_t_16(st["dtype"], cfg.get("u_from_t_16"))
     uv = torch.empty(B, H, NC, NA, NA if scaled or t16 else V, **st) if Rab and (t16 or not ut) else None
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
-    tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None  # scratch of the inverse without save
+    # the inverse's scratch, and with save the backward's T (but for t16's copy in uv)
+    tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) and not hdla_scaled else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     # the intra kernel's key block: 32 for a per-channel gate without a low-rank decay (GLA); with one
