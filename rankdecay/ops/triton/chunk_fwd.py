@@ -644,7 +644,7 @@ def _intra_kernel(
         if RAB > 0 and not SCALED and not UT:
             L = L * fac_v[None, :]  # Ũ = T (L_BK ⊙ sv) v, with v as given (L_BK is saved above)
     # (none in the scaled forms; with UT only a per-channel gate's V with its factors, no Ũ)
-    for v0 in tl.static_range(0, V if not SCALED and not (UT and not (GATE == 2 and VSC)) else 0, BV):
+    for v0 in tl.static_range(0, V if not SCALED and (not UT or (GATE == 2 and VSC)) else 0, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         V16 = _load_rows(v, fk, vk, o_v, m_v, V)
@@ -1281,6 +1281,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     dch = torch.empty(B, H, NC, KG, **f32) if gate else None
     # the inverse's scratch, and with save the backward's T (but for t16's copy in uv)
     tinv = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
+    t_read = uv if t16 else tinv  # T as the backward (and with ut both walks) read it
     lbk = torch.empty(B, H, NC, NA, NK, **f32) if Rab and (save or gate == 2) and not hdla_scaled else None
     lba = torch.empty(B, H, NC, NA, NA, **f32) if Rab else None
     # the intra kernel's key block: 32 for a per-channel gate without a low-rank decay (GLA); with one
@@ -1385,7 +1386,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
                sa=opt(sa), TIED=tied,
                VSC=sv is not None, ASC=sa is not None, E_Q=_is16(q), E_V=_is16(v))
     rows = (opt(dch), ad if hdla_scaled else (k if raw else kd), v if raw or raw_v or channel_scaled else vf, opt(w),
-            (uv if t16 else tinv) if ut else opt(uv), opt(k if hh else a if raw else ad))
+            t_read if ut else opt(uv), opt(k if hh else a if raw else ad))
     kinds = dict(K=K, V=V, CR=NK, CA=NA, GATE=gate, PRECISION=cfg["state_precision"], RAW=raw, H=H, TC=TC, RKV=Rkv,
                  RKVP=_pow2(Rkv), RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), E_K=_is16(k), E_A=_is16(k if hh else a),
                  SAME_AK=same_ak, RAW_V=raw_v, SCALED=scaled, kg=opt(kg), GROUPED=grouped or bool(hh),
@@ -1415,7 +1416,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # Ũ is not needed: dL_BA = -dX Uᵀ. A per-channel gate's log-cumsums (gc) are kept rather than taken again in the
     # backward: the same values, one kernel fewer
     # (with ``u_from_t`` only the backward's state kernel reads T: the 16-bit copy where there is one)
-    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=uv if t16 else tinv, lba=lba,
+    saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=t_read, lba=lba,
                  lbk=lbk, s0=s0, u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired,
                  ut=ut)
     return o, ht, saved

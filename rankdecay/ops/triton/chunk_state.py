@@ -462,7 +462,8 @@ def _state_bwd_kernel(
     # Ã dS = af ⊙ (a dS), two TF32 passes each when q / a are 16-bit (E_Q / E_A). GROUPED (RAW): a's rows are k
     # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
     # UT (``_state_fwd_kernel``'s: w holds B̃, not W = T B̃; one row block, BCA = CA): Wᵀ dU_n = B̃ᵀ dX_n with
-    # dX_n = Tᵀ dU_n (T in tinv [CA, CA], fp32), and dX_n is stored in du_tot (the values kernel then reads it).
+    # dX_n = Tᵀ dU_n (T in tinv [CA, CA]: fp32, or the 16-bit copy of ``chunk_fwd.u_from_t_16``), and dX_n is
+    # stored in du_tot (the values kernel then reads it).
     VW: tl.constexpr = V if VS == 0 else VS
     i_v = tl.program_id(0)
     i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, False)
