@@ -163,6 +163,20 @@ def test_u_from_t_rule():
     assert u_from_t(1, True, False, knob=True) and not u_from_t(2, False, False, knob=False)
 
 
+def test_values_in_inputs_rule():
+    """Where the inputs' kernel also does the values kernel's work by default (``chunk_bwd.values_in_inputs``): a
+    low-rank decay with rows of its own at the bf16 products' precision and K, V <= 128; not the delta rule's tied
+    keys, no ranks, fp32 accuracy or wider heads. The knob forces either way."""
+    from rankdecay.ops.triton.chunk_bwd import values_in_inputs
+
+    assert values_in_inputs(2, False, "bf16", 128, 128) and values_in_inputs(4, False, "bf16_ieee", 64, 32)
+    assert not values_in_inputs(1, True, "bf16", 128, 128) and not values_in_inputs(0, False, "bf16", 128, 128)
+    assert not values_in_inputs(2, False, "tf32x3", 128, 128) and not values_in_inputs(2, False, "bf16", 256, 128)
+    assert not values_in_inputs(2, False, "bf16", 128, 256)
+    assert values_in_inputs(1, True, "ieee", 256, 256, knob=1) and not values_in_inputs(2, False, "bf16", 128, 128,
+                                                                                         knob=0)
+
+
 def test_u_from_t_16_rule():
     """Where T for the state kernels is stored in the 16-bit dtype of the tensors between kernels
     (``chunk_fwd.u_from_t_16``): bf16 by default, not fp16 (T's entries can leave its range) unless forced, never
@@ -2694,3 +2708,57 @@ def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong
     vx, vy = (chunked(torch.ones_like(z), R, RP).bool() for z, R, RP in ((ref_dx, RX, RXP), (ref_dy, RY, RYP)))
     torch.testing.assert_close(dx.double()[vx], 1.0 + chunked(ref_dx, RX, RXP)[vx], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dy.double()[vy], chunked(ref_dy, RY, RYP)[vy], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["dplr-scalar-ut", "dplr-scalar-w", "dplr-channel-r2", "gdn", "hh", "hdla", "kda",
+                                  "gla"])
+def test_values_in_the_inputs_kernel(case, monkeypatch):
+    """``chunk_bwd._CONFIG["values_in_inputs"]``: the values kernel's work (dV, d sv, the tied keys' d sa and, without
+    u_from_t, dX = Tᵀ dU) done by the inputs' kernel (``_grad_inputs_kernel``'s VALUES), each value block by one of
+    its chunk's key-block programs (two key blocks of 16 at K = 32 and two value blocks of 64 at V = 72, the second
+    partial: each program owns one). Every
+    gradient matches the values kernel's (bit-equal under the interpreter, where both kernels take the same
+    operations; on a GPU their products' layouts differ, so to fp32 rounding) and the PyTorch path at fp32 accuracy;
+    the values kernel does not run."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    monkeypatch.setitem(chunk_bwd._CONFIG, "inputs_bk", 16)
+    calls, kernel = [], chunk_bwd._grad_values_kernel
+
+    class Spy:  # kernel[grid](...) counted
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(chunk_bwd, "_grad_values_kernel", Spy())
+    if case.startswith("dplr"):
+        Rab, gate = (2, "channel") if case == "dplr-channel-r2" else (1, "scalar")
+        monkeypatch.setitem(chunk_bwd._KNOBS, "u_from_t", not case.endswith("-w"))
+        inputs = random_inputs(2, 37, 2, 32, 72, Rab, 1, gate, seed=3)
+        fn, pt = (lambda: run("triton", inputs, chunk_size=16)), (lambda: run("chunk", inputs, chunk_size=16))
+        labels = names(inputs)
+    else:
+        mech = dict(gla="kda")  # GLA: KDA's inputs with β and the rows dropped
+        xs, op = _mechanism_case(mech.get(case, case), 2, 37, 2, 32, 72, seed=3)
+        if case == "gla":
+            xs = xs[:4] + xs[5:]
+            op = lambda q, k, v, g, h0, mode: ops.gla(q, k, v, g, initial_state=h0,  # noqa: E731
+                                                     output_final_state=True, mode=mode)
+        if case in ("gla", "hdla", "kda"):  # strong decays inside a chunk
+            xs[3][:, 20:22] = -30.0
+        fn = lambda: _grads_of(lambda *x: op(*x, mode="triton"), xs)  # noqa: E731
+        pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
+        labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
+    results = {}
+    for fused in (0, 1):
+        monkeypatch.setitem(chunk_bwd._CONFIG, "values_in_inputs", fused)
+        before = len(calls)
+        results[fused] = fn()
+        assert (len(calls) > before) != bool(fused), f"{case}: the values kernel ran {len(calls) - before} times"
+    ref = pt()
+    for name, x, y, z in zip(labels, results[1], results[0], ref):
+        if DEVICE == "cpu":
+            assert torch.equal(x, y), f"{case}: {name} differs from the values kernel's by {(x - y).abs().max()}"
+        else:
+            assert_matches(x, y, 1e-6, f"{case}: {name} against the values kernel's")
+        assert_matches(x, z, 1e-5, f"{case}: {name} against the PyTorch path")

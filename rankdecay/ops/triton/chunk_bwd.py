@@ -15,7 +15,8 @@ of ``rankdecay.ops.chunk``; per chunk, rows of K̃/V are (token, rank) pairs, pa
    adds its own term; dg is the reverse cumsum of dG inside each chunk plus dG_C.
 
 Five kernels: the state kernel in reverse (forming the outputs' share Q̃ᵀ dO and -M_QAᵀ dO
-itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of value channels);
+itself); ``_grad_values_kernel`` (dV and dX = Tᵀ dU, per chunk and block of value channels; for a
+low-rank decay with rows of its own, done inside the inputs' kernel instead: ``values_in_inputs``);
 ``_grad_products_kernel`` (the products' gradients, per chunk) and ``_grad_inputs_kernel`` (the
 decayed inputs', per chunk and block of key channels); ``_grad_kernel`` (per chunk and block
 of key channels: dq, dk, da, db and dg through the products and decays). With a per-channel gate, the
@@ -58,7 +59,7 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # inputs 0: by chunk size and gate (``_inputs_warps``).
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
-               grad_maxnreg=None, grad_hh_maxnreg=0)
+               grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
 
 
@@ -122,6 +123,21 @@ def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
     fp32 accuracy (64 was slower there, session 9) and in step 4 with a per-channel gate."""
     wide = precision.startswith("bf16") and not (knob == "grad_bk" and per_channel)
     return min(_CONFIG[knob] or (64 if wide else 32), max(16, _pow2(K)))
+
+
+def values_in_inputs(Rab: int, tied: bool, precision: str, K: int, V: int, knob=None) -> bool:
+    """Whether the values kernel's work (dV, and dX = Tᵀ dU) runs inside the inputs' kernel
+    (``_grad_inputs_kernel``'s VALUES), which then reads dS_{n+1} and the chunk's dO, dX and U once for both:
+    ``_CONFIG["values_in_inputs"]`` (1 / 0) where set, else for a low-rank decay with rows of its own (Rab > 0, not
+    the delta rule's tied keys) at the bf16 products' precision and K, V <= 128, where it was measured faster. H100,
+    B8 T2048 H16 K = V = 128, forward+backward ms (BENCHMARKS.md session 54): HDLA 5.29-5.32 -> 5.12-5.15 (inputs
+    0.945 + values 0.312 -> 1.095), HH-GDN r=4 6.47-6.48 -> 6.17-6.24 (1.355 + 0.406 -> 1.459), KDA 3.88 -> 3.83-3.84.
+    Not for Gated DeltaNet (tied) and GLA (no ranks), where it was no faster, nor where not measured."""
+    if knob is not None:
+        return bool(knob)
+    return Rab > 0 and not tied and precision.startswith("bf16") and K <= 128 and V <= 128
+
+
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec",
           "gc")
 
@@ -637,30 +653,12 @@ def _scalar_dg_kernel(dgp, pdg, dg, dsa, dsv, gs, sa, dbeta, T, NC, H: tl.conste
 
 
 @triton.jit
-def _grad_values_kernel(
-    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, u, dsa, T, NC,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
-    NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
-    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr, TIED: tl.constexpr = False, UT: tl.constexpr = False,
-):
-    """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
-    chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
-    With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv.
-    RAW (a decay per row): kd is k [B, T, H, Rkv, K] as given and K̃ = kdec ⊙ k (two TF32 passes
-    when k is 16-bit: E_K). TIED (a = sa ⊙ k, b = k): all of d sa, this block's share -Σ_v U ⊙ dV,
-    goes to dsa [B, T, H, 1, value blocks]. UT (``chunk_fwd.u_from_t``): the state kernel formed dX = Tᵀ dU and
-    stored it in dx, which is read here (du and tinv are not)."""
-    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    c = i_bh * NC + i_c
-    NK: tl.constexpr = TC * RKVP
-    _, _, _, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
-    _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
-    r_q = tl.arange(0, TC)
-    r_k = tl.arange(0, NK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    dO = _load_rows(do, fq, vq, o_v, m_v, V)
+def _grad_dv(dO, dX, mqk, kd, dhn, lbk, kdec, c, r_q, r_k, fk, vk, o_v, m_v, K: tl.constexpr, V: tl.constexpr,
+             TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             PRECISION: tl.constexpr, E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr):
+    """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX [NK, BV] of chunk c and the value columns o_v, before v's factors
+    (dO [TC, BV] and dX [NA, BV] at hand; dS_{n+1} read in key blocks of BK). RAW: kd is k as given, K̃ = kdec ⊙ k
+    (two TF32 passes when k is 16-bit: E_K)."""
     Mk = tl.load(mqk + (c * TC + r_q[:, None]) * NK + r_k[None, :]).to(tl.float32)
     dV = _dot_ex(tl.trans(Mk), dO, PRECISION, E_DO)
     kdS = tl.zeros([NK, BV], dtype=tl.float32)
@@ -679,6 +677,58 @@ def _grad_values_kernel(
     dV += kdS
     if NA > 0:
         r_a = tl.arange(0, NA)
+        Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
+        dV += _dot(tl.trans(Lbk), dX, PRECISION)
+    return dV
+
+
+@triton.jit
+def _store_dv(dV, dv, v, sv, dsv, u, dsa, c, fk, vk, o_v, m_v, i_v, NVB, V: tl.constexpr, NA: tl.constexpr,
+              VSC: tl.constexpr, TIED: tl.constexpr):
+    """dV's block i_v of NVB stored as v's gradient: with VSC (V = sv ⊙ v) dv = sv ⊙ dV and the block's share of
+    d sv = Σ v ⊙ dV to dsv [..., NVB]; TIED (a = sa ⊙ k, b = k) the block's share of d sa, -Σ_v U ⊙ dV, to dsa."""
+    if TIED:
+        # d sa (a = sa ⊙ k, rows of a = rows of k; M_QA = M_QK sa, L_BA = L_BK sa, Ã = sa ⊙ K̃):
+        # Σ_i dM_QA ⊙ M_QK + Σ_i dL_BA ⊙ L_BK + Σ_k K̃ ⊙ dÃ = -Σ_v U ⊙ (M_QKᵀ dO + L_BKᵀ dX + K̃ dS_{n+1}),
+        # which is -U against dV before v's factors: this block of v's share
+        r_a = tl.arange(0, NA)
+        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        tl.store(dsa + fk * NVB + i_v, -tl.sum(U * dV, axis=1), mask=vk)
+    if VSC:
+        tl.store(dsv + fk * NVB + i_v, tl.sum(_load_rows(v, fk, vk, o_v, m_v, V) * dV, axis=1), mask=vk)
+        dV = dV * tl.load(sv + fk, mask=vk, other=0.0)[:, None]
+    tl.store(dv + fk[:, None] * V + o_v[None, :], dV, mask=vk[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _grad_values_kernel(
+    do, mqk, kd, dhn, tinv, lbk, du, dx, dv, v, sv, dsv, kdec, u, dsa, T, NC,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr, RKVP: tl.constexpr,
+    NA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, VSC: tl.constexpr,
+    E_DO: tl.constexpr, RAW: tl.constexpr, E_K: tl.constexpr, TIED: tl.constexpr = False, UT: tl.constexpr = False,
+):
+    """dV = M_QKᵀ dO + K̃ dS_{n+1} + L_BKᵀ dX and dX = Tᵀ dU (dU: the state kernel's total) for one
+    chunk and block of value channels (O = ... + M_QK V, S_{n+1} = ... + K̃ᵀ V, Ũ = T L_BK V).
+    With VSC, V = sv ⊙ v: dv = sv ⊙ dV, and this block's share of d sv = Σ v ⊙ dV goes to dsv.
+    RAW (a decay per row): kd is k [B, T, H, Rkv, K] as given and K̃ = kdec ⊙ k (two TF32 passes
+    when k is 16-bit: E_K). TIED (a = sa ⊙ k, b = k): all of d sa, this block's share -Σ_v U ⊙ dV,
+    goes to dsa [B, T, H, 1, value blocks]. UT (``chunk_fwd.u_from_t``): the state kernel formed dX = Tᵀ dU and
+    stored it in dx, which is read here (du and tinv are not). ``_grad_inputs_kernel``'s VALUES does the same
+    there (``_grad_dv``, ``_store_dv``)."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
+    NK: tl.constexpr = TC * RKVP
+    _, _, _, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
+    _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
+    r_q = tl.arange(0, TC)
+    r_k = tl.arange(0, NK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    dO = _load_rows(do, fq, vq, o_v, m_v, V)
+    dX = dO  # (unused without ranks)
+    if NA > 0:
+        r_a = tl.arange(0, NA)
         if UT:
             dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         else:
@@ -687,19 +737,9 @@ def _grad_values_kernel(
                          other=0.0).to(tl.float32)
             dX = _dot(tl.trans(Ti), dU, PRECISION)
             tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
-        Lbk = tl.load(lbk + (c * NA + r_a[:, None]) * NK + r_k[None, :])
-        dV += _dot(tl.trans(Lbk), dX, PRECISION)
-    if TIED:
-        # d sa (a = sa ⊙ k, rows of a = rows of k; M_QA = M_QK sa, L_BA = L_BK sa, Ã = sa ⊙ K̃):
-        # Σ_i dM_QA ⊙ M_QK + Σ_i dL_BA ⊙ L_BK + Σ_k K̃ ⊙ dÃ = -Σ_v U ⊙ (M_QKᵀ dO + L_BKᵀ dX + K̃ dS_{n+1}),
-        # which is -U against dV before v's factors: this block of v's share
-        U = tl.load(u + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-        tl.store(dsa + fk * tl.num_programs(0) + i_v, -tl.sum(U * dV, axis=1), mask=vk)
-    if VSC:
-        tl.store(dsv + fk * tl.num_programs(0) + i_v, tl.sum(_load_rows(v, fk, vk, o_v, m_v, V) * dV, axis=1),
-                 mask=vk)
-        dV = dV * tl.load(sv + fk, mask=vk, other=0.0)[:, None]
-    tl.store(dv + fk[:, None] * V + o_v[None, :], dV, mask=vk[:, None] & m_v[None, :])
+    dV = _grad_dv(dO, dX, mqk, kd, dhn, lbk, kdec, c, r_q, r_k, fk, vk, o_v, m_v, K, V, TC, NK, NA, BK, BV,
+                  PRECISION, E_DO, RAW, E_K)
+    _store_dv(dV, dv, v, sv, dsv, u, dsa, c, fk, vk, o_v, m_v, i_v, tl.num_programs(0), V, NA, VSC, TIED)
 
 
 @triton.jit
@@ -840,12 +880,14 @@ def _grad_products_kernel(
 
 @triton.jit
 def _grad_inputs_kernel(
-    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, k, hmask, yb, scale, T, NC,
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, k, hmask, yb, mqk, kd, lbk, kdec, tinv, du, dv, v, dsv,
+    dsa, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
     RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
     E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
-    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, NG: tl.constexpr = 0,
+    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, NG: tl.constexpr = 0, VALUES: tl.constexpr = False,
+    BKV: tl.constexpr = 64, E_K: tl.constexpr = False, UT: tl.constexpr = True,
 ):
     """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
     (stored times the scale, Q̃'s factor besides the decay),
@@ -864,7 +906,14 @@ def _grad_inputs_kernel(
     each group i to yb [B, H, NC, TC RABP, RAB, key blocks] (k [B, T, H, 1, K] as given; zero for a group the block
     does not reach), whose key blocks step 4 adds. NG (with HG: the key block's channels in NG whole groups, or in
     part of one: NG 1): dÃ's row (t, i) is kept on group i's channels alone, so only the block's groups' rows of U
-    are read and multiplied, NG of every RAB (half of them at r = 4 and 64 channels a block)."""
+    are read and multiplied, NG of every RAB (half of them at r = 4 and 64 channels a block).
+
+    VALUES: ``_grad_values_kernel``'s work too, each value block by one of the chunk's key-block programs (block
+    i_v by program i_v mod the key blocks), from the dO and dX it has at hand and dS_{n+1} read whole over the keys
+    in blocks of BKV (its own block again from cache): dV to dv (and its shares of d sv to dsv and, TIED, of d sa to
+    dsa, [..., value blocks]). mqk, kd, lbk, kdec, v, E_K and RAW are the values kernel's. Without UT, dX = Tᵀ dU
+    is formed here from tinv and du for each value block and stored (for the products' kernel) by its owner.
+    dS_{n+1} and the chunk's per-token tiles are then read once for both (``values_in_inputs``)."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -873,7 +922,7 @@ def _grad_inputs_kernel(
     r_k = tl.arange(0, NK)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    if RAW or RAW_V:
+    if RAW or RAW_V or VALUES:
         _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
@@ -895,6 +944,8 @@ def _grad_inputs_kernel(
             fv = _row_factor(sv, fk, vk)[:, None]
         else:
             fv = tl.full([NK, 1], 1.0, dtype=tl.float32)
+    if VALUES and NA > 0 and not UT:
+        Ti = tl.load(tinv + (c * NA + r_a[:, None]) * NA + r_a[None, :])
     for v0 in tl.static_range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -922,8 +973,24 @@ def _grad_inputs_kernel(
                 U = tl.load(u + (c * NA + row_u[:, None]) * V + o_v[None, :], mask=m_v[None, :],
                             other=0.0).to(tl.float32)
                 Da -= _dot(U, tl.trans(dS), PRECISION)
-            dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+            if VALUES and not UT:  # dX = Tᵀ dU, as the values kernel forms it
+                dX = _dot(tl.trans(Ti), tl.load(du + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                                                other=0.0).to(tl.float32), PRECISION)
+            else:
+                dX = tl.load(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], mask=m_v[None, :],
+                             other=0.0).to(tl.float32)
             Db += _dot(dX, tl.trans(S0), PRECISION)
+        else:
+            dX = dO  # (unused without ranks)
+        if VALUES:
+            i_v = v0 // BV
+            if i_v % tl.num_programs(0) == i_k:  # this value block's dV is this program's
+                if NA > 0 and not UT:
+                    tl.store(dx + (c * NA + r_a[:, None]) * V + o_v[None, :], dX, mask=m_v[None, :])
+                dV = _grad_dv(dO, dX, mqk, kd, dhn, lbk, kdec, c, r_q, r_k, fk, vk, o_v, m_v, K, V, TC, NK, NA, BKV,
+                              BV, PRECISION, E_DO, RAW, E_K)
+                _store_dv(dV, dv, v, sv, dsv, u, dsa, c, fk, vk, o_v, m_v, i_v, (V + BV - 1) // BV, V, NA, VSC,
+                          TIED)
     if RAW and VSC and not TIED:
         Dk = Dk * _row_factor(sv, fk, vk)[:, None]
     tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])
@@ -1063,13 +1130,17 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     sa32 = sa.float().contiguous() if asc else None
     # d sa per row and block: of values when tied (_grad_values_kernel), else of keys (_grad_kernel)
     dsa = torch.empty(*a.shape[:-1], NVB if tied else NKB, **f32) if asc else None
-    _grad_values_kernel[(NVB, NC, B * H)](
-        do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
-        opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
-        RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, _pow2(K))), BV=BV, PRECISION=prec,
-        VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, UT=ut, num_warps=_CONFIG["values"],
-        num_stages=1,
-    )
+    # the values kernel's arguments; its work inside the inputs' kernel where ``values_in_inputs`` says so
+    vals = (mqk, k if raw else kd, opt(lbk), opt(kdec), opt(tinv), opt(du if Rab else None), dv, v, opt(dsv), opt(dsa))
+    fused_values = values_in_inputs(Rab, tied, prec, K, V, _CONFIG["values_in_inputs"])
+    if not fused_values:
+        _grad_values_kernel[(NVB, NC, B * H)](
+            do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
+            opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
+            RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, _pow2(K))), BV=BV, PRECISION=prec,
+            VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, UT=ut, num_warps=_CONFIG["values"],
+            num_stages=1,
+        )
     # the gradients of the decayed inputs
     f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
     # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
@@ -1088,11 +1159,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     yb = f32c(NA, Rab, NKI) if ig else None
     _grad_inputs_kernel[(NKI, NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
-        opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), scale, T, NC, H=H,
-        K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
+        opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), *vals, scale, T, NC,
+        H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
         RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
         RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
-        num_warps=warps, num_stages=1, **_maxnreg(_register_cap("inputs", warps, C, gate, Rab, bool(hh), prec, K, V)),
+        VALUES=fused_values, BKV=min(64, max(16, _pow2(K))), E_K=_is16(k), UT=ut, num_warps=warps, num_stages=1, **_maxnreg(_register_cap("inputs", warps, C, gate, Rab, bool(hh), prec, K, V)),
     )
     # the gradients of the products
     dmqk = stc(C, NK)
