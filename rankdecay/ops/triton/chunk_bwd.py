@@ -56,7 +56,8 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # caps its key block (benchmarks). hh_inputs 1: the inputs' kernel reduces dÃ and dB̃ to what step 4 by groups reads
 # before storing them (its HG): H100 HH-GDN r=4, inputs 1.41 -> 1.58 ms, step 4 0.93 -> 0.76, fwd+bwd the same
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
-# inputs 0: by chunk size and gate (``_inputs_warps``).
+# inputs 0: by chunk size and gate (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
+# the values kernel's work inside the inputs' kernel, whose launch (warps, key block, cap) it then takes.
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
                grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
