@@ -151,7 +151,8 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
         tensors = (q, k1, v, None if tied else a, None if tied else b, g, None, sa, sv,
                    *(saved[n] for n in chunk_bwd._SAVED))
         try:
-            chunk_bwd._backward(tensors, K ** -0.5, saved["TC"], tied, do, None, **extra)
+            # (ut: the forward formed U_n from T, as the autograd nodes pass it on)
+            chunk_bwd._backward(tensors, K ** -0.5, saved["TC"], tied, do, None, ut=saved["ut"], **extra)
         except (RuntimeError, IndexError):  # PyTorch work on the (never written) results after the last launch
             pass
     finally:
