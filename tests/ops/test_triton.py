@@ -2710,6 +2710,36 @@ def test_channel_products_forward_and_backward(RX, RY, strict, scaled, T, strong
     torch.testing.assert_close(dy.double()[vy], chunked(ref_dy, RY, RYP)[vy], rtol=1e-5, atol=1e-5)
 
 
+def _check_fused_form(monkeypatch, knob: str, kernel: str, fn, pt, labels, what: str) -> None:
+    """``fn()`` (-> outputs and gradients) with ``chunk_bwd._CONFIG[knob]`` 0 and 1: with 1 the kernel ``kernel`` of
+    ``chunk_bwd`` must not launch (with 0 it must), and every result must match the unfused form's (bit-equal under
+    the interpreter, where both forms take the same operations; on a GPU their products' layouts differ, so to 1e-6)
+    and ``pt()``'s, the PyTorch path's, at 1e-5."""
+    from rankdecay.ops.triton import chunk_bwd
+
+    calls, launch = [], getattr(chunk_bwd, kernel)
+
+    class Spy:  # kernel[grid](...) counted
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return launch[grid]
+
+    monkeypatch.setattr(chunk_bwd, kernel, Spy())
+    results = {}
+    for fused in (0, 1):
+        monkeypatch.setitem(chunk_bwd._CONFIG, knob, fused)
+        before = len(calls)
+        results[fused] = fn()
+        assert (len(calls) > before) != bool(fused), f"{what}: {kernel} ran {len(calls) - before} times"
+    ref = pt()
+    for name, x, y, z in zip(labels, results[1], results[0], ref):
+        if DEVICE == "cpu":
+            assert torch.equal(x, y), f"{what}: {name} differs from the unfused form's by {(x - y).abs().max()}"
+        else:
+            assert_matches(x, y, 1e-6, f"{what}: {name} against the unfused form")
+        assert_matches(x, z, 1e-5, f"{what}: {name} against the PyTorch path")
+
+
 @pytest.mark.parametrize("case", ["dplr-scalar-ut", "dplr-scalar-w", "dplr-channel-r2", "gdn", "hh", "hdla", "kda",
                                   "gla"])
 def test_values_in_the_inputs_kernel(case, monkeypatch):
@@ -2723,14 +2753,6 @@ def test_values_in_the_inputs_kernel(case, monkeypatch):
     from rankdecay.ops.triton import chunk_bwd
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "inputs_bk", 16)
-    calls, kernel = [], chunk_bwd._grad_values_kernel
-
-    class Spy:  # kernel[grid](...) counted
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(chunk_bwd, "_grad_values_kernel", Spy())
     if case.startswith("dplr"):
         Rab, gate = (2, "channel") if case == "dplr-channel-r2" else (1, "scalar")
         monkeypatch.setitem(chunk_bwd._KNOBS, "u_from_t", not case.endswith("-w"))
@@ -2749,19 +2771,7 @@ def test_values_in_the_inputs_kernel(case, monkeypatch):
         fn = lambda: _grads_of(lambda *x: op(*x, mode="triton"), xs)  # noqa: E731
         pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
         labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
-    results = {}
-    for fused in (0, 1):
-        monkeypatch.setitem(chunk_bwd._CONFIG, "values_in_inputs", fused)
-        before = len(calls)
-        results[fused] = fn()
-        assert (len(calls) > before) != bool(fused), f"{case}: the values kernel ran {len(calls) - before} times"
-    ref = pt()
-    for name, x, y, z in zip(labels, results[1], results[0], ref):
-        if DEVICE == "cpu":
-            assert torch.equal(x, y), f"{case}: {name} differs from the values kernel's by {(x - y).abs().max()}"
-        else:
-            assert_matches(x, y, 1e-6, f"{case}: {name} against the values kernel's")
-        assert_matches(x, z, 1e-5, f"{case}: {name} against the PyTorch path")
+    _check_fused_form(monkeypatch, "values_in_inputs", "_grad_values_kernel", fn, pt, labels, case)
 
 
 @pytest.mark.parametrize("values", [0, 1], ids=["values-apart", "values-too"])
@@ -2781,14 +2791,6 @@ def test_inputs_in_step4(case, values, monkeypatch):
     monkeypatch.setitem(chunk_bwd._CONFIG, "inputs_bk", 16)
     monkeypatch.setitem(chunk_bwd._CONFIG, "values_in_inputs", values)
     monkeypatch.setitem(chunk_bwd._KNOBS, "u_from_t", True)
-    calls, kernel = [], chunk_bwd._grad_inputs_kernel
-
-    class Spy:  # kernel[grid](...) counted
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(chunk_bwd, "_grad_inputs_kernel", Spy())
     if case.startswith("dplr"):
         Rab, gate = (2, "channel") if case == "dplr-channel-r2" else (1, "scalar")
         inputs = random_inputs(2, 37, 2, 32, 72, Rab, 1, gate, seed=4)
@@ -2803,16 +2805,4 @@ def test_inputs_in_step4(case, values, monkeypatch):
         fn = lambda: _grads_of(lambda *x: op(*x, mode="triton"), xs)  # noqa: E731
         pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
         labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
-    results = {}
-    for in4 in (0, 1):
-        monkeypatch.setitem(chunk_bwd._CONFIG, "inputs_in_step4", in4)
-        before = len(calls)
-        results[in4] = fn()
-        assert (len(calls) > before) != bool(in4), f"{case}: the inputs' kernel ran {len(calls) - before} times"
-    ref = pt()
-    for name, x, y, z in zip(labels, results[1], results[0], ref):
-        if DEVICE == "cpu":
-            assert torch.equal(x, y), f"{case}: {name} differs from the inputs' kernel's form by {(x - y).abs().max()}"
-        else:
-            assert_matches(x, y, 1e-6, f"{case}: {name} against the inputs' kernel's form")
-        assert_matches(x, z, 1e-5, f"{case}: {name} against the PyTorch path")
+    _check_fused_form(monkeypatch, "inputs_in_step4", "_grad_inputs_kernel", fn, pt, labels, case)

@@ -1030,7 +1030,7 @@ def _grad_inputs_kernel(
 
     TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
     stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
-    ``_grad_values_kernel``).
+    ``_grad_values_kernel``, or from this kernel's VALUES).
 
     HG (Head-in-Head with step 4 by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per
     token): dÃ and dB̃ are taken whole, as without it, and reduced to what step 4 reads before they are stored, a
@@ -1202,6 +1202,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dsa = torch.empty(*a.shape[:-1], NVB if tied else NKB, **f32) if asc else None
     # the values kernel's arguments; its work inside the inputs' kernel where ``values_in_inputs`` says so
     vals = (mqk, k if raw else kd, opt(lbk), opt(kdec), opt(tinv), opt(du if Rab else None), dv, v, opt(dsv), opt(dsa))
+    BKV = min(64, max(16, _pow2(K)))  # the values' key block
     fused_values = values_in_inputs(Rab, tied, prec, K, V, _CONFIG["values_in_inputs"])
     # step 4 (``_grad_kernel``) takes the inputs' gradients itself where ``inputs_in_step4`` says so, and with them
     # the values kernel's work where that is fused: both then run after the products' kernels, which need dX from
@@ -1211,7 +1212,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_values_kernel[(NVB, NC, B * H)](
             do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
             opt(dsv), opt(kdec), opt(u if Rab else None), opt(dsa), T, NC, H=H, K=K, V=V, TC=C, RKV=Rkv,
-            RKVP=_pow2(Rkv), NA=NA, BK=min(64, max(16, _pow2(K))), BV=BV, PRECISION=prec,
+            RKVP=_pow2(Rkv), NA=NA, BK=BKV, BV=BV, PRECISION=prec,
             VSC=sv is not None, E_DO=e_do, RAW=raw, E_K=_is16(k), TIED=tied, UT=ut, num_warps=_CONFIG["values"],
             num_stages=1,
         )
@@ -1231,10 +1232,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     NKI = _cdiv(K, BKi)
     warps = _inputs_warps(C, gate)
     yb = f32c(NA, Rab, NKI) if ig else None
-    BKV = min(64, max(16, _pow2(K)))  # the values' key block
+    # what the inputs' loop reads, here or in step 4 (``_inputs_tiles``)
+    tiles = (do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx))
     if not in4:
         _grad_inputs_kernel[(NKI, NC, B * H)](
-            do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
+            *tiles, dqd, dkd, opt(dad), opt(dbd),
             opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), *vals, scale, T,
             NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
             RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
@@ -1331,9 +1333,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
             opt(pa), opt(pb), g if one or kda_rows else dummy, hdla_beta if one else dummy, hdla_c if one else dummy,
             opt(hpart),
-            hh_mask if hh else dummy, opt(dbeta_fin), opt(dbeta_rows), opt(hcnt), do, s0, dhn,
-            v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), opt(sv32), mqk, k if raw else kd, opt(lbk),
-            opt(kdec), dv, v, opt(dsv), scale, T, NC, H=H, K=K,
+            hh_mask if hh else dummy, opt(dbeta_fin), opt(dbeta_rows), opt(hcnt), *tiles, opt(sv32), mqk,
+            k if raw else kd, opt(lbk), opt(kdec), dv, v, opt(dsv), scale, T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
