@@ -2772,37 +2772,3 @@ def test_values_in_the_inputs_kernel(case, monkeypatch):
         pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
         labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
     _check_fused_form(monkeypatch, "values_in_inputs", "_grad_values_kernel", fn, pt, labels, case)
-
-
-@pytest.mark.parametrize("values", [0, 1], ids=["values-apart", "values-too"])
-@pytest.mark.parametrize("case", ["dplr-scalar-ut", "dplr-channel-r2", "hdla", "hdla-rows", "kda"])
-def test_inputs_in_step4(case, values, monkeypatch):
-    """``chunk_bwd._CONFIG["inputs_in_step4"]``: step 4 (``_grad_kernel``) takes the decayed inputs' gradients itself
-    (its INPUTS, ``_inputs_tiles``) instead of reading the inputs' kernel's stores, which does not run, and with the
-    values kernel's work fused (``values_in_inputs``) that too. Two key blocks of 16 (K = 32) and two value blocks
-    (V = 72, the second partial); a scalar gate's general step 4, a per-channel one of rank 2, HDLA's (rows formed
-    in step 4 and its last key block finishing c's share: "hdla-rows", its products as token rows, as at bf16) and
-    KDA's, with strong decays. Every gradient matches the
-    inputs' kernel's form (bit-equal under the interpreter; to fp32 rounding on a GPU) and the PyTorch path at fp32
-    accuracy."""
-    from rankdecay.ops.triton import chunk_bwd
-
-    monkeypatch.setitem(chunk_bwd._CONFIG, "grad_bk", 16)
-    monkeypatch.setitem(chunk_bwd._CONFIG, "inputs_bk", 16)
-    monkeypatch.setitem(chunk_bwd._CONFIG, "values_in_inputs", values)
-    monkeypatch.setitem(chunk_bwd._KNOBS, "u_from_t", True)
-    if case.startswith("dplr"):
-        Rab, gate = (2, "channel") if case == "dplr-channel-r2" else (1, "scalar")
-        inputs = random_inputs(2, 37, 2, 32, 72, Rab, 1, gate, seed=4)
-        inputs[5][:, 20:22] = -30.0
-        fn, pt = (lambda: run("triton", inputs, chunk_size=16)), (lambda: run("chunk", inputs, chunk_size=16))
-        labels = names(inputs)
-    else:
-        if case == "hdla-rows":
-            monkeypatch.setitem(chunk_bwd._KNOBS, "hdla_products", True)
-        xs, op = _mechanism_case(case.removesuffix("-rows"), 2, 37, 2, 32, 72, seed=4)
-        xs[3][:, 20:22] = -30.0  # strong decays inside a chunk
-        fn = lambda: _grads_of(lambda *x: op(*x, mode="triton"), xs)  # noqa: E731
-        pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
-        labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
-    _check_fused_form(monkeypatch, "inputs_in_step4", "_grad_inputs_kernel", fn, pt, labels, case)

@@ -58,11 +58,9 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
 # inputs 0: by chunk size and gate (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
 # the values kernel's work inside the inputs' kernel, whose launch (warps, key block, cap) it then takes.
-# inputs_in_step4 (1 / 0; None: ``inputs_in_step4``'s rule, off): the inputs' kernel's work (and, where fused, the
-# values kernel's) inside step 4 (``_grad_kernel``'s INPUTS), on step 4's launch (grad_bk, grad_channel, grad_hdla).
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
-               grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None, inputs_in_step4=None)
+               grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
 
 
@@ -139,14 +137,6 @@ def values_in_inputs(Rab: int, tied: bool, precision: str, K: int, V: int, knob=
     if knob is not None:
         return bool(knob)
     return Rab > 0 and not tied and precision.startswith("bf16") and K <= 128 and V <= 128
-
-
-def inputs_in_step4(knob=None) -> bool:
-    """Whether step 4 (``_grad_kernel``, not Head-in-Head's by groups nor the tied keys') takes the decayed inputs'
-    gradients itself (its INPUTS) instead of reading them from ``_grad_inputs_kernel``'s stores, four [rows, K]
-    tiles a chunk written once and read once, where the training forward formed U_n from T (u_from_t):
-    ``_CONFIG["inputs_in_step4"]`` (1 / 0) where set, else no (not yet measured on a GPU)."""
-    return bool(knob) if knob is not None else False
 
 
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec",
@@ -349,16 +339,12 @@ def _grad_hh_kernel(
 @triton.jit
 def _grad_kernel(
     q, k, a, b, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, da, db, dg, pdg, dsa,
-    pq, pk, pa, pb, graw, hb, hc, hpart, hmask, hdbeta, hdbr, hcnt, do, s0, dhn, vf, u, dx, sv, mqk, kd, lbk, kdec,
-    dv, v, dsv, scale, T, NC,
+    pq, pk, pa, pb, graw, hb, hc, hpart, hmask, hdbeta, hdbr, hcnt, T, NC,
     H: tl.constexpr, K: tl.constexpr, KG: tl.constexpr, TC: tl.constexpr, RKV: tl.constexpr,
     RKVP: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr,
     E_Q: tl.constexpr, E_K: tl.constexpr, E_A: tl.constexpr, E_B: tl.constexpr, HDLA: tl.constexpr = False,
     HH: tl.constexpr = 0, KDA: tl.constexpr = 0, HFIN: tl.constexpr = False, HAS_DBR: tl.constexpr = False,
-    INPUTS: tl.constexpr = False, V: tl.constexpr = 16, BV: tl.constexpr = 16, E_DO: tl.constexpr = False,
-    RAW: tl.constexpr = False, RAW_V: tl.constexpr = False, VSC: tl.constexpr = False, E_V: tl.constexpr = False,
-    VALUES: tl.constexpr = False, BKV: tl.constexpr = 16,
 ):
     """Step 4 for one chunk and block of key channels: dq, dk, da, db and dg from the gradients of
     the products (``_grad_products_kernel``) and of the decayed inputs (``_grad_inputs_kernel``).
@@ -395,12 +381,6 @@ def _grad_kernel(
     db are not stored. KDA 2: the products' share in pb is b's rows' taken as k through G_t (``channel_product_bwd``'s
     x2), e^g ⊙ db: it goes to dk as it is, and its decays' share b ⊙ db = k ⊙ (e^g ⊙ db) on G_t, where as b's it
     goes on G_{t-1} and to g_t directly (the same sum).
-
-    INPUTS (``inputs_in_step4``): the decayed inputs' gradients are not read from dqd, dkd, dad, dbd and ddch but
-    taken here, as ``_grad_inputs_kernel`` takes them (``_inputs_tiles``, on this program's key block; its arguments
-    do ... dsv, scale, V, BV, E_DO, RAW, RAW_V, VSC, E_V, BKV as there), and with VALUES the values kernel's work
-    too. The products' gradients (dmqk ...; pq ... with a per-channel gate) must then be ready without them: dX
-    from the backward state kernel (u_from_t).
 
     The delta rule (a and b are k) has its own kernel, ``_grad_tied_kernel``.
     """
@@ -481,18 +461,9 @@ def _grad_kernel(
                              other=0.0).to(tl.float32)
             dB = tl.load(pb + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
     # the decayed inputs Q̃ = scale Q e^G, K̃ = K e^{G_C - G}, Ã = A e^{G_C - G}, B̃ = B e^{G_{i-1}}
-    # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel, or taken here (INPUTS)
-    if INPUTS:
-        Dq, Dk, Dd, Da_in, Db_in = _inputs_tiles(
-            do, s0, dhn, vf, u, dx, sv, sa, mqk, kd, lbk, kdec, dv, dv, dv, v, dsv, dsa, c, i_b, i_h, i_c, i_k, T, H,
-            K, V, TC, NK, NA, BK, BV, GATE, PRECISION, E_DO, RKV, RKVP, RAW, VSC, E_V, False, RAW_V, RAB, RABP, 0,
-            VALUES, BKV, E_K, True)
-        Dq = Dq * scale
-    else:
-        Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
-        Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
-        if GATE > 0:
-            Dd = tl.load(ddch + c * K + o_k, mask=m_k, other=0.0)
+    # and e^{G_C}: their gradients (dQ̃ times the scale) from _grad_inputs_kernel
+    Dq = tl.load(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+    Dk = tl.load(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
     # dg: each decayed input's share directly as the cumulative sum over the gates it depends on
     # (sQ: Q̃_t ⊙ dQ̃_t, on g_s for s <= t; sKA: K̃ and Ã, s > t; sB: B̃, s < t; e^{G_C}: every s)
     if GATE == 1:
@@ -503,7 +474,7 @@ def _grad_kernel(
         sQ = tl.sum(Q * Dq, axis=1)
         sKA = tl.sum(tl.reshape(tl.sum(Kr * Dk, axis=1), (TC, RKVP)), axis=1)
         sB = tl.zeros([TC], dtype=tl.float32)
-        eC = tl.sum(Dd, axis=0) * tl.load(dch + c)
+        eC = tl.sum(tl.load(ddch + c * K + o_k, mask=m_k, other=0.0), axis=0) * tl.load(dch + c)
     elif GATE == 2:
         eq = _channel_decays(gc, tokq, o_k, m_k, KG, TC, False, False)
         ek = _channel_decays(gc, tokk, o_k, m_k, KG, TC, True, False)
@@ -512,7 +483,7 @@ def _grad_kernel(
         sQ = Q * Dq
         sKA = tl.sum(tl.reshape(Kr * Dk, (TC, RKVP, BK)), axis=1)
         sB = tl.zeros([TC, BK], dtype=tl.float32)
-        eC = tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * Dd
+        eC = tl.load(dch + c * KG + o_k, mask=m_k, other=0.0) * tl.load(ddch + c * K + o_k, mask=m_k, other=0.0)
         # the products' share per channel: x ⊙ dx on G^x (G_t, or G_{t-1} for B), -y ⊙ dy on G^y
         dG = Q * dQ - tl.sum(tl.reshape(Kr * dK, (TC, RKVP, BK)), axis=1)
         dGex = tl.zeros([TC, BK], dtype=tl.float32)
@@ -521,13 +492,8 @@ def _grad_kernel(
     if not HDLA and not HH and not KDA:
         tl.store(dk + fk[:, None] * K + o_k[None, :], dK, mask=vk[:, None] & m_k[None, :])
     if RAB > 0:
-        if INPUTS:
-            Da, Db = Da_in, Db_in
-        else:
-            Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :],
-                         other=0.0).to(tl.float32)
-            Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :],
-                         other=0.0).to(tl.float32)
+        Da = tl.load(dad + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
+        Db = tl.load(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], mask=m_k[None, :], other=0.0).to(tl.float32)
         if GATE == 1:
             Da = Da * tl.exp((G_end - Ga).to(tl.float32))[:, None]
             Db = Db * tl.exp(Gb.to(tl.float32))[:, None]
@@ -914,25 +880,50 @@ def _grad_products_kernel(
 
 
 @triton.jit
-def _inputs_tiles(
-    do, s0, dhn, vf, u, dx, sv, sa, mqk, kd, lbk, kdec, tinv, du, dv, v, dsv, dsa, c, i_b, i_h, i_c, i_k, T,
+def _grad_inputs_kernel(
+    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, k, hmask, yb, mqk, kd, lbk, kdec, tinv, du, dv, v, dsv,
+    dsa, scale, T, NC,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
-    RKV: tl.constexpr, RKVP: tl.constexpr, RAW: tl.constexpr, VSC: tl.constexpr, E_V: tl.constexpr,
-    TIED: tl.constexpr, RAW_V: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, NG: tl.constexpr,
-    VALUES: tl.constexpr, BKV: tl.constexpr, E_K: tl.constexpr, UT: tl.constexpr,
+    RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
+    E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
+    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, NG: tl.constexpr = 0, VALUES: tl.constexpr = False,
+    BKV: tl.constexpr = 64, E_K: tl.constexpr = False, UT: tl.constexpr = True,
 ):
-    """``_grad_inputs_kernel``'s loop over the value blocks for chunk c and key block i_k (BK channels), its
-    arguments as there: (dQ̃ before the scale [TC, BK], dK̃ [NK, BK], d e^{G_C} [BK], dÃ ([NA, BK]; [TC NG, BK] with
-    NG; dQ̃ again where there is none: TIED or no ranks), dB̃ [NA, BK] (dQ̃ again without ranks)), with VALUES the
-    values kernel's work done on the way. Also step 4's, where it takes the inputs' gradients itself
-    (``_grad_kernel``'s INPUTS)."""
+    """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
+    (stored times the scale, Q̃'s factor besides the decay),
+    dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel).
+    RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given, V = sv ⊙ v with VSC (two TF32
+    passes when v is 16-bit: E_V). RAW_V (not RAW: a per-channel gate without sv): vf is v as given.
+
+    TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
+    stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
+    ``_grad_values_kernel``, or from this kernel's VALUES).
+
+    HG (Head-in-Head with step 4 by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per
+    token): dÃ and dB̃ are taken whole, as without it, and reduced to what step 4 reads before they are stored, a
+    quarter of them at r = 4: in channel l of group i, dÃ's row (t, i) to dad [B, H, NC, TC, K] and
+    Σ_j M_t[j, i] dB̃_(t, j) to dbd [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block's channels of
+    each group i to yb [B, H, NC, TC RABP, RAB, key blocks] (k [B, T, H, 1, K] as given; zero for a group the block
+    does not reach), whose key blocks step 4 adds. NG (with HG: the key block's channels in NG whole groups, or in
+    part of one: NG 1): dÃ's row (t, i) is kept on group i's channels alone, so only the block's groups' rows of U
+    are read and multiplied, NG of every RAB (half of them at r = 4 and 64 channels a block).
+
+    VALUES: ``_grad_values_kernel``'s work too, each value block by one of the chunk's key-block programs (block
+    i_v by program i_v mod the key blocks), from the dO and dX it has at hand and dS_{n+1} read whole over the keys
+    in blocks of BKV (its own block again from cache): dV to dv (and its shares of d sv to dsv and, TIED, of d sa to
+    dsa, [..., value blocks]). mqk, kd, lbk, kdec, v, E_K and RAW are the values kernel's. Without UT, dX = Tᵀ dU
+    is formed here from tinv and du for each value block and stored (for the products' kernel) by its owner.
+    dS_{n+1} and the chunk's per-token tiles are then read once for both (``values_in_inputs``)."""
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = i_bh * NC + i_c
     _, _, _, vq, fq = _rows(i_b, i_h, i_c, T, H, TC, 1, 1)
     r_q = tl.arange(0, TC)
     r_k = tl.arange(0, NK)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    if RAW or RAW_V or VALUES or TIED:
+    if RAW or RAW_V or VALUES:
         _, _, _, vk, fk = _rows(i_b, i_h, i_c, T, H, TC, RKV, RKVP)
     Dq = tl.zeros([TC, BK], dtype=tl.float32)
     Dk = tl.zeros([NK, BK], dtype=tl.float32)
@@ -1003,66 +994,6 @@ def _inputs_tiles(
                           TIED)
     if RAW and VSC and not TIED:
         Dk = Dk * _row_factor(sv, fk, vk)[:, None]
-    if NA == 0:
-        Da = Dq
-        Db = Dq
-    elif TIED and not NG:
-        Da = Dq
-    return Dq, Dk, Dd, Da, Db
-
-
-@triton.jit
-def _grad_inputs_kernel(
-    do, s0, dhn, vf, u, dx, dqd, dkd, dad, dbd, ddch, sv, sa, k, hmask, yb, mqk, kd, lbk, kdec, tinv, du, dv, v, dsv,
-    dsa, scale, T, NC,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TC: tl.constexpr, NK: tl.constexpr, NA: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr, E_DO: tl.constexpr,
-    RKV: tl.constexpr = 1, RKVP: tl.constexpr = 1, RAW: tl.constexpr = False, VSC: tl.constexpr = False,
-    E_V: tl.constexpr = False, TIED: tl.constexpr = False, RAW_V: tl.constexpr = False, HG: tl.constexpr = 0,
-    RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, NG: tl.constexpr = 0, VALUES: tl.constexpr = False,
-    BKV: tl.constexpr = 64, E_K: tl.constexpr = False, UT: tl.constexpr = True,
-):
-    """The gradients of the decayed inputs for one chunk and block of key channels: dQ̃ = dO S_nᵀ
-    (stored times the scale, Q̃'s factor besides the decay),
-    dK̃ = V dS_{n+1}ᵀ, dÃ = -U dS_{n+1}ᵀ, dB̃ = dX S_nᵀ and d e^{G_C} = Σ_v S_n ⊙ dS_{n+1} (per channel).
-    RAW (a decay per row): vf is v [B, T, H, Rkv, V] as given, V = sv ⊙ v with VSC (two TF32
-    passes when v is 16-bit: E_V). RAW_V (not RAW: a per-channel gate without sv): vf is v as given.
-
-    TIED (a = sa ⊙ k, b = k): k's rows are a's, and dK̃ + sa ⊙ dÃ = (V - sa ⊙ U) dS_{n+1}ᵀ is
-    stored in dkd, one accumulator for two (dad unused; d sa's share of dÃ comes from
-    ``_grad_values_kernel``, or from this kernel's VALUES).
-
-    HG (Head-in-Head with step 4 by groups, ``_grad_hh_kernel``'s IG; 1: a static mask hmask [H, r, r], 2: one per
-    token): dÃ and dB̃ are taken whole, as without it, and reduced to what step 4 reads before they are stored, a
-    quarter of them at r = 4: in channel l of group i, dÃ's row (t, i) to dad [B, H, NC, TC, K] and
-    Σ_j M_t[j, i] dB̃_(t, j) to dbd [B, H, NC, TC, K], and each rank's dB̃_(t, j) · k_t over the block's channels of
-    each group i to yb [B, H, NC, TC RABP, RAB, key blocks] (k [B, T, H, 1, K] as given; zero for a group the block
-    does not reach), whose key blocks step 4 adds. NG (with HG: the key block's channels in NG whole groups, or in
-    part of one: NG 1): dÃ's row (t, i) is kept on group i's channels alone, so only the block's groups' rows of U
-    are read and multiplied, NG of every RAB (half of them at r = 4 and 64 channels a block).
-
-    VALUES: ``_grad_values_kernel``'s work too, each value block by one of the chunk's key-block programs (block
-    i_v by program i_v mod the key blocks), from the dO and dX it has at hand and dS_{n+1} read whole over the keys
-    in blocks of BKV (its own block again from cache): dV to dv (and its shares of d sv to dsv and, TIED, of d sa to
-    dsa, [..., value blocks]). mqk, kd, lbk, kdec, v, E_K and RAW are the values kernel's. Without UT, dX = Tᵀ dU
-    is formed here from tinv and du for each value block and stored (for the products' kernel) by its owner.
-    dS_{n+1} and the chunk's per-token tiles are then read once for both (``values_in_inputs``)."""
-    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    c = i_bh * NC + i_c
-    r_q = tl.arange(0, TC)
-    r_k = tl.arange(0, NK)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    Dq, Dk, Dd, Da, Db = _inputs_tiles(
-        do, s0, dhn, vf, u, dx, sv, sa, mqk, kd, lbk, kdec, tinv, du, dv, v, dsv, dsa, c, i_b, i_h, i_c, i_k, T, H, K,
-        V, TC, NK, NA, BK, BV, GATE, PRECISION, E_DO, RKV, RKVP, RAW, VSC, E_V, TIED, RAW_V, RAB, RABP, NG, VALUES,
-        BKV, E_K, UT)
-    if NA > 0:
-        r_a = tl.arange(0, NA)
-        if NG:
-            r_s = tl.arange(0, TC * NG)
-            j0 = (i_k * BK) // (K // RAB)
     tl.store(dqd + (c * TC + r_q[:, None]) * K + o_k[None, :], Dq * scale, mask=m_k[None, :])
     tl.store(dkd + (c * NK + r_k[:, None]) * K + o_k[None, :], Dk, mask=m_k[None, :])
     if GATE > 0:
@@ -1204,10 +1135,6 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     vals = (mqk, k if raw else kd, opt(lbk), opt(kdec), opt(tinv), opt(du if Rab else None), dv, v, opt(dsv), opt(dsa))
     BKV = min(64, max(16, _pow2(K)))  # the values' key block
     fused_values = values_in_inputs(Rab, tied, prec, K, V, _CONFIG["values_in_inputs"])
-    # step 4 (``_grad_kernel``) takes the inputs' gradients itself where ``inputs_in_step4`` says so, and with them
-    # the values kernel's work where that is fused: both then run after the products' kernels, which need dX from
-    # the state kernel (u_from_t)
-    in4 = ut and not tied and not bk_hh and inputs_in_step4(_CONFIG["inputs_in_step4"])
     if not fused_values:
         _grad_values_kernel[(NVB, NC, B * H)](
             do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),
@@ -1220,30 +1147,27 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     f32c = lambda *shape: torch.empty(B, H, NC, *shape, **f32)  # noqa: E731
     # the tiles between the kernels in the forward's stored dtype (bf16 with bf16 products)
     stc = lambda *shape: torch.empty(B, H, NC, *shape, device=q.device, dtype=mqk.dtype)  # noqa: E731
-    dqd, dkd = (stc(C, K), stc(NK, K)) if not in4 else (None, None)
+    dqd, dkd = stc(C, K), stc(NK, K)
     # Head-in-Head by groups: the inputs' kernel stores only what step 4 reads (``hh_inputs``), dÃ's own rows and
     # dB̃ summed with the mask per token, and the ranks' dB̃ · k per group and key block
     ig = bool(bk_hh and _CONFIG["hh_inputs"])
     rows_in = C if ig else NA
-    dad = stc(rows_in, K) if Rab and not tied and not in4 else None  # tied: sa ⊙ dÃ comes added into dkd
-    dbd = stc(rows_in, K) if Rab and not in4 else None
-    ddch = f32c(K) if g is not None and not in4 else None
+    dad = stc(rows_in, K) if Rab and not tied else None  # tied: sa ⊙ dÃ comes added into dkd
+    dbd = stc(rows_in, K) if Rab else None
+    ddch = f32c(K) if g is not None else None
     BKi = _key_block("inputs_bk", K, prec, gate == 2)
     NKI = _cdiv(K, BKi)
     warps = _inputs_warps(C, gate)
     yb = f32c(NA, Rab, NKI) if ig else None
-    # what the inputs' loop reads, here or in step 4 (``_inputs_tiles``)
-    tiles = (do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx))
-    if not in4:
-        _grad_inputs_kernel[(NKI, NC, B * H)](
-            *tiles, dqd, dkd, opt(dad), opt(dbd),
-            opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), *vals, scale, T,
-            NC, H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
-            RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
-            RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
-            VALUES=fused_values, BKV=BKV, E_K=_is16(k), UT=ut, num_warps=warps, num_stages=1,
-            **_maxnreg(_register_cap("inputs", warps, C, gate, Rab, bool(hh), prec, K, V)),
-        )
+    _grad_inputs_kernel[(NKI, NC, B * H)](
+        do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
+        opt(ddch), opt(sv32), opt(sa32), k if ig else dummy, hh_mask if ig else dummy, opt(yb), *vals, scale, T, NC,
+        H=H, K=K, V=V, TC=C, NK=NK, NA=NA, BK=BKi, BV=BV, GATE=gate, PRECISION=prec, E_DO=e_do, RKV=Rkv,
+        RKVP=_pow2(Rkv), RAW=raw, VSC=sv is not None, E_V=_is16(v), TIED=tied, RAW_V=raw_v, HG=hh if ig else 0,
+        RAB=max(Rab, 1), RABP=max(_pow2(Rab), 1), NG=_block_groups(K, Rab, BKi) if ig else 0,
+        VALUES=fused_values, BKV=BKV, E_K=_is16(k), UT=ut, num_warps=warps, num_stages=1,
+        **_maxnreg(_register_cap("inputs", warps, C, gate, Rab, bool(hh), prec, K, V)),
+    )
     # the gradients of the products
     dmqk = stc(C, NK)
     # tied: dM_QA and dL_BA come added into dM_QK and dL_BK
@@ -1333,14 +1257,11 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),
             opt(pa), opt(pb), g if one or kda_rows else dummy, hdla_beta if one else dummy, hdla_c if one else dummy,
             opt(hpart),
-            hh_mask if hh else dummy, opt(dbeta_fin), opt(dbeta_rows), opt(hcnt), *tiles, opt(sv32), mqk,
-            k if raw else kd, opt(lbk), opt(kdec), dv, v, opt(dsv), scale, T, NC, H=H, K=K,
+            hh_mask if hh else dummy, opt(dbeta_fin), opt(dbeta_rows), opt(hcnt), T, NC, H=H, K=K,
             KG=1 if g is None else g.shape[-1], TC=C, RKV=Rkv, RKVP=_pow2(Rkv),
             RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate, PRECISION=prec, ASC=asc,
             E_Q=_is16(q), E_K=_is16(k), E_A=_is16(a), E_B=b is not None and _is16(b), HDLA=one, HH=hh,
             KDA=(2 if kda_pair_bwd else 1) if kda_rows else 0, HFIN=bool(fin), HAS_DBR=dbeta_rows is not None,
-            INPUTS=in4, V=V, BV=BV, E_DO=e_do, RAW=raw, RAW_V=raw_v, VSC=sv is not None, E_V=_is16(v),
-            VALUES=in4 and fused_values, BKV=BKV,
             num_warps=warps, num_stages=1, **_maxnreg(_register_cap("grad", warps, C, gate, Rab, bool(hh), prec, K, V)),
         )
     dbeta = None
