@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -336,9 +337,10 @@ def apply_knobs(pairs: list[str]) -> None:
 
 
 def run_variants(variants: list[str], rounds: int, run) -> list[dict]:
-    """``run()`` (-> result rows) under each variant's knobs (comma-separated ``NAME=VALUE`` pairs as ``--knob``
+    """``run(label)`` (-> result rows) under each variant's knobs (comma-separated ``NAME=VALUE`` pairs as ``--knob``
     takes them; "" the knobs as they are), variants alternating over ``rounds`` rounds. The knob tables are put
-    back as they were after each variant. Each row gains its ``variant`` and ``round``."""
+    back as they were after each variant. Each row gains its ``variant`` and ``round``: ``label`` holds the two,
+    for a ``run`` that records rows as they come (``RowLog``)."""
     from rankdecay.ops.triton import chunk_fwd
 
     tables = [chunk_fwd._KNOBS, *_prefixed_tables().values()]
@@ -349,12 +351,30 @@ def run_variants(variants: list[str], rounds: int, run) -> list[dict]:
             print(f"variant {spec or 'default'!r}, round {r} of {rounds}", flush=True)
             try:
                 apply_knobs([kv for kv in spec.split(",") if kv])
-                rows += [dict(row, variant=spec or "default", round=r) for row in run()]
+                label = dict(variant=spec or "default", round=r)
+                rows += [dict(row, **label) for row in run(label)]
             finally:
                 for table, before in zip(tables, saved):
                     table.clear()
                     table.update(before)
     return rows
+
+
+class RowLog:
+    """The result rows so far, written whole to ``path`` (JSON) after each ``add``, through a temporary file and a
+    rename: a run stopped part way (a timeout, an error in a later case) leaves every row it measured, and never a
+    half-written file. ``path`` None: nothing is written."""
+
+    def __init__(self, path: str | None):
+        self.path, self.rows = path, []
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += rows
+        if self.path:
+            tmp = f"{self.path}.part"
+            with open(tmp, "w") as f:
+                json.dump(self.rows, f, indent=1)
+            os.replace(tmp, self.path)
 
 
 def variant_summary(rows: list[dict]) -> str:
@@ -378,7 +398,8 @@ def main() -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="also T = 2k, 8k, 32k at 16k tokens per batch (B = 1 at 32k), for every case among "
                              "--cases but the decode steps")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None,
+                        help="also write the rows as JSON, rewritten after each case (a run cut short keeps its rows)")
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                         help="torch.set_float32_matmul_precision: the precision of our kernels' products "
                              "(highest: fp32-accurate; high: one TF32 pass; medium: bf16, as fla)")
@@ -407,28 +428,26 @@ def main() -> None:
     B, T, H, K, V = args.shape
     peers = not args.no_peers
 
-    def run() -> list[dict]:
-        rows = []
+    log = RowLog(args.json)
+
+    def run(label: dict | None = None) -> list[dict]:
+        shapes = []  # (case, B, T) in the order run
         for key in args.cases:
-            if CASES[key].decode:
-                for b in args.decode_batches:
-                    rows += run_case(key, b, 1, H, K, V, peers=peers)
-            else:
-                rows += run_case(key, B, T, H, K, V, peers=peers)
+            shapes += [(key, b, 1) for b in args.decode_batches] if CASES[key].decode else [(key, B, T)]
         if args.scaling:
-            for key in (k for k in args.cases if not CASES[k].decode):
-                for t in (2048, 8192, 32768):
-                    rows += run_case(key, max(1, 16384 // t), t, H, K, V, peers=peers)
+            shapes += [(key, max(1, 16384 // t), t) for key in args.cases if not CASES[key].decode
+                       for t in (2048, 8192, 32768)]
+        rows = []
+        for key, b, t in shapes:
+            case_rows = run_case(key, b, t, H, K, V, peers=peers)
+            log.add([dict(row, **(label or {})) for row in case_rows])
+            rows += case_rows
         return rows
 
     if args.variants is None:
-        rows = run()
+        run()
     else:
-        rows = run_variants(args.variants, args.rounds, run)
-        print(variant_summary(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        print(variant_summary(run_variants(args.variants, args.rounds, run)))
 
 
 if __name__ == "__main__":

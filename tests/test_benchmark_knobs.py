@@ -40,7 +40,10 @@ def test_variants_alternate_and_restore_the_knobs(tables):
     before = [dict(t) for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH)]
     seen = []
 
-    def run():
+    labels = []
+
+    def run(label):
+        labels.append(label)
         seen.append((dict(chunk_fwd._KNOBS), channel._CHANNEL["warps"], channel._CHANNEL["bk"]))
         return [dict(op="HDLA", pass_="fwd", ms=1.0 + len(seen), peak_mb=750.0)]
 
@@ -52,6 +55,7 @@ def test_variants_alternate_and_restore_the_knobs(tables):
     assert [(r["variant"], r["round"]) for r in rows] == [
         ("default", 1), ("ch_warps=4,kda_pair=0", 1), ("fwd_state_stages=1", 1),
         ("default", 2), ("ch_warps=4,kda_pair=0", 2), ("fwd_state_stages=1", 2)]
+    assert labels == [dict(variant=r["variant"], round=r["round"]) for r in rows]  # run knows its label
     summary = variant_summary(rows)
     assert "| HDLA | fwd | default | 2.000 / 5.000 | 750 |" in summary
     assert "| HDLA | fwd | fwd_state_stages=1 | 4.000 / 7.000 | 750 |" in summary
@@ -62,5 +66,24 @@ def test_a_refused_variant_leaves_the_knobs_as_they_were(tables):
 
     before = dict(channel._CHANNEL)
     with pytest.raises(SystemExit, match="ch_nonsense"):
-        run_variants(["ch_warps=4,ch_nonsense=1"], 1, lambda: [])
+        run_variants(["ch_warps=4,ch_nonsense=1"], 1, lambda label: [])
     assert channel._CHANNEL == before
+
+
+def test_row_log_keeps_every_row_measured(tmp_path):
+    """``kernels.py --json``: the file holds every row so far after each case, so a run cut short (a timeout, a
+    later case's error) keeps what it measured; without a path nothing is written."""
+    import json
+
+    from benchmarks.kernels import RowLog
+
+    path = tmp_path / "rows.json"
+    log = RowLog(str(path))
+    log.add([dict(op="GDN", pass_="fwd", ms=0.33)])
+    assert json.loads(path.read_text()) == [dict(op="GDN", pass_="fwd", ms=0.33)]
+    log.add([dict(op="HDLA", pass_="fwd", ms=0.9), dict(op="HDLA", pass_="fwd+bwd", ms=4.6)])
+    assert [r["op"] for r in json.loads(path.read_text())] == ["GDN", "HDLA", "HDLA"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]  # no temporary file left
+    quiet = RowLog(None)
+    quiet.add([dict(op="GDN")])
+    assert quiet.rows == [dict(op="GDN")] and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
