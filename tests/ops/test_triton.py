@@ -985,8 +985,10 @@ def test_tensors_between_kernels_16bit_only_where_products_are():
 
 def test_state_kernel_pipelined_only_where_measured():
     """The forward state kernel's chunk loop on two pipeline stages only at the bf16 products' precision with
-    16-bit k and v and K <= 128 (``chunk_fwd.state_stages``), for the delta rule's fused forward and a per-channel
-    gate's state kernel without the outputs, and on three for a per-channel gate's scaled form (KDA's and HDLA's
+    16-bit k and v and K <= 128 (``chunk_fwd.state_stages``), for the delta rule's fused forward, a per-channel
+    gate's state kernel without the outputs, the walk that stores the states with a decay per row (Head-in-Head's
+    training forward) and a per-channel gate's fused walk without a low-rank decay (GLA), and on three for a
+    per-channel gate's scaled form (KDA's and HDLA's
     forward without autograd): elsewhere it was slower (HDLA fused, HH-GDN) or ran out of shared memory (fp32 tiles)
     on the H100. The backward's on two stages at the bf16 precision with 16-bit tiles and
     K <= 128 (``chunk_state.bwd_stages``)."""
@@ -1000,7 +1002,9 @@ def test_state_kernel_pipelined_only_where_measured():
     assert state_stages(True, False, "bf16", bf, bf) == 1  # not the delta rule
     assert state_stages(False, False, "bf16", bf, bf, per_channel=True) == 2  # HDLA before its backward
     assert state_stages(True, False, "bf16", bf, bf, per_channel=True) == 1  # HDLA's fused forward
-    assert state_stages(False, False, "bf16", bf, bf) == 1  # HH-GDN, Gated DeltaProduct
+    assert state_stages(True, False, "bf16", bf, bf, per_channel=True, low_rank=False) == 2  # GLA's (session 57)
+    assert state_stages(False, False, "bf16", bf, bf) == 2  # HH-GDN's training forward (session 57)
+    assert state_stages(False, False, "tf32", bf, bf) == 1
     assert state_stages(False, False, "bf16", f32, bf, per_channel=True) == 1
     assert state_stages(True, True, "tf32", bf, bf) == 1
     assert state_stages(False, False, "tf32", bf, bf, per_channel=True) == 1
@@ -1741,18 +1745,21 @@ def test_hh_forward_grouped_matches_pytorch_chunk(K, r, gate, static, dtype, str
 
 def _mechanism_case(mechanism: str, B: int, T: int, H: int, K: int, V: int, seed: int, r: int = 2):
     """Random inputs [q, k, v, g, beta, h0] on DEVICE (k L2-normalised, β up to 2) and fn(q, k, v, g, beta, h0,
-    mode) -> (o, final state) of one mechanism: "gdn", "hh" (a static mask of rank r), "hdla" and "kda" (a per-channel
-    gate) or "dplr" (two rows of a and b, values of rank one: the general fused path)."""
+    mode) -> (o, final state) of one mechanism: "gdn", "hh" (a static mask of rank r), "hdla", "kda" and "gla" (a
+    per-channel gate; GLA reads no β) or "dplr" (two rows of a and b, values of rank one: the general fused path)."""
     gen = torch.Generator().manual_seed(seed)
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism in ("hdla", "kda") else (B, T, H)), generator=gen))
+    g = F.logsigmoid(torch.randn(*((B, T, H, K) if mechanism in ("hdla", "kda", "gla") else (B, T, H)), generator=gen))
     beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
     inputs = [x.to(DEVICE) for x in (q, k, v, g, beta, h0)]
     if mechanism == "hh":
         mask = ops.head_in_head_mask(torch.rand(H, r, r, generator=gen)).to(DEVICE)
         fn = lambda q, k, v, g, beta, h0, mode: ops.hh_delta_rule(  # noqa: E731
             q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    elif mechanism == "gla":
+        fn = lambda q, k, v, g, beta, h0, mode: ops.gla(  # noqa: E731
+            q, k, v, g, initial_state=h0, output_final_state=True, mode=mode)
     elif mechanism == "dplr":
         a = F.normalize(torch.randn(B, T, H, 2, K, generator=gen), dim=-1).to(DEVICE)
         fn = lambda q, k, v, g, beta, h0, mode: ops.dplr(  # noqa: E731
@@ -2301,12 +2308,13 @@ def test_gpu_long_sequence_stays_finite():
 
 @GPU
 @pytest.mark.parametrize("matmul_precision", ["highest", "medium"], indirect=True)
-@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla"])
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "gla"])
 def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypatch):
     """At B = 1, H = 2 and T = 16k the forward walks its chunks as segments by ``chunk_fwd.segments``' own rule (Gated
-    DeltaNet's 256 chunks, Head-in-Head's at r = 4 1024, HDLA's 512): bf16 q, k, v at K = V = 128, mild gates (the
-    state carries across segments), β up to 2. The outputs and final state, against fp64 through the PyTorch path, are
-    no worse than the unsegmented walk's (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6; finite."""
+    DeltaNet's and GLA's 256 chunks, Head-in-Head's at r = 4 1024, HDLA's 512): bf16 q, k, v at K = V = 128, mild
+    gates (the state carries across segments), β up to 2. The outputs and final state, against fp64 through the
+    PyTorch path, are no worse than the unsegmented walk's (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6;
+    finite."""
     from rankdecay.ops.triton import chunk_fwd
 
     walks = _spy_segments(monkeypatch, chunk_fwd)
@@ -2327,13 +2335,13 @@ def test_gpu_segmented_walk_long_sequence(mechanism, matmul_precision, monkeypat
 
 
 @GPU
-@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla"])
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "gla"])
 def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     """With autograd at B = 1, H = 2, T = 4096 both state kernels walk segments by ``chunk_fwd.segments``' own rule,
-    the forward's and the backward's in reverse (Gated DeltaNet's 64 chunks in 4, Head-in-Head's 256 at r = 4 in 16,
-    HDLA's 256 at 16 tokens in 16): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest" precision. The
-    output, final state and every gradient, against fp64 through the PyTorch path, are no worse than with one walk each
-    (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6."""
+    the forward's and the backward's in reverse (Gated DeltaNet's and GLA's 64 chunks in 4, Head-in-Head's 256 at
+    r = 4 in 16, HDLA's 256 at 16 tokens in 16): bf16 q, k, v at K = V = 128, mild gates, β up to 2, the "highest"
+    precision. The output, final state and every gradient, against fp64 through the PyTorch path, are no worse than
+    with one walk each (``_KNOBS["segments"] = 1``) beyond 1.5x plus 1e-6 (GLA has no β to take a gradient of)."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
     back = _spy_segments(monkeypatch, chunk_bwd)
@@ -2342,11 +2350,14 @@ def test_gpu_segmented_walks_with_autograd(mechanism, monkeypatch):
     inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
     exact = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs, exact=True)
     got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
-    assert back == [dict(gdn=4, hh=16, hdla=16)[mechanism]], back
+    assert back == [dict(gdn=4, hh=16, hdla=16, gla=4)[mechanism]], back
     monkeypatch.setitem(chunk_fwd._KNOBS, "segments", 1)
     plain = _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
     assert len(back) == 1, back
     for name, x, y, e in zip(["o", "s", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, plain, exact):
+        if e is None:  # GLA reads no β
+            assert (mechanism, name, x, y) == ("gla", "dbeta", None, None), name
+            continue
         assert torch.isfinite(x).all(), f"{name}: not finite"
         err, ref_err = rel_rms(x, e), rel_rms(y, e)
         assert err <= 1.5 * ref_err + 1e-6, f"{mechanism} {name}: segmented {err:.2e} vs one walk {ref_err:.2e}"

@@ -895,7 +895,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor,
-                 per_channel: bool = False, channel_scaled: bool = False) -> int:
+                 per_channel: bool = False, channel_scaled: bool = False, low_rank: bool = True) -> int:
     """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
     products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
     (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
@@ -907,11 +907,19 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
     without autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the
     state kernel KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went
-    148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50)."""
+    148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50).
+    Measured again on the H200 (session 57) and also 2: the walk that stores the states for the backward with a
+    decay per row and rows of their own (not ``fuse``, not ``tied``: Head-in-Head's training forward, 0.984 ->
+    0.943 ms), and a per-channel gate's fused walk without a low-rank decay (``fuse``, ``per_channel``, not
+    ``low_rank``: GLA, 137 -> 108 µs forward, 176 -> 140 storing the states for the backward)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     if tiles and channel_scaled:
         return 3
-    ok = tiles and ((fuse and tied) or (not fuse and per_channel))
+    if fuse:  # with the outputs: the delta rule's, or a per-channel gate without a low-rank decay (GLA)
+        ok = tied or (per_channel and not low_rank)
+    else:  # storing S_n (and U_n): but for the delta rule's rows (tied), unmeasured
+        ok = per_channel or not tied
+    ok = ok and tiles
     return 2 if ok else _LAUNCH["stages"]
 
 
@@ -1369,7 +1377,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
     stages = state_stages(fuse, tied or grouped or hdla_scaled, cfg["state_precision"], k, v, per_channel=gate == 2,
-                          channel_scaled=channel_scaled or hdla_scaled)
+                          channel_scaled=channel_scaled or hdla_scaled, low_rank=Rab > 0)
     blocks = dict(blocks, num_stages=cfg.get("state_stages") or stages)
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
