@@ -2221,7 +2221,7 @@ def test_gpu_kda_realistic_size(matmul_precision, kda_pair, kda_rows, kda_pair_b
                                                   ("medium", 128, 32), ("medium", 48, 80), ("medium", 256, 256),
                                                   ("medium", 16, 64), ("medium", 16, 8)],
                          indirect=["matmul_precision"])
-@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda"])
+@pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "kda", "gla"])
 def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
     """Each mechanism's kernels at head sizes other than K = V = 128: small value heads (narrow value tiles, which
     Triton 3.6 compiled into illegal memory accesses at K >= 64, so that the kernels take them padded to 64:
@@ -2235,7 +2235,7 @@ def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
     B, T, H = 2, 300, 2
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    per_channel = mechanism in ("hdla", "kda")
+    per_channel = mechanism in ("hdla", "kda", "gla")
     g = F.logsigmoid(torch.randn(*((B, T, H, K) if per_channel else (B, T, H)), generator=gen) + 3)
     beta, h0 = 2 * torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
     inputs = [x.to(DEVICE, torch.bfloat16) for x in (q, k, v, g, beta)] + [h0.to(DEVICE)]
@@ -2246,6 +2246,10 @@ def test_gpu_awkward_head_sizes(mechanism, K, V, matmul_precision):
         names.insert(7, "dmask")
         fn = lambda q, k, v, g, beta, mask, h0, mode: ops.hh_delta_rule(  # noqa: E731
             q, k, v, beta, mask, g, initial_state=h0, output_final_state=True, mode=mode)
+    elif mechanism == "gla":  # no β
+        del inputs[4], names[6]
+        fn = lambda q, k, v, g, h0, mode: ops.gla(  # noqa: E731
+            q, k, v, g, initial_state=h0, output_final_state=True, mode=mode)
     else:
         op = dict(gdn=ops.gated_delta_rule, hdla=ops.hdla, kda=ops.kda)[mechanism]
         fn = lambda q, k, v, g, beta, h0, mode: op(q, k, v, g, beta, initial_state=h0,  # noqa: E731
