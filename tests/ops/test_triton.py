@@ -988,10 +988,9 @@ def test_state_kernel_pipelined_only_where_measured():
     16-bit k and v and K <= 128 (``chunk_fwd.state_stages``), for the delta rule's fused forward, a per-channel
     gate's state kernel without the outputs, the walk that stores the states with a decay per row (Head-in-Head's
     training forward) and a per-channel gate's fused walk without a low-rank decay (GLA), and on three for a
-    per-channel gate's scaled form (KDA's and HDLA's
-    forward without autograd): elsewhere it was slower (HDLA fused, HH-GDN) or ran out of shared memory (fp32 tiles)
-    on the H100. The backward's on two stages at the bf16 precision with 16-bit tiles and
-    K <= 128 (``chunk_state.bwd_stages``)."""
+    per-channel gate's scaled form (KDA's and HDLA's forward without autograd): elsewhere it was slower (HDLA's
+    fused forward) or ran out of shared memory (fp32 tiles) on the H100. The backward's on two stages at the bf16
+    precision with 16-bit tiles and K <= 128 (``chunk_state.bwd_stages``)."""
     from rankdecay.ops.triton.chunk_fwd import state_stages
     from rankdecay.ops.triton.chunk_state import _LAUNCH, bwd_stages
 

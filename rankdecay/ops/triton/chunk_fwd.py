@@ -902,16 +902,16 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     S_n and U_n for it), for Head-in-Head's scaled form over a's rows (``grouped_update``, passed as ``tied``:
     784 -> 501 µs, session 35) and HDLA's over [k, a2] (``chunk_dplr_fwd``'s ``hdla_scaled``, the same: 434 -> 374
     µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
-    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and HH-GDN's fused forward
-    before the scaled form (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md
-    sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
+    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and then HH-GDN's training
+    walk (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
     without autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the
     state kernel KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went
     148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50).
     Measured again on the H200 (session 57) and also 2: the walk that stores the states for the backward with a
     decay per row and rows of their own (not ``fuse``, not ``tied``: Head-in-Head's training forward, 0.984 ->
-    0.943 ms), and a per-channel gate's fused walk without a low-rank decay (``fuse``, ``per_channel``, not
-    ``low_rank``: GLA, 137 -> 108 µs forward, 176 -> 140 storing the states for the backward)."""
+    0.943 ms, since it forms U_n from T, ``u_from_t``), and a per-channel gate's fused walk without a low-rank decay
+    (``fuse``, ``per_channel``, not ``low_rank``: GLA, 137 -> 108 µs forward, 176 -> 140 storing the states for the
+    backward). A fused walk with rows of its own and a scalar gate keeps 1 (not measured again)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     if tiles and channel_scaled:
         return 3
