@@ -61,9 +61,9 @@ from .fused_recurrent import _cdiv, _pow2
 # so off. Both pass the GPU's HDLA tests (bf16 at K = 128 and the one-node cases).
 # dual_bwd_bk, dual_bwd_warps: ``channel_product_bwd``'s with a pair of products (``dp_scaled``; None: bwd_bk's, and 2
 # warps). H100 KDA, B8 T2048 H16 K=V=128 bf16: 1.618 ms on 4 warps, 1.293 on 2 (BENCHMARKS.md session 33).
-# pair_bwd_warps: the same with two pairs (``x2``, KDA's four products), where 4 warps hold its tiles in 128
-# registers without spilling (255 on 2): H100 KDA forward+backward 4.638-4.658 ms on 2 warps, 4.622-4.629 on 4
-# (BENCHMARKS.md session 47).
+# pair_bwd_warps: the same with two pairs (``x2``, KDA's four products): 2 warps. On the H100 4 warps were a little
+# faster (forward+backward 4.638-4.658 ms on 2, 4.622-4.629 on 4: BENCHMARKS.md session 47, before the one-product
+# blocks of session 48); on the H200 the kernel takes 0.566 ms on 2 warps against 0.697 on 4 (session 57).
 # one_level: ``one_level_span``'s bound (None: by the log-cumsums' dtype; 0: levels always); hdla_bwd_one_warps:
 # ``hdla_products_bwd``'s two launches in one product and then by levels where flagged (sm_90: 139 registers on 4
 # warps, 244 on 2, no spills; H100 HDLA: 0.809 ms on 4 warps, 0.678 on 2, against 1.138 by levels alone, and 0.717
@@ -73,7 +73,7 @@ from .fused_recurrent import _cdiv, _pow2
 # (``_hdla_diag_one``). Stacking the backward's twelve into four was slower (0.68 -> 0.72-0.75 ms) and is not kept.
 _CHANNEL = dict(rows=16, bk=None, warps=None, bwd_bk=None, bwd_warps=None, log_cumsum=None, hdla_bwd_bk=64,
                 hdla_bwd_warps=4, hdla_pairs=1, hdla_bwd_pairs=0, dual_bwd_bk=None, dual_bwd_warps=2,
-                pair_bwd_warps=4, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1, hdla_maxnreg=0,
+                pair_bwd_warps=2, one_level=None, hdla_bwd_one_warps=2, hdla_stacked=1, hdla_maxnreg=0,
                 hdla_bwd_maxnreg=None, maxnreg=None)
 # maxnreg, hdla_maxnreg, hdla_bwd_maxnreg: a register cap (Triton's maxnreg) for the per-channel products' kernel,
 # HDLA's or HDLA's backward's, 0 none; None: the caller's (``channel_product``'s maxnreg) or ``hdla_products_bwd``'s
