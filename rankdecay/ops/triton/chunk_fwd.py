@@ -903,7 +903,8 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     784 -> 501 µs, session 35) and HDLA's over [k, a2] (``chunk_dplr_fwd``'s ``hdla_scaled``, the same: 434 -> 374
     µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
     backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and then HH-GDN's training
-    walk (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31). 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
+    walk (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31).
+    3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
     without autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the
     state kernel KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went
     148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50).
