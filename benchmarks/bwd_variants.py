@@ -7,7 +7,8 @@ Profiles ``kernels.py``'s case (B8 T2048 H16 K=V=128 bf16 unless ``--shape``) wi
 ``rankdecay.ops.triton.chunk_bwd._CONFIG`` (and ``state_*``: ``chunk_state._LAUNCH``, the
 state kernels' warps, stages and value block; ``fwd_*``: ``chunk_fwd._KNOBS``, the forward's,
 e.g. ``fwd_intra_warps=8``; ``ch_*``: ``channel._CHANNEL``, the per-channel products' kernels', e.g.
-``ch_hdla_bwd_warps=2``), then with each override given (several joined by commas act together:
+``ch_hdla_bwd_warps=2``; ``lc_<chunk>_<plain|prep|hdla>=BKxWARPS``: ``chunk_fwd._LOG_CUMSUM``'s, the log-cumsum
+kernel's, e.g. ``lc_16_prep=64x2``), then with each override given (several joined by commas act together:
 ``ch_bwd_bk=64,ch_hdla_bwd_warps=4``), and prints the milliseconds per
 call of every Triton kernel.
 """
@@ -50,14 +51,19 @@ def main() -> None:
         case = CASES[name]
         inputs = case.make(*args.shape, "cuda", torch.bfloat16)
         default, state_default, ch_default = dict(cb._CONFIG), dict(cs._LAUNCH), dict(ch._CHANNEL)
+        lc_default = {c: dict(t) for c, t in cf._LOG_CUMSUM.items()}
         for label in ["default"] + args.set:
             cb._CONFIG.update(default)
             cs._LAUNCH.update(state_default)
             ch._CHANNEL.update(ch_default)
             cf._KNOBS.clear()
+            cf._LOG_CUMSUM.update({c: dict(t) for c, t in lc_default.items()})
             for pair in label.split(",") if label != "default" else []:  # knobs joined by commas go together
                 key, value = pair.split("=")
-                if key.startswith("state_"):
+                if key.startswith("lc_"):  # the log-cumsum kernel's launch, e.g. lc_16_prep=64x2 (key block x warps)
+                    size, kind = key.removeprefix("lc_").split("_")
+                    cf._LOG_CUMSUM[int(size)][kind] = tuple(int(x) for x in value.split("x"))
+                elif key.startswith("state_"):
                     cs._LAUNCH[key.removeprefix("state_")] = int(value)
                 elif key.startswith("fwd_"):  # the forward's knobs (chunk_fwd._KNOBS), e.g. fwd_intra_warps=8
                     cf._KNOBS[key.removeprefix("fwd_")] = int(value)
@@ -75,6 +81,7 @@ def main() -> None:
         cs._LAUNCH.update(state_default)
         ch._CHANNEL.update(ch_default)
         cf._KNOBS.clear()
+        cf._LOG_CUMSUM.update(lc_default)
 
 
 if __name__ == "__main__":

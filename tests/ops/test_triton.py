@@ -782,7 +782,9 @@ def test_hdla_products_match_the_four_products(K, pairs, one_level, C, monkeypat
     from rankdecay.ops.triton.factors import placeholder
 
     qd, dch = torch.empty(B, H, NC, C, K, device=DEVICE), torch.empty(B, H, NC, K, device=DEVICE)
-    gc2, parts = chunk_log_cumsum(g, C, torch.float64, prep=(q, k[..., None, :], qd, None, dch, 0.3), c_parts=True)
+    # (on 32-channel key blocks whatever the launch table says, so that K = 37 takes two)
+    gc2, parts = chunk_log_cumsum(g, C, torch.float64, prep=(q, k[..., None, :], qd, None, dch, 0.3), c_parts=True,
+                                  launch=(32, None))
     assert torch.equal(gc2, gc)
     c = (k * g.exp() * k).sum(-1)  # kᵀ(λ ⊙ k) [B, T, H]
     c_chunks = F.pad(c, (0, 0, 0, NC * C - T)).unflatten(1, (NC, C)).permute(0, 3, 1, 2)  # [B, H, NC, C]
@@ -963,6 +965,7 @@ def test_ut_inverse_diagonal_blocks_both_ways(Rab, neumann, monkeypatch):
     assert chunk_fwd.neumann_blocks() and chunk_fwd.neumann_blocks(True) and not chunk_fwd.neumann_blocks(False)
     assert chunk_fwd.intra_warps(True) == 4 and chunk_fwd.intra_warps(True, neumann=False) == 2
     assert chunk_fwd.intra_warps(False, neumann=False) == 4
+    assert chunk_fwd.intra_warps(False, hh=True) == 2  # Head-in-Head's (BENCHMARKS.md session 58)
     monkeypatch.setitem(chunk_fwd._KNOBS, "neumann", neumann)
     inputs = random_inputs(1, 70, 2, 16, 8, Rab, 1, "scalar", beta_max=2.0, seed=Rab)
     got, ref = run("triton", inputs), run("chunk", inputs, chunk_size=16)
@@ -1056,11 +1059,60 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
     assert warps["_intra_kernel"] == 4
 
 
+class _WarpsSpy:
+    """Stands in for a Triton kernel: records each launch's ``num_warps`` in ``seen`` and launches the kernel."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def call(*args, **kw):
+            self.seen.append(kw["num_warps"])
+            return launch(*args, **kw)
+        return call
+
+
+def test_launch_widths_measured_on_the_h200(monkeypatch):
+    """The widths session 58 measured on the H200 (BENCHMARKS.md), checked on the launches themselves: step 4 with a
+    per-channel gate on 2 warps without a low-rank decay (GLA) and on 4 with one (rank 1, KDA-like), the knob over
+    both; Head-in-Head's intra kernel on 2 warps and the general one with a scalar gate of rank 2 on 4. The results
+    still match the PyTorch path."""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
+
+    step4, intra = [], []
+    monkeypatch.setattr(chunk_bwd, "_grad_kernel", _WarpsSpy(chunk_bwd._grad_kernel, step4))
+    monkeypatch.setattr(chunk_fwd, "_intra_kernel", _WarpsSpy(chunk_fwd._intra_kernel, intra))
+    for Rab in (0, 1):
+        inputs = random_inputs(1, 20, 1, 16, 8, Rab, 1, "channel", seed=Rab)
+        for name, x, y in zip(names(inputs), run("triton", inputs), run("chunk", inputs)):
+            assert_matches(x, y, 1e-5, f"Rab {Rab}: {name}")
+    monkeypatch.setitem(chunk_bwd._CONFIG, "grad_channel", 8)
+    run("triton", random_inputs(1, 20, 1, 16, 8, 0, 1, "channel"))
+    assert step4 == [2, 4, 8], step4
+    intra.clear()  # (rank 1's forward took it too)
+    gen = torch.Generator().manual_seed(5)
+    q, v = torch.randn(1, 20, 1, 32, generator=gen), torch.randn(1, 20, 1, 8, generator=gen)
+    k = F.normalize(torch.randn(1, 20, 1, 32, generator=gen), dim=-1)
+    beta, g = torch.rand(1, 20, 1, generator=gen), F.logsigmoid(torch.randn(1, 20, 1, generator=gen))
+    mask = ops.head_in_head_mask(torch.rand(1, 4, 4, generator=gen))
+    x = [t.to(DEVICE) for t in (q, k, v, beta, mask, g)]
+    with torch.no_grad():
+        got = ops.hh_delta_rule(*x, mode="triton", output_final_state=True)
+        ref = ops.hh_delta_rule(*x, mode="chunk", output_final_state=True)
+    run("triton", random_inputs(1, 20, 1, 16, 8, 2, 1, "scalar"), grads=False)
+    for name, a, b in zip(["o", "state"], got, ref):
+        assert_matches(a, b, 1e-5, f"hh_delta_rule {name}")
+    assert intra == [2, 4], intra
+
+
 def test_log_cumsum_launch_by_chunk_size(monkeypatch):
     """The log-cumsum kernel's key block and warps by tokens per chunk (``chunk_fwd.log_cumsum_launch``): HDLA's
     32-token chunks (at 64-row tiles; KDA's now) on their own launch, measured faster there (BENCHMARKS.md session
-    32), and 16-token ones (HDLA's, session 42); 64-token chunks, and sizes without a measurement of their
-    own, on 64's. Checked on the launch itself: its grid over key blocks and its warps."""
+    32), and 16-token ones (HDLA's, session 42; with PREP on 64-channel blocks since session 58); 64-token chunks,
+    and sizes without a measurement of their own, on 64's. Checked on the launch itself: its grid over key blocks
+    and its warps."""
     from rankdecay.ops.triton import chunk_fwd
 
     seen = []
@@ -1078,7 +1130,7 @@ def test_log_cumsum_launch_by_chunk_size(monkeypatch):
         chunk_fwd.chunk_log_cumsum(g, C, torch.float32)
         chunk_fwd.chunk_log_cumsum(g, C, torch.float32, prep=(q, k, qd, kd, dch, 0.1))
     # K = 128 over the key block: (plain, PREP) at 32 tokens, then at 64, 16, and 8 (64's launch)
-    assert seen == [(2, 2, False), (4, 1, True), (8, 2, False), (8, 8, True), (2, 1, False), (4, 1, True),
+    assert seen == [(2, 2, False), (4, 1, True), (8, 2, False), (8, 8, True), (2, 1, False), (2, 1, True),
                     (8, 2, False), (8, 8, True)]
 
 

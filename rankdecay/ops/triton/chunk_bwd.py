@@ -47,8 +47,8 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
                           _out_dtype, _precision, _state_bwd_kernel, bwd_stages)
 
 # launch knobs of the backward kernels (widths; the step-4 kernel's per-channel variant and key block).
-# inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel: 4 in place
-# of 8 (H100, step 4 with a per-channel gate: GLA 0.49 -> 0.46 ms, HDLA 1.35 -> 1.10; BENCHMARKS.md session 28).
+# inputs_bk / grad_bk 0: _key_block's choice; products 0: by chunk size (_products_warps). grad_channel 0: step 4
+# with a per-channel gate, not HDLA's, by rank (``_grad_channel_warps``).
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
 # 32): by chunk size (``_grad_hdla_warps``: 8 at 32 tokens, 4 at 16; sessions 37, 43). grad_hh: Head-in-Head's
 # step 4 by groups (``_grad_hh_kernel``): 1 warp (H100 HH-GDN r=4: 0.93 ms against 1.22 on 2, 1.43 on 4, 3.59 on 8,
@@ -58,7 +58,7 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
 # inputs 0: by chunk size and gate (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
 # the values kernel's work inside the inputs' kernel, whose launch (warps, key block, cap) it then takes.
-_CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=4, grad_hdla=0, grad_bk=0, grad_hh=1,
+_CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=0, grad_hdla=0, grad_bk=0, grad_hh=1,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
                grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
@@ -76,6 +76,14 @@ def _inputs_warps(C: int, gate: int) -> int:
     fewer (HDLA) and 4 otherwise (H100, bf16, K = 128: HDLA 1.19 -> 0.95 ms on 2; KDA at 32 tokens 0.68 / 0.66, and
     Head-in-Head r = 4 at 16 tokens 1.58 -> 3.31 ms, so they keep 4; BENCHMARKS.md session 43)."""
     return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 else 4)
+
+
+def _grad_channel_warps(Rab: int) -> int:
+    """Step 4's width with a per-channel gate (not HDLA's, ``_grad_hdla_warps``): ``_CONFIG["grad_channel"]`` where
+    set, else 2 without a low-rank decay (GLA) and 4 with one (KDA). H100: 4 in place of 8 (GLA 0.49 -> 0.46 ms,
+    HDLA 1.35 -> 1.10; BENCHMARKS.md session 28); H200, B8 T2048 H16 K=V=128 bf16: GLA 0.444 ms on 4, 0.357 on 2,
+    0.486 on 8; KDA 0.490 on 4 (with ``_register_cap``'s 128), 0.509 on 2, 0.554 on 8 (session 58)."""
+    return _CONFIG["grad_channel"] or (2 if Rab == 0 else 4)
 
 
 def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool, precision: str, K: int,
@@ -1251,7 +1259,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                     channel_product_bwd(b, a, gc, dlba, pb, pa, strict=True, acc_x=False, acc_y=True, y_scale=sa32,
                                         **prod)
                     channel_product_bwd(b, k, gc, dlbk, pb, pk, strict=True, acc_x=True, acc_y=True, **prod)
-        warps = _grad_hdla_warps(C) if one else _CONFIG["grad_channel" if gate == 2 else "grad"]
+        warps = _grad_hdla_warps(C) if one else _grad_channel_warps(Rab) if gate == 2 else _CONFIG["grad"]
         _grad_kernel[(NKB, NC, B * H)](
             q, k, opt(a), opt(b), opt(gc), opt(sa32), dmqk, opt(dmqa), opt(dlba), opt(dlbk), dqd, dkd, opt(dad),
             opt(dbd), opt(dch), opt(ddch), dq, dk, opt(da), opt(db), opt(dg), opt(pdg), opt(dsa), opt(pq), opt(pk),

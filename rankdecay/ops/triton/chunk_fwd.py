@@ -336,13 +336,15 @@ def _scalar_cumsums(g, i_b, i_h, t, tok, rk, T, H: tl.constexpr, KG: tl.constexp
 # (HDLA's at 64-row tiles, KDA's now) PREP took 248 µs on 64's launch and 190 on (32, 1), the plain kernel 83 µs
 # and 76 on (64, 2).
 # At 16-token chunks (HDLA's), PREP took 275 µs on 64's launch and 144 on
-# (32, 1), the plain kernel 85 µs and 73 on (64, 1) (BENCHMARKS.md session 42).
+# (32, 1), the plain kernel 85 µs and 73 on (64, 1) (BENCHMARKS.md session 42). On the H200, with the kernel as it is
+# now (session 58), PREP there takes 157 µs on (32, 1) and 142 on (64, 1), 171 on (16, 1), 189 on (32, 2), 201 on
+# (128, 2).
 # hdla: with HDLA's rows (HROWS). At 16-token chunks, B8 T2048 H16 K128 (BENCHMARKS.md session 50): 311–323 µs on
 # (128, 2), 332 on (128, 4), 665 on (128, 1), 327 on (64, 2), 369 on (64, 1), 362 on (32, 2), 394 on (32, 1), 450
 # on (16, 1); the other chunk sizes take 16's
 _LOG_CUMSUM = {64: dict(plain=(16, 2), prep=(16, 8), hdla=(128, 2)),
                32: dict(plain=(64, 2), prep=(32, 1), hdla=(128, 2)),
-               16: dict(plain=(64, 1), prep=(32, 1), hdla=(128, 2))}
+               16: dict(plain=(64, 1), prep=(64, 1), hdla=(128, 2))}
 
 
 def log_cumsum_launch(chunk_size: int, prep: bool, hdla: bool = False, launch=None) -> tuple[int, int]:
@@ -924,13 +926,15 @@ def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: tor
     return 2 if ok else _LAUNCH["stages"]
 
 
-def intra_warps(hdla: bool, neumann: bool = True) -> int:
+def intra_warps(hdla: bool, neumann: bool = True, hh: bool = False) -> int:
     """The intra kernel's warps: 4, but 2 for HDLA's rows formed in the kernel (``hdla_fused_products``) with the
     UT inverse's diagonal blocks by substitution (``neumann``: ``neumann_blocks``; H100 HDLA, B8 T2048 H16
-    K=V=128: 0.872 -> 0.812 ms; BENCHMARKS.md session 31). With the Neumann blocks HDLA's takes 617 µs on 4 warps
-    against 838 on 2 (session 35). GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09 against 2.81) and
-    HH-GDN (1.70 either way) kept 4 (session 31)."""
-    return 2 if hdla and not neumann else 4
+    K=V=128: 0.872 -> 0.812 ms; BENCHMARKS.md session 31), and 2 for Head-in-Head (``hh``): on 4 warps its kernel
+    holds 248 registers a thread, so two programs share an SM; on 2, at 255 and 144 bytes of spills (sm_90), four do
+    (H200 HH-GDN r=4 in training: 0.835 -> 0.714 ms; session 58). With the Neumann blocks HDLA's takes 617 µs on 4
+    warps against 838 on 2 (session 35). GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09 against 2.81)
+    kept 4 (session 31); HH-GDN, 1.70 either way then, before its rows were formed in the kernel (session 39)."""
+    return 2 if (hdla and not neumann) or hh else 4
 
 
 def neumann_blocks(knob=None) -> bool:
@@ -1372,7 +1376,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b, HROWS=hdla_rows,
             HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
             NILP=16 // _pow2(Rab) if Rab and neumann else 0, UT=2 if t16 else int(ut),
-            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann), num_stages=1,
+            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann, bool(hh)), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
