@@ -1059,54 +1059,6 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
     assert warps["_intra_kernel"] == 4
 
 
-class _WarpsSpy:
-    """Stands in for a Triton kernel: records each launch's ``num_warps`` in ``seen`` and launches the kernel."""
-
-    def __init__(self, kernel, seen: list):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def call(*args, **kw):
-            self.seen.append(kw["num_warps"])
-            return launch(*args, **kw)
-        return call
-
-
-def test_launch_widths_measured_on_the_h200(monkeypatch):
-    """The widths session 58 measured on the H200 (BENCHMARKS.md), checked on the launches themselves: step 4 with a
-    per-channel gate on 2 warps without a low-rank decay (GLA) and on 4 with one (rank 1, KDA-like), the knob over
-    both; Head-in-Head's intra kernel on 2 warps and the general one with a scalar gate of rank 2 on 4. The results
-    still match the PyTorch path."""
-    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
-
-    step4, intra = [], []
-    monkeypatch.setattr(chunk_bwd, "_grad_kernel", _WarpsSpy(chunk_bwd._grad_kernel, step4))
-    monkeypatch.setattr(chunk_fwd, "_intra_kernel", _WarpsSpy(chunk_fwd._intra_kernel, intra))
-    for Rab in (0, 1):
-        inputs = random_inputs(1, 20, 1, 16, 8, Rab, 1, "channel", seed=Rab)
-        for name, x, y in zip(names(inputs), run("triton", inputs), run("chunk", inputs)):
-            assert_matches(x, y, 1e-5, f"Rab {Rab}: {name}")
-    monkeypatch.setitem(chunk_bwd._CONFIG, "grad_channel", 8)
-    run("triton", random_inputs(1, 20, 1, 16, 8, 0, 1, "channel"))
-    assert step4 == [2, 4, 8], step4
-    intra.clear()  # (rank 1's forward took it too)
-    gen = torch.Generator().manual_seed(5)
-    q, v = torch.randn(1, 20, 1, 32, generator=gen), torch.randn(1, 20, 1, 8, generator=gen)
-    k = F.normalize(torch.randn(1, 20, 1, 32, generator=gen), dim=-1)
-    beta, g = torch.rand(1, 20, 1, generator=gen), F.logsigmoid(torch.randn(1, 20, 1, generator=gen))
-    mask = ops.head_in_head_mask(torch.rand(1, 4, 4, generator=gen))
-    x = [t.to(DEVICE) for t in (q, k, v, beta, mask, g)]
-    with torch.no_grad():
-        got = ops.hh_delta_rule(*x, mode="triton", output_final_state=True)
-        ref = ops.hh_delta_rule(*x, mode="chunk", output_final_state=True)
-    run("triton", random_inputs(1, 20, 1, 16, 8, 2, 1, "scalar"), grads=False)
-    for name, a, b in zip(["o", "state"], got, ref):
-        assert_matches(a, b, 1e-5, f"hh_delta_rule {name}")
-    assert intra == [2, 4], intra
-
-
 def test_log_cumsum_launch_by_chunk_size(monkeypatch):
     """The log-cumsum kernel's key block and warps by tokens per chunk (``chunk_fwd.log_cumsum_launch``): HDLA's
     32-token chunks (at 64-row tiles; KDA's now) on their own launch, measured faster there (BENCHMARKS.md session
@@ -1947,7 +1899,9 @@ def test_backward_widths_by_chunk_size(monkeypatch):
     16-token chunks take the inputs' kernel on 2 warps and its step 4 (which carries the rows' gradients on) on 4;
     KDA's 32-token chunks and Head-in-Head's 16-token ones (a scalar gate) keep the inputs' kernel on 4, and HDLA in
     32-token chunks (``channel_rows`` = 64) its step 4 on 8. The per-channel products' forward at 16 tokens on 2
-    warps, at 32 on 4. Checked on the launches themselves, the kernels run as usual."""
+    warps, at 32 on 4. Measured on the H200 (session 58): step 4 with a per-channel gate on 2 warps without a
+    low-rank decay (GLA) and on 4 with one (KDA), ``_CONFIG["grad_channel"]`` over both, and Head-in-Head's intra
+    kernel on 2 (HDLA's on 4). Checked on the launches themselves, the kernels run as usual."""
     from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "hdla_products", True)  # HDLA's fused rows, as at the bf16 precision
@@ -1965,11 +1919,15 @@ def test_backward_widths_by_chunk_size(monkeypatch):
 
     for name in ("_grad_inputs_kernel", "_grad_kernel"):
         monkeypatch.setattr(chunk_bwd, name, Spy(getattr(chunk_bwd, name)))
-    cases = [("hdla", None, dict(_grad_inputs_kernel=2, _grad_kernel=4)),
-             ("hdla", 64, dict(_grad_inputs_kernel=4, _grad_kernel=8)),
-             ("kda", None, dict(_grad_inputs_kernel=4)), ("hh", None, dict(_grad_inputs_kernel=4))]
-    for mechanism, rows, want in cases:
+    monkeypatch.setattr(chunk_fwd, "_intra_kernel", Spy(chunk_fwd._intra_kernel))
+    cases = [("hdla", None, None, dict(_grad_inputs_kernel=2, _grad_kernel=4, _intra_kernel=4)),
+             ("hdla", 64, None, dict(_grad_inputs_kernel=4, _grad_kernel=8)),
+             ("kda", None, None, dict(_grad_inputs_kernel=4, _grad_kernel=4)),
+             ("hh", None, None, dict(_grad_inputs_kernel=4, _intra_kernel=2)),
+             ("gla", None, None, dict(_grad_kernel=2)), ("gla", None, 8, dict(_grad_kernel=8))]
+    for mechanism, rows, grad_channel, want in cases:
         monkeypatch.setitem(chunk_fwd._KNOBS, "channel_rows", rows or 32)
+        monkeypatch.setitem(chunk_bwd._CONFIG, "grad_channel", grad_channel or 0)
         warps.clear()
         inputs, fn = _mechanism_case(mechanism, 1, 40, 1, 16, 8, seed=43, r=4)
         _grads_of(lambda *x: fn(*x, mode="triton"), inputs)
