@@ -91,6 +91,22 @@ def make_gdp(B, T, H, K, V, device, dtype):
                 beta=torch.rand(B, 2 * T, H, device=device, dtype=dtype))
 
 
+def make_dplr(rab, rkv):
+    """The engine itself (``ops.dplr``) at rank ``rab`` of decay and ``rkv`` of writes, with a scalar gate: a decay
+    Diag(e^g) - Σ_r (β_r / 2) k_r k_rᵀ over unit keys of its own and writes Σ_j k_j v_jᵀ. These are the general
+    kernels that no mechanism above reaches (Head-in-Head forms its rows in the kernels, Gated DeltaProduct runs as
+    Gated DeltaNet over its sub-steps)."""
+    def make(B, T, H, K, V, device, dtype):
+        q = torch.randn(B, T, H, K, device=device, dtype=dtype)
+        ka = F.normalize(torch.randn(B, T, H, rab, K, device=device), dim=-1)
+        beta = torch.rand(B, T, H, rab, 1, device=device)
+        k = F.normalize(torch.randn(B, T, H, rkv, K, device=device), dim=-1)
+        return dict(q=q, k=k.to(dtype), v=torch.randn(B, T, H, rkv, V, device=device, dtype=dtype),
+                    a=(beta / 2 * ka).to(dtype), b=ka.to(dtype),
+                    g=F.logsigmoid(torch.randn(B, T, H, device=device) + 3))
+    return make
+
+
 def make_decode(B, T, H, K, V, device, dtype):
     x = make_gdn(B, 1, H, K, V, device, dtype)
     x["initial_state"] = torch.randn(B, H, K, V, device=device)
@@ -137,6 +153,10 @@ CASES = {
                 lambda K, V, C: ops.chunk_flops_per_token(K, V, C, 2, 2),
                 {"fla": lambda x: __import__("fla.ops.gated_delta_product", fromlist=["x"]).chunk_gated_delta_product(
                     **x, num_householder=2)[0]}),
+    **{f"dplr-{rab}-{rkv}": Case(f"dplr, scalar gate, Rab {rab}, Rkv {rkv}", make_dplr(rab, rkv),
+                                 lambda x: ops.dplr(**x)[0],
+                                 lambda K, V, C, rab=rab, rkv=rkv: ops.chunk_flops_per_token(K, V, C, rab, rkv))
+       for rab, rkv in ((1, 1), (2, 1), (2, 2), (4, 1))},
     "gdn-decode": Case("GDN decode step", make_decode,
                        lambda x: ops.gated_delta_rule(**x, output_final_state=True, mode="fused_recurrent")[0],
                        lambda K, V, C: 4.0 * K * V + 4 * K * V,

@@ -87,3 +87,24 @@ def test_row_log_keeps_every_row_measured(tmp_path):
     quiet = RowLog(None)
     quiet.add([dict(op="GDN")])
     assert quiet.rows == [dict(op="GDN")] and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+
+
+
+@pytest.mark.parametrize("name", ["gdn", "hdla", "kda", "hh-gdn", "gla", "gdp", "dplr-1-1", "dplr-2-1", "dplr-2-2",
+                                  "dplr-4-1"])
+def test_each_chunked_case_runs(name):
+    """Every chunked case of ``kernels.py`` builds inputs its op accepts (at an awkward tiny size, on the CPU's chunked
+    path): finite outputs of the right shape, finite gradients for every input the benchmark differentiates, and a
+    positive FLOP count for its TFLOP/s column."""
+    from benchmarks.kernels import CASES
+
+    case = CASES[name]
+    x = case.make(1, 37, 2, 16, 8, torch.device("cpu"), torch.float32)
+    leaves = {k: (v.detach().requires_grad_(True) if v.is_floating_point() and k != "mask" else v)
+              for k, v in x.items()}
+    o = case.ours(leaves)
+    o.square().sum().backward()
+    assert o.shape == (1, 37, 2, 8) and torch.isfinite(o).all()
+    grads = [v.grad for v in leaves.values() if v.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert case.flops_per_token_head(16, 8, 16) > 0

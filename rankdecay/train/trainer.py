@@ -79,9 +79,15 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
-    def close(self):
-        if self.started:
+    def close(self, ok: bool = True):
+        """Destroy the process group this object started. After a run that ended normally (``ok``), every rank first
+        meets at a barrier, so that no rank tears its group down, and exits, while another still has collective
+        work in flight (gloo's worker threads can then abort the process at exit). After an error the group is left
+        alone: destroying it while other ranks wait in a collective would hang them, and the launcher stops them."""
+        if self.started and ok:
+            dist.barrier()
             dist.destroy_process_group()
+            self.started = False
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -317,10 +323,14 @@ def train(cfg: TrainConfig, data=None) -> dict:
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     try:
-        return _train(cfg, dist_, data)
+        summary = _train(cfg, dist_, data)
+    except BaseException:
+        dist_.close(ok=False)
+        raise
     finally:
         torch.set_float32_matmul_precision(precision)
-        dist_.close()
+    dist_.close()
+    return summary
 
 
 def _log(dist_: Dist, *msg):

@@ -165,14 +165,17 @@ def test_u_from_t_rule():
 
 def test_values_in_inputs_rule():
     """Where the inputs' kernel also does the values kernel's work by default (``chunk_bwd.values_in_inputs``): a
-    low-rank decay with rows of its own at the bf16 products' precision and K, V <= 128; not the delta rule's tied
-    keys, no ranks, fp32 accuracy or wider heads. The knob forces either way."""
+    low-rank decay with rows of its own at the bf16 products' precision and K, V <= 128, and Head-in-Head's at any
+    K, V (session 59); not the delta rule's tied keys, no ranks, fp32 accuracy or other wider heads. The knob forces
+    either way."""
     from rankdecay.ops.triton.chunk_bwd import values_in_inputs
 
     assert values_in_inputs(2, False, "bf16", 128, 128) and values_in_inputs(4, False, "bf16_ieee", 64, 32)
     assert not values_in_inputs(1, True, "bf16", 128, 128) and not values_in_inputs(0, False, "bf16", 128, 128)
     assert not values_in_inputs(2, False, "tf32x3", 128, 128) and not values_in_inputs(2, False, "bf16", 256, 128)
     assert not values_in_inputs(2, False, "bf16", 128, 256)
+    assert values_in_inputs(4, False, "bf16", 256, 256, hh=True) and not values_in_inputs(4, False, "tf32", 256, 256,
+                                                                                        hh=True)
     assert values_in_inputs(1, True, "ieee", 256, 256, knob=1) and not values_in_inputs(2, False, "bf16", 128, 128,
                                                                                          knob=0)
 
@@ -965,7 +968,7 @@ def test_ut_inverse_diagonal_blocks_both_ways(Rab, neumann, monkeypatch):
     assert chunk_fwd.neumann_blocks() and chunk_fwd.neumann_blocks(True) and not chunk_fwd.neumann_blocks(False)
     assert chunk_fwd.intra_warps(True) == 4 and chunk_fwd.intra_warps(True, neumann=False) == 2
     assert chunk_fwd.intra_warps(False, neumann=False) == 4
-    assert chunk_fwd.intra_warps(False, hh=True) == 2  # Head-in-Head's (BENCHMARKS.md session 58)
+    assert chunk_fwd.intra_warps(False, hh=True) == 2  # Head-in-Head's up to K = 128 (BENCHMARKS.md session 58)
     monkeypatch.setitem(chunk_fwd._KNOBS, "neumann", neumann)
     inputs = random_inputs(1, 70, 2, 16, 8, Rab, 1, "scalar", beta_max=2.0, seed=Rab)
     got, ref = run("triton", inputs), run("chunk", inputs, chunk_size=16)
@@ -993,20 +996,23 @@ def test_state_kernel_pipelined_only_where_measured():
     training forward) and a per-channel gate's fused walk without a low-rank decay (GLA), and on three for a
     per-channel gate's scaled form (KDA's and HDLA's forward without autograd): elsewhere it was slower (HDLA's
     fused forward) or ran out of shared memory (fp32 tiles) on the H100. The backward's on two stages at the bf16
-    precision with 16-bit tiles and K <= 128 (``chunk_state.bwd_stages``)."""
+    precision with 16-bit tiles and K <= 128 (``chunk_state.bwd_stages``). Since session 59 also the delta rule's walk
+    before a separate output kernel, and no longer the walk with the engine's own rows (not Head-in-Head's)."""
     from rankdecay.ops.triton.chunk_fwd import state_stages
     from rankdecay.ops.triton.chunk_state import _LAUNCH, bwd_stages
 
     bf, f32 = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 128)
     assert state_stages(True, True, "bf16", bf, bf) == 2
     assert state_stages(True, True, "bf16", bf.half(), bf.half()) == 2
-    assert state_stages(False, True, "bf16", bf, bf) == 1  # the separate output kernel
+    assert state_stages(False, True, "bf16", bf, bf) == 2  # the separate output kernel (session 59)
     assert state_stages(True, False, "bf16", bf, bf) == 1  # not the delta rule
     assert state_stages(False, False, "bf16", bf, bf, per_channel=True) == 2  # HDLA before its backward
     assert state_stages(True, False, "bf16", bf, bf, per_channel=True) == 1  # HDLA's fused forward
     assert state_stages(True, False, "bf16", bf, bf, per_channel=True, low_rank=False) == 2  # GLA's (session 57)
-    assert state_stages(False, False, "bf16", bf, bf) == 2  # HH-GDN's training forward (session 57)
-    assert state_stages(False, False, "tf32", bf, bf) == 1
+    assert state_stages(False, False, "bf16", bf, bf, hh=True) == 2  # HH-GDN's training forward (session 57)
+    assert state_stages(False, False, "bf16", bf, bf) == 1  # the engine's own rows, to the backward (session 59)
+    assert state_stages(False, False, "tf32", bf, bf, hh=True) == 1
+    assert state_stages(False, True, "tf32", bf, bf) == 1
     assert state_stages(False, False, "bf16", f32, bf, per_channel=True) == 1
     assert state_stages(True, True, "tf32", bf, bf) == 1
     assert state_stages(False, False, "tf32", bf, bf, per_channel=True) == 1
@@ -1935,6 +1941,43 @@ def test_backward_widths_by_chunk_size(monkeypatch):
     assert channel._knob("warps", 16) == 2 and channel._knob("warps", 32) == 4
 
 
+def test_head_in_head_wide_keys_launch_widths(monkeypatch):
+    """Head-in-Head at K > 128 (BENCHMARKS.md session 59, H200 at K = V = 256): its intra kernel on 4 warps (on 2 it
+    spills; at K <= 128 it takes 2) and its forward state kernel on 8, with autograd (the walk that stores the states)
+    and without (the scaled form over a's rows); Gated DeltaNet's state kernel keeps 4 at the same K. Checked on the
+    launches themselves, with the outputs against the PyTorch path."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    warps = {}
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                warps[self.kernel.fn.__name__] = kw["num_warps"]
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    for name in ("_intra_kernel", "_state_fwd_kernel"):
+        monkeypatch.setattr(chunk_fwd, name, Spy(getattr(chunk_fwd, name)))
+    assert chunk_fwd.intra_warps(False, hh=True, K=256) == 4 and chunk_fwd.intra_warps(False, hh=True, K=128) == 2
+    assert chunk_fwd.state_warps(True, 256) == 8 and chunk_fwd.state_warps(True, 128) == 4
+    assert chunk_fwd.state_warps(False, 256) == 4
+    for mechanism, want in (("hh", dict(_intra_kernel=4, _state_fwd_kernel=8)), ("gdn", dict(_state_fwd_kernel=4))):
+        inputs, fn = _mechanism_case(mechanism, 1, 20, 1, 256, 8, seed=44, r=4)
+        for grads in (True, False):
+            warps.clear()
+            with torch.set_grad_enabled(grads):
+                got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs) if grads else fn(*inputs, mode="triton")
+                ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs) if grads else fn(*inputs, mode="chunk")
+            assert {k: warps[k] for k in want} == want, (mechanism, grads, warps)
+            for x, y in zip(got, ref):
+                if y is not None:
+                    assert_matches(x, y, 1e-5, f"{mechanism} grads={grads}")
+
+
 @pytest.mark.parametrize("mechanism", ["gdn", "hh", "hdla", "dplr"])
 def test_segmented_state_walk(mechanism, monkeypatch):
     """``chunk_fwd.segments``: the state kernel walks each sequence's chunks as segments in parallel, twice (first
@@ -2044,7 +2087,8 @@ def test_gpu_bf16_realistic_sizes(Rab, Rkv, gate, grads, output_form):
 
 @GPU
 @pytest.mark.parametrize("matmul_precision", ["high", "medium"], indirect=True)
-@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel"), (4, 1, "scalar")])
+@pytest.mark.parametrize("Rab,Rkv,gate", [(1, 1, "scalar"), (2, 1, "channel"), (0, 1, "channel"), (4, 1, "scalar"),
+                                          (2, 2, "scalar")])
 def test_gpu_bf16_reduced_matmul_precision(Rab, Rkv, gate, matmul_precision):
     """At a reduced precision every error against fp64 stays within eight units of the products'
     rounding: 8 * 2^-11 = 2^-8 for one TF32 pass ("high"), 8 * 2^-8 = 2^-5 for bf16 ("medium"), as on the CPU.

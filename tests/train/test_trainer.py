@@ -147,6 +147,33 @@ def test_ddp_and_fsdp_equal_one_process_and_resume_on_another_world_size(tmp_pat
     assert max((w1[k] - weights(other)[k]).abs().max().item() for k in w1) > 1e-3
 
 
+def test_process_group_meets_at_a_barrier_before_it_goes_and_is_left_after_an_error(monkeypatch):
+    from rankdecay.train import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(trainer.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    started = trainer.Dist.__new__(trainer.Dist)  # as a torchrun rank that started the group
+    started.started = True
+    monkeypatch.setattr(trainer, "Dist", lambda device: started)
+    monkeypatch.setattr(trainer, "_train", lambda cfg, d, data: {"done": True})
+    assert trainer.train(trainer.TrainConfig()) == {"done": True}
+    assert calls == ["barrier", "destroy"] and not started.started
+    started.close()  # once only
+    assert calls == ["barrier", "destroy"]
+
+    calls.clear()
+    started.started = True
+
+    def fails(cfg, d, data):
+        raise RuntimeError("rank 1 ran out of data")
+
+    monkeypatch.setattr(trainer, "_train", fails)
+    with pytest.raises(RuntimeError, match="ran out of data"):
+        trainer.train(trainer.TrainConfig())
+    assert calls == [] and started.started
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/no/such/folder"], "does not exist"),
     (["--data", "{empty}"], "no text found"),

@@ -134,17 +134,20 @@ def _key_block(knob: str, K: int, precision: str, per_channel: bool) -> int:
     return min(_CONFIG[knob] or (64 if wide else 32), max(16, _pow2(K)))
 
 
-def values_in_inputs(Rab: int, tied: bool, precision: str, K: int, V: int, knob=None) -> bool:
+def values_in_inputs(Rab: int, tied: bool, precision: str, K: int, V: int, knob=None, hh: bool = False) -> bool:
     """Whether the values kernel's work (dV, and dX = Tᵀ dU) runs inside the inputs' kernel
     (``_grad_inputs_kernel``'s VALUES), which then reads dS_{n+1} and the chunk's dO, dX and U once for both:
     ``_CONFIG["values_in_inputs"]`` (1 / 0) where set, else for a low-rank decay with rows of its own (Rab > 0, not
     the delta rule's tied keys) at the bf16 products' precision and K, V <= 128, where it was measured faster. H100,
     B8 T2048 H16 K = V = 128, forward+backward ms (BENCHMARKS.md session 54): HDLA 5.29-5.32 -> 5.12-5.15 (inputs
     0.945 + values 0.312 -> 1.095), HH-GDN r=4 6.47-6.48 -> 6.17-6.24 (1.355 + 0.406 -> 1.459), KDA 3.88 -> 3.83-3.84.
-    Not for Gated DeltaNet (tied) and GLA (no ranks), where it was no faster, nor where not measured."""
+    Not for Gated DeltaNet (tied) and GLA (no ranks), where it was no faster. H200, inputs' + values kernels apart
+    against together, ms (session 59): at fp32 accuracy HDLA 6.84 / 9.52, KDA 3.65 / 4.17, HH-GDN 3.90 / 3.86 (off);
+    at K = V = 256 (B4) HDLA 4.81 / 6.17 and KDA 2.29 / 2.51 (off), but Head-in-Head (``hh``) 4.39 / 4.03, so it
+    takes the fused form at any K and V."""
     if knob is not None:
         return bool(knob)
-    return Rab > 0 and not tied and precision.startswith("bf16") and K <= 128 and V <= 128
+    return Rab > 0 and not tied and precision.startswith("bf16") and (hh or (K <= 128 and V <= 128))
 
 
 _SAVED = ("qd", "mqk", "mqa", "kd", "vf", "w", "ad", "dch", "tinv", "lba", "lbk", "s0", "u", "qf", "af", "kdec",
@@ -1142,7 +1145,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     # the values kernel's arguments; its work inside the inputs' kernel where ``values_in_inputs`` says so
     vals = (mqk, k if raw else kd, opt(lbk), opt(kdec), opt(tinv), opt(du if Rab else None), dv, v, opt(dsv), opt(dsa))
     BKV = min(64, max(16, _pow2(K)))  # the values' key block
-    fused_values = values_in_inputs(Rab, tied, prec, K, V, _CONFIG["values_in_inputs"])
+    fused_values = values_in_inputs(Rab, tied, prec, K, V, _CONFIG["values_in_inputs"], hh=bool(hh))
     if not fused_values:
         _grad_values_kernel[(NVB, NC, B * H)](
             do, mqk, k if raw else kd, dhn, opt(tinv), opt(lbk), opt(du if Rab else None), opt(dx), dv, v, opt(sv32),

@@ -897,44 +897,54 @@ def _sm_count(device: torch.device) -> int:
 
 
 def state_stages(fuse: bool, tied: bool, precision: str, k: torch.Tensor, v: torch.Tensor,
-                 per_channel: bool = False, channel_scaled: bool = False, low_rank: bool = True) -> int:
-    """The forward state kernel's ``num_stages``: 2 (the next chunk's tiles load during this chunk's
-    products) at the bf16 products' precision with 16-bit k and v and K <= 128, for the delta rule's
-    (``tied``) fused forward (``fuse``; H100 GDN: 231 -> 197 µs without the backward, 316 -> 291 µs storing
-    S_n and U_n for it), for Head-in-Head's scaled form over a's rows (``grouped_update``, passed as ``tied``:
-    784 -> 501 µs, session 35) and HDLA's over [k, a2] (``chunk_dplr_fwd``'s ``hdla_scaled``, the same: 434 -> 374
-    µs), and for a per-channel gate's state kernel without the outputs (H100 HDLA before its
-    backward: 0.465 -> 0.432 ms); else 1. Elsewhere it slowed HDLA's fused forward and then HH-GDN's training
-    walk (0.970 -> 1.009 ms) and overflowed shared memory with fp32 tiles (BENCHMARKS.md sessions 23, 24, 31).
-    3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward
-    without autograd), whose chunks carry more tiles (K̃ or Ã, B ⊙ e^{G_{i-1}}, Q̃): H100, B8 T2048 H16 K128, the
-    state kernel KDA 364 -> 220 µs (from 1 stage), HDLA 399 -> 362 (from 2; 358 at 4), where Gated DeltaNet's went
-    148 -> 164 and Head-in-Head's 504 -> 622 (BENCHMARKS.md session 50).
-    Measured again on the H200 (session 57) and also 2: the walk that stores the states for the backward with a
-    decay per row and rows of their own (not ``fuse``, not ``tied``: Head-in-Head's training forward, 0.984 ->
-    0.943 ms, since it forms U_n from T, ``u_from_t``), and a per-channel gate's fused walk without a low-rank decay
-    (``fuse``, ``per_channel``, not ``low_rank``: GLA, 137 -> 108 µs forward, 176 -> 140 storing the states for the
-    backward). A fused walk with rows of its own and a scalar gate keeps 1 (not measured again)."""
+                 per_channel: bool = False, channel_scaled: bool = False, low_rank: bool = True,
+                 hh: bool = False) -> int:
+    """The forward state kernel's ``num_stages``, where its tiles allow more than one (the bf16 products' precision,
+    16-bit k and v, K <= 128; elsewhere fp32 tiles overflowed shared memory); with more, the next chunk's tiles load
+    during this chunk's products. BENCHMARKS.md has each figure (sessions 23, 24, 31, 35, 50, 57, 59).
+
+    - 3 for a per-channel gate's scaled form (``channel_scaled``: KDA's and HDLA's forward without autograd), whose
+      chunks carry the most tiles: H100 state kernel KDA 364 -> 220 µs, HDLA 399 -> 362.
+    - 2 for a walk that forms the outputs (``fuse``) with the delta rule's rows (``tied``: H100 GDN 231 -> 197 µs;
+      Head-in-Head's scaled form over a's rows, passed as tied: 784 -> 501) or with a per-channel gate and no
+      low-rank decay (GLA: H200 137 -> 108 µs).
+    - 2 for a walk that stores the states for the output kernel or the backward (not ``fuse``) with a per-channel
+      gate (H100 HDLA 465 -> 432 µs), the delta rule's rows (where the grid is too small to fuse: H200 GDN training
+      B2 T8192 399 -> 341 µs, B1 T32768 782 -> 685) or Head-in-Head's rows formed from k (``hh``: H200 984 -> 943).
+    - 1 elsewhere: HDLA's fused walk and the engine's own rows at a scalar gate (H200, Rab 2 and Rkv 2: 516 µs on 1
+      against 743 on 2 storing the states, 619 against 773 fused; Rab 2 Rkv 1 466 against 485; Rab 4 Rkv 1 888
+      against 874, within 2 %)."""
     tiles = precision.startswith("bf16") and _is16(k) and _is16(v) and k.shape[-1] <= 128
     if tiles and channel_scaled:
         return 3
     if fuse:  # with the outputs: the delta rule's, or a per-channel gate without a low-rank decay (GLA)
         ok = tied or (per_channel and not low_rank)
-    else:  # storing S_n (and U_n): but for the delta rule's rows (tied), unmeasured
-        ok = per_channel or not tied
+    else:  # storing S_n (and U_n) for the output kernel or the backward; not for general rows of their own
+        ok = per_channel or tied or hh
     ok = ok and tiles
     return 2 if ok else _LAUNCH["stages"]
 
 
-def intra_warps(hdla: bool, neumann: bool = True, hh: bool = False) -> int:
+def state_warps(hh: bool, K: int) -> int:
+    """The forward state kernel's warps: ``chunk_state._LAUNCH["warps"]`` (4), but 8 for Head-in-Head's rows (``hh``:
+    formed from k in the kernel, with autograd or without) at K > 128, where on 4 its state and rows spill (sm_90: 1700
+    bytes at K = V = 256, 376 on 8). H200, B4 T2048 H16 K = V = 256 bf16 (BENCHMARKS.md session 59): the walk before
+    the backward 6.67 -> 5.43 ms, the whole forward without autograd 13.7 -> 8.1 ms. Not for the others: Gated
+    DeltaNet's forward 2.10 -> 3.25 ms, KDA's and HDLA's walks 1.27 -> 1.96 and 2.32 -> 3.77; nor for the backward's
+    walk, which took 3.65 -> 5.43 for Head-in-Head."""
+    return 8 if hh and K > 128 else _LAUNCH["warps"]
+
+
+def intra_warps(hdla: bool, neumann: bool = True, hh: bool = False, K: int = 128) -> int:
     """The intra kernel's warps: 4, but 2 for HDLA's rows formed in the kernel (``hdla_fused_products``) with the
     UT inverse's diagonal blocks by substitution (``neumann``: ``neumann_blocks``; H100 HDLA, B8 T2048 H16
     K=V=128: 0.872 -> 0.812 ms; BENCHMARKS.md session 31), and 2 for Head-in-Head (``hh``): on 4 warps its kernel
     holds 248 registers a thread, so two programs share an SM; on 2, at 255 and 144 bytes of spills (sm_90), four do
-    (H200 HH-GDN r=4 in training: 0.835 -> 0.714 ms; session 58). With the Neumann blocks HDLA's takes 617 µs on 4
-    warps against 838 on 2 (session 35). GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09 against 2.81)
+    (H200 HH-GDN r=4 in training: 0.835 -> 0.714 ms; session 58), up to K = 128: at K = V = 256 it spills 660 bytes
+    on 2 and 28 on 4 (B4 T2048 H16: 1.65 ms on 2, 0.90 on 4; session 59). With the Neumann blocks HDLA's takes 617 µs
+    on 4 warps against 838 on 2 (session 35). GDN (0.42 against 0.65 ms on 2), Gated DeltaProduct (1.09 against 2.81)
     kept 4 (session 31); HH-GDN, 1.70 either way then, before its rows were formed in the kernel (session 39)."""
-    return 2 if (hdla and not neumann) or hh else 4
+    return 2 if (hdla and not neumann) or (hh and K <= 128) else 4
 
 
 def neumann_blocks(knob=None) -> bool:
@@ -1376,14 +1386,14 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             NKB=cparts.shape[3] if hdla_form_a2 else 1, FORM_A2=hdla_form_a2, KDA_B=kda_b, HROWS=hdla_rows,
             HG_PROD=bool(hh) and hh_gram_products(K, Rab, Rkv, cfg),
             NILP=16 // _pow2(Rab) if Rab and neumann else 0, UT=2 if t16 else int(ut),
-            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann, bool(hh)), num_stages=1,
+            num_warps=cfg["intra_warps"] or intra_warps(fused, neumann, bool(hh), K), num_stages=1,
             **_maxnreg(cfg.get("intra_maxnreg", intra_registers(scalable and fuse, prec, k, v))),
         )
     o = torch.empty(B, T, H, V, device=q.device, dtype=_out_dtype(q))
     store = save or not fuse  # S_n and U_n: read by the output kernel, or saved for the backward
     stages = state_stages(fuse, tied or grouped or hdla_scaled, cfg["state_precision"], k, v, per_channel=gate == 2,
-                          channel_scaled=channel_scaled or hdla_scaled, low_rank=Rab > 0)
-    blocks = dict(blocks, num_stages=cfg.get("state_stages") or stages)
+                          channel_scaled=channel_scaled or hdla_scaled, low_rank=Rab > 0, hh=bool(hh))
+    blocks = dict(blocks, num_stages=cfg.get("state_stages") or stages, num_warps=state_warps(bool(hh) or grouped, K))
     sst = dict(st, dtype=cfg.get("stored_state", st["dtype"]))
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
