@@ -1792,6 +1792,26 @@ def _spy_chunk_sizes(monkeypatch) -> list:
     return chunks
 
 
+def _spy_warps(monkeypatch, module, *names, warps=None) -> dict:
+    """The warps of each launch of ``module``'s kernels ``names`` (launched as usual), by kernel name, in the dict
+    returned (``warps``, or a new one)."""
+    warps = {} if warps is None else warps
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                warps[self.kernel.fn.__name__] = kw["num_warps"]
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    for name in names:
+        monkeypatch.setattr(module, name, Spy(getattr(module, name)))
+    return warps
+
+
 def _spy_segments(monkeypatch, module) -> list:
     """The segments of each segmented walk that ``module`` (``chunk_fwd``: the forward's, ``chunk_bwd``: the
     backward's) chains through ``chain_segments``, appended to the list returned."""
@@ -1911,21 +1931,8 @@ def test_backward_widths_by_chunk_size(monkeypatch):
     from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "hdla_products", True)  # HDLA's fused rows, as at the bf16 precision
-    warps = {}
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                warps[self.kernel.fn.__name__] = kw["num_warps"]
-                return self.kernel[grid](*args, **kw)
-            return launch
-
-    for name in ("_grad_inputs_kernel", "_grad_kernel"):
-        monkeypatch.setattr(chunk_bwd, name, Spy(getattr(chunk_bwd, name)))
-    monkeypatch.setattr(chunk_fwd, "_intra_kernel", Spy(chunk_fwd._intra_kernel))
+    warps = _spy_warps(monkeypatch, chunk_bwd, "_grad_inputs_kernel", "_grad_kernel")
+    warps = _spy_warps(monkeypatch, chunk_fwd, "_intra_kernel", warps=warps)
     cases = [("hdla", None, None, dict(_grad_inputs_kernel=2, _grad_kernel=4, _intra_kernel=4)),
              ("hdla", 64, None, dict(_grad_inputs_kernel=4, _grad_kernel=8)),
              ("kda", None, None, dict(_grad_inputs_kernel=4, _grad_kernel=4)),
@@ -1948,20 +1955,7 @@ def test_head_in_head_wide_keys_launch_widths(monkeypatch):
     launches themselves, with the outputs against the PyTorch path."""
     from rankdecay.ops.triton import chunk_fwd
 
-    warps = {}
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                warps[self.kernel.fn.__name__] = kw["num_warps"]
-                return self.kernel[grid](*args, **kw)
-            return launch
-
-    for name in ("_intra_kernel", "_state_fwd_kernel"):
-        monkeypatch.setattr(chunk_fwd, name, Spy(getattr(chunk_fwd, name)))
+    warps = _spy_warps(monkeypatch, chunk_fwd, "_intra_kernel", "_state_fwd_kernel")
     assert chunk_fwd.intra_warps(False, hh=True, K=256) == 4 and chunk_fwd.intra_warps(False, hh=True, K=128) == 2
     assert chunk_fwd.state_warps(True, 256) == 8 and chunk_fwd.state_warps(True, 128) == 4
     assert chunk_fwd.state_warps(False, 256) == 4
