@@ -89,7 +89,6 @@ def test_row_log_keeps_every_row_measured(tmp_path):
     assert quiet.rows == [dict(op="GDN")] and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
 
-
 @pytest.mark.parametrize("name", ["gdn", "hdla", "kda", "hh-gdn", "gla", "gdp", "dplr-1-1", "dplr-2-1", "dplr-2-2",
                                   "dplr-4-1"])
 def test_each_chunked_case_runs(name):

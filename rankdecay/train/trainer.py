@@ -79,12 +79,13 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
-    def close(self, ok: bool = True):
-        """Destroy the process group this object started. After a run that ended normally (``ok``), every rank first
-        meets at a barrier, so that no rank tears its group down, and exits, while another still has collective
-        work in flight (gloo's worker threads can then abort the process at exit). After an error the group is left
-        alone: destroying it while other ranks wait in a collective would hang them, and the launcher stops them."""
-        if self.started and ok:
+    def close(self):
+        """Destroy the process group this object started, once every rank has met at a barrier, so that no rank
+        tears its group down, and exits, while another still has collective work in flight (gloo's worker threads
+        can then abort the process at exit). For a run that ended normally: after an error ``train`` does not call
+        it, since destroying the group while other ranks wait in a collective would hang them (the launcher stops
+        them instead)."""
+        if self.started:
             dist.barrier()
             dist.destroy_process_group()
             self.started = False
@@ -324,12 +325,9 @@ def train(cfg: TrainConfig, data=None) -> dict:
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     try:
         summary = _train(cfg, dist_, data)
-    except BaseException:
-        dist_.close(ok=False)
-        raise
     finally:
         torch.set_float32_matmul_precision(precision)
-    dist_.close()
+    dist_.close()  # not after an error (``Dist.close``)
     return summary
 
 
