@@ -10,7 +10,8 @@ e.g. ``fwd_intra_warps=8``; ``ch_*``: ``channel._CHANNEL``, the per-channel prod
 ``ch_hdla_bwd_warps=2``; ``lc_<chunk>_<plain|prep|hdla>=BKxWARPS``: ``chunk_fwd._LOG_CUMSUM``'s, the log-cumsum
 kernel's, e.g. ``lc_16_prep=64x2``), then with each override given (several joined by commas act together:
 ``ch_bwd_bk=64,ch_hdla_bwd_warps=4``), and prints the milliseconds per
-call of every Triton kernel.
+call of every Triton kernel. The overrides go through ``kernels.apply_knobs`` (a name no table has is refused) and
+every table is put back after each (``kernels.knobs_restored``).
 """
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import rankdecay.ops.triton.channel as ch
-import rankdecay.ops.triton.chunk_bwd as cb
-import rankdecay.ops.triton.chunk_fwd as cf
-import rankdecay.ops.triton.chunk_state as cs
-from kernels import CASES, measure  # noqa: E402  (run from benchmarks/)
+from kernels import CASES, apply_knobs, knobs_restored, measure  # noqa: E402  (run from benchmarks/)
+
+# the prefixes ``kernels.apply_knobs`` reads; a name without one is chunk_bwd._CONFIG's here (``bwd_`` there)
+_PREFIXES = ("state_", "fwd_", "ch_", "lc_", "bwd_")
 
 
 def per_kernel(case, inputs, reps=5) -> dict:
@@ -50,38 +50,16 @@ def main() -> None:
     for name in args.cases:
         case = CASES[name]
         inputs = case.make(*args.shape, "cuda", torch.bfloat16)
-        default, state_default, ch_default = dict(cb._CONFIG), dict(cs._LAUNCH), dict(ch._CHANNEL)
-        lc_default = {c: dict(t) for c, t in cf._LOG_CUMSUM.items()}
         for label in ["default"] + args.set:
-            cb._CONFIG.update(default)
-            cs._LAUNCH.update(state_default)
-            ch._CHANNEL.update(ch_default)
-            cf._KNOBS.clear()
-            cf._LOG_CUMSUM.update({c: dict(t) for c, t in lc_default.items()})
-            for pair in label.split(",") if label != "default" else []:  # knobs joined by commas go together
-                key, value = pair.split("=")
-                if key.startswith("lc_"):  # the log-cumsum kernel's launch, e.g. lc_16_prep=64x2 (key block x warps)
-                    size, kind = key.removeprefix("lc_").split("_")
-                    cf._LOG_CUMSUM[int(size)][kind] = tuple(int(x) for x in value.split("x"))
-                elif key.startswith("state_"):
-                    cs._LAUNCH[key.removeprefix("state_")] = int(value)
-                elif key.startswith("fwd_"):  # the forward's knobs (chunk_fwd._KNOBS), e.g. fwd_intra_warps=8
-                    cf._KNOBS[key.removeprefix("fwd_")] = int(value)
-                elif key.startswith("ch_"):  # the products' kernels' (channel._CHANNEL), e.g. ch_hdla_bwd_warps=2
-                    ch._CHANNEL[key.removeprefix("ch_")] = int(value)
-                else:
-                    cb._CONFIG[key] = int(value)
-            try:
-                times = per_kernel(case, inputs)
-            except Exception as e:  # a knob the compiler refuses (shared memory): say so, go on
-                print(f"{name} {label}: failed: {str(e).splitlines()[0][:160]}", flush=True)
-                continue
+            pairs = label.split(",") if label != "default" else []  # knobs joined by commas go together
+            with knobs_restored():
+                apply_knobs([kv if kv.startswith(_PREFIXES) else f"bwd_{kv}" for kv in pairs])
+                try:
+                    times = per_kernel(case, inputs)
+                except Exception as e:  # a knob the compiler refuses (shared memory): say so, go on
+                    print(f"{name} {label}: failed: {str(e).splitlines()[0][:160]}", flush=True)
+                    continue
             print(f"{name} {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items())), flush=True)
-        cb._CONFIG.update(default)
-        cs._LAUNCH.update(state_default)
-        ch._CHANNEL.update(ch_default)
-        cf._KNOBS.clear()
-        cf._LOG_CUMSUM.update(lc_default)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import copy
 import json
 import os
 import statistics
@@ -339,14 +341,23 @@ def apply_knobs(pairs: list[str]) -> None:
     """``NAME=VALUE`` pairs into ``chunk_fwd._KNOBS`` (``_knob_value``'s: a literal, a torch dtype or a string), or
     with the prefix
     ``ch_`` into ``channel._CHANNEL``, ``bwd_`` into ``chunk_bwd._CONFIG`` and ``state_`` into
-    ``chunk_state._LAUNCH`` (integers); ``fwd_`` names ``chunk_fwd._KNOBS`` explicitly (``fwd_state_stages``)."""
+    ``chunk_state._LAUNCH`` (integers); ``fwd_`` names ``chunk_fwd._KNOBS`` explicitly (``fwd_state_stages``);
+    ``lc_<chunk>_<plain|prep|hdla>=BKxWARPS`` sets the log-cumsum kernel's launch (``chunk_fwd._LOG_CUMSUM``, e.g.
+    ``lc_16_prep=64x2``: key block 64 on 2 warps at 16-token chunks with PREP)."""
     from rankdecay.ops.triton import chunk_fwd
 
     tables = _prefixed_tables()
     for kv in pairs:
         name, value = kv.split("=")
         prefix = next((p for p in tables if name.startswith(p)), None)
-        if prefix is not None:
+        if name.startswith("lc_"):
+            size, _, kind = name.removeprefix("lc_").partition("_")
+            table = chunk_fwd._LOG_CUMSUM.get(int(size)) if size.isdigit() else None
+            if table is None or kind not in table:
+                raise SystemExit(f"--knob {name}: lc_<chunk>_<kind> with chunk in {sorted(chunk_fwd._LOG_CUMSUM)}"
+                                 " and kind in ['hdla', 'plain', 'prep']")
+            table[kind] = tuple(int(x) for x in value.split("x"))
+        elif prefix is not None:
             table, key = tables[prefix], name.removeprefix(prefix)
             if key not in table:
                 raise SystemExit(f"--knob {name}: the {prefix} table has {sorted(table)}")
@@ -356,27 +367,37 @@ def apply_knobs(pairs: list[str]) -> None:
             chunk_fwd._KNOBS[name] = _knob_value(value)
 
 
+@contextlib.contextmanager
+def knobs_restored():
+    """Every knob table ``apply_knobs`` reaches, put back as it was on leaving the block."""
+    from rankdecay.ops.triton import chunk_fwd
+
+    tables = [chunk_fwd._KNOBS, *_prefixed_tables().values()]
+    saved = [dict(t) for t in tables]
+    log_cumsum = copy.deepcopy(chunk_fwd._LOG_CUMSUM)
+    try:
+        yield
+    finally:
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
+        for size, launches in log_cumsum.items():
+            chunk_fwd._LOG_CUMSUM[size].update(launches)
+
+
 def run_variants(variants: list[str], rounds: int, run) -> list[dict]:
     """``run(label)`` (-> result rows) under each variant's knobs (comma-separated ``NAME=VALUE`` pairs as ``--knob``
     takes them; "" the knobs as they are), variants alternating over ``rounds`` rounds. The knob tables are put
     back as they were after each variant. Each row gains its ``variant`` and ``round``: ``label`` holds the two,
     for a ``run`` that records rows as they come (``RowLog``)."""
-    from rankdecay.ops.triton import chunk_fwd
-
-    tables = [chunk_fwd._KNOBS, *_prefixed_tables().values()]
-    saved = [dict(t) for t in tables]
     rows = []
     for r in range(1, rounds + 1):
         for spec in variants:
             print(f"variant {spec or 'default'!r}, round {r} of {rounds}", flush=True)
-            try:
+            with knobs_restored():
                 apply_knobs([kv for kv in spec.split(",") if kv])
                 label = dict(variant=spec or "default", round=r)
                 rows += [dict(row, **label) for row in run(label)]
-            finally:
-                for table, before in zip(tables, saved):
-                    table.clear()
-                    table.update(before)
     return rows
 
 

@@ -9,7 +9,7 @@ from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
 
 @pytest.fixture
 def tables(monkeypatch):
-    for table in (channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH):
+    for table in (channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH, *chunk_fwd._LOG_CUMSUM.values()):
         for key, value in dict(table).items():  # restored after the test
             monkeypatch.setitem(table, key, value)
     monkeypatch.setattr(chunk_fwd, "_KNOBS", {})
@@ -17,7 +17,8 @@ def tables(monkeypatch):
 
 def test_each_prefix_reaches_its_table(tables):
     apply_knobs(["ch_bk=32", "bwd_inputs=2", "state_warps=8", "fwd_state_stages=1", "rows=128",
-                 "stored=bfloat16", "fuse_output=True", "neumann=None", "merge=tf32"])
+                 "stored=bfloat16", "fuse_output=True", "neumann=None", "merge=tf32", "lc_16_prep=128x2"])
+    assert chunk_fwd._LOG_CUMSUM[16]["prep"] == (128, 2) and chunk_fwd.log_cumsum_launch(16, True) == (128, 2)
     assert channel._CHANNEL["bk"] == 32
     assert chunk_bwd._CONFIG["inputs"] == 2
     assert chunk_state._LAUNCH["warps"] == 8
@@ -28,6 +29,9 @@ def test_each_prefix_reaches_its_table(tables):
 def test_unknown_name_is_refused(tables):
     with pytest.raises(SystemExit, match="ch_nonsense"):
         apply_knobs(["ch_nonsense=1"])
+    for name in ("lc_16_fast", "lc_48_prep", "lc_prep"):
+        with pytest.raises(SystemExit, match=name):
+            apply_knobs([f"{name}=64x1"])
 
 
 def test_variants_alternate_and_restore_the_knobs(tables):
@@ -37,24 +41,29 @@ def test_variants_alternate_and_restore_the_knobs(tables):
     from benchmarks.kernels import run_variants, variant_summary
 
     apply_knobs(["ch_bk=32"])  # as --knob: under every variant
-    before = [dict(t) for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH)]
+    before = [dict(t) for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH,
+                                *chunk_fwd._LOG_CUMSUM.values())]
+    prep = chunk_fwd._LOG_CUMSUM[16]["prep"]
     seen = []
 
     labels = []
 
     def run(label):
         labels.append(label)
-        seen.append((dict(chunk_fwd._KNOBS), channel._CHANNEL["warps"], channel._CHANNEL["bk"]))
+        seen.append((dict(chunk_fwd._KNOBS), channel._CHANNEL["warps"], channel._CHANNEL["bk"],
+                     chunk_fwd._LOG_CUMSUM[16]["prep"]))
         return [dict(op="HDLA", pass_="fwd", ms=1.0 + len(seen), peak_mb=750.0)]
 
-    rows = run_variants(["", "ch_warps=4,kda_pair=0", "fwd_state_stages=1"], 2, run)
+    rows = run_variants(["", "ch_warps=4,kda_pair=0,lc_16_prep=16x1", "fwd_state_stages=1"], 2, run)
     default_warps = before[1]["warps"]
-    one_round = [({}, default_warps, 32), ({"kda_pair": 0}, 4, 32), ({"state_stages": 1}, default_warps, 32)]
+    one_round = [({}, default_warps, 32, prep), ({"kda_pair": 0}, 4, 32, (16, 1)),
+                 ({"state_stages": 1}, default_warps, 32, prep)]
     assert seen == one_round * 2
-    assert [t for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH)] == before
+    assert [t for t in (chunk_fwd._KNOBS, channel._CHANNEL, chunk_bwd._CONFIG, chunk_state._LAUNCH,
+                        *chunk_fwd._LOG_CUMSUM.values())] == before
     assert [(r["variant"], r["round"]) for r in rows] == [
-        ("default", 1), ("ch_warps=4,kda_pair=0", 1), ("fwd_state_stages=1", 1),
-        ("default", 2), ("ch_warps=4,kda_pair=0", 2), ("fwd_state_stages=1", 2)]
+        ("default", 1), ("ch_warps=4,kda_pair=0,lc_16_prep=16x1", 1), ("fwd_state_stages=1", 1),
+        ("default", 2), ("ch_warps=4,kda_pair=0,lc_16_prep=16x1", 2), ("fwd_state_stages=1", 2)]
     assert labels == [dict(variant=r["variant"], round=r["round"]) for r in rows]  # run knows its label
     summary = variant_summary(rows)
     assert "| HDLA | fwd | default | 2.000 / 5.000 | 750 |" in summary
