@@ -317,7 +317,8 @@ KNOB_HELP = ("chunk_fwd._KNOBS overrides: stored=bfloat16 / stored_state=bfloat1
              "register caps (Triton's maxnreg, 0: none): bwd_inputs_maxnreg, bwd_products_maxnreg, "
              "bwd_grad_maxnreg, bwd_grad_hh_maxnreg, bwd_state_bwd_maxnreg, ch_maxnreg, ch_hdla_maxnreg, "
              "ch_hdla_bwd_maxnreg, fwd_state_maxnreg; "
-             "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1")
+             "fwd_ names chunk_fwd._KNOBS explicitly where a prefix would take the name: fwd_state_stages=1; "
+             "the log-cumsum kernel's launch (key block x warps) as lc_<chunk>_<plain|prep|hdla>: lc_16_prep=64x2")
 
 
 def _prefixed_tables() -> dict[str, dict]:
