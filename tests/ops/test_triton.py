@@ -926,6 +926,11 @@ def test_outputs_from_the_state_kernel_where_measured_faster(monkeypatch):
     assert chunk_fwd.state_value_block(False, 64, 16, 128, cuda) == 64
     assert chunk_fwd.state_value_block(True, 32, 16, 128, cuda) == 32
     assert chunk_fwd.state_value_block(True, 64, 16, 128, cpu) == 64
+    # the delta rule's walk before the backward at K > 128 on a 16-wide block (its [K, 32] tiles spill)
+    assert chunk_fwd.state_value_block(False, 32, 64, 256, cuda, tied_save=True, K=256) == 16
+    assert chunk_fwd.state_value_block(False, 32, 64, 256, cuda, tied_save=False, K=256) == 32
+    assert chunk_fwd.state_value_block(False, 64, 64, 128, cuda, tied_save=True, K=128) == 64
+    assert chunk_fwd.state_value_block(False, 32, 64, 256, cpu, tied_save=True, K=256) == 32
 
 
 def test_intra_kernel_register_cap_only_where_measured():
@@ -1948,25 +1953,37 @@ def test_backward_widths_by_chunk_size(monkeypatch):
     assert channel._knob("warps", 16) == 2 and channel._knob("warps", 32) == 4
 
 
-def test_head_in_head_wide_keys_launch_widths(monkeypatch):
-    """Head-in-Head at K > 128 (BENCHMARKS.md session 59, H200 at K = V = 256): its intra kernel on 4 warps (on 2 it
-    spills; at K <= 128 it takes 2) and its forward state kernel on 8, with autograd (the walk that stores the states)
-    and without (the scaled form over a's rows); Gated DeltaNet's state kernel keeps 4 at the same K. Checked on the
-    launches themselves, with the outputs against the PyTorch path."""
-    from rankdecay.ops.triton import chunk_fwd
+def test_wide_keys_launch_widths(monkeypatch):
+    """Launches at K > 128 (BENCHMARKS.md sessions 59 and 60, H200 at K = V = 256). Head-in-Head's intra kernel on 4
+    warps (on 2 it spills; at K <= 128 it takes 2), its forward state kernel on 8, with autograd (the walk that stores
+    the states) and without (the scaled form over a's rows), and its step 4 by groups on 2 (1 up to K = 128); Gated
+    DeltaNet's state kernel keeps 4 at the same K; HDLA's inputs' kernel on 4 (2 up to K = 128). Checked on the
+    launches themselves, with the outputs and gradients against the PyTorch path. (The delta rule's 16-wide value
+    block at that K, a rule for CUDA tensors alone, is checked in
+    ``test_outputs_from_the_state_kernel_where_measured_faster``.)"""
+    from rankdecay.ops.triton import chunk_bwd, chunk_fwd
 
+    monkeypatch.setitem(chunk_fwd._KNOBS, "hdla_products", True)  # HDLA's fused rows, as at the bf16 precision
     warps = _spy_warps(monkeypatch, chunk_fwd, "_intra_kernel", "_state_fwd_kernel")
+    warps = _spy_warps(monkeypatch, chunk_bwd, "_grad_hh_kernel", "_grad_inputs_kernel", warps=warps)
     assert chunk_fwd.intra_warps(False, hh=True, K=256) == 4 and chunk_fwd.intra_warps(False, hh=True, K=128) == 2
     assert chunk_fwd.state_warps(True, 256) == 8 and chunk_fwd.state_warps(True, 128) == 4
     assert chunk_fwd.state_warps(False, 256) == 4
-    for mechanism, want in (("hh", dict(_intra_kernel=4, _state_fwd_kernel=8)), ("gdn", dict(_state_fwd_kernel=4))):
+    assert chunk_bwd._grad_hh_warps(256) == 2 and chunk_bwd._grad_hh_warps(128) == 1
+    assert chunk_bwd._inputs_warps(16, 2, 256) == 4 and chunk_bwd._inputs_warps(16, 2, 128) == 2
+    cases = (("hh", dict(_intra_kernel=4, _state_fwd_kernel=8)), ("gdn", dict(_state_fwd_kernel=4)),
+             ("hdla", dict()))
+    for mechanism, want in cases:
         inputs, fn = _mechanism_case(mechanism, 1, 20, 1, 256, 8, seed=44, r=4)
         for grads in (True, False):
             warps.clear()
+            expect = dict(want, _grad_hh_kernel=2) if grads and mechanism == "hh" else want
+            expect = dict(expect, _grad_inputs_kernel=4) if grads and mechanism == "hdla" else expect
             with torch.set_grad_enabled(grads):
                 got = _grads_of(lambda *x: fn(*x, mode="triton"), inputs) if grads else fn(*inputs, mode="triton")
                 ref = _grads_of(lambda *x: fn(*x, mode="chunk"), inputs) if grads else fn(*inputs, mode="chunk")
-            assert {k: warps[k] for k in want} == want, (mechanism, grads, warps)
+            assert {k: warps.get(k) for k in expect} == expect, (mechanism, grads, warps)
+            assert mechanism == "hh" and grads or "_grad_hh_kernel" not in warps, (mechanism, grads, warps)
             for x, y in zip(got, ref):
                 if y is not None:
                     assert_matches(x, y, 1e-5, f"{mechanism} grads={grads}")
@@ -2034,7 +2051,7 @@ def test_segments_rule(monkeypatch):
     """``chunk_fwd.segments``: off on the CPU, forced by its knob (at most one segment per chunk, none empty); on a GPU
     of 132 SMs (the H100) with K = V = 128 and H = 16, the measured rule (BENCHMARKS.md session 41): 8 segments at
     B = 1 from T = 4k (64-token chunks) up, 4 at B = 2, none where two segments are all the grid leaves room for (B = 4)
-    or the grid is full (B = 8), nor for walks under 64 chunks."""
+    or the grid is full (B = 8), nor for walks under 64 chunks; none above K = 128 (H200, session 60)."""
     from rankdecay.ops.triton import chunk_fwd
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -2050,6 +2067,9 @@ def test_segments_rule(monkeypatch):
     assert chunk_fwd.segments(63, 16, 128, gpu) == (1, 0)  # a short walk
     assert chunk_fwd.segments(256, 64, 128, gpu) == (1, 0)  # B4: two segments at most
     assert chunk_fwd.segments(512, 128, 128, gpu) == (1, 0)  # B8: the grid is full
+    assert chunk_fwd.segments(512, 16, 256, gpu) == (4, 128)  # B1 T32k, V = 256
+    assert chunk_fwd.segments(512, 16, 256, gpu, K=256) == (1, 0)  # and K = 256: the first walk costs too much
+    assert chunk_fwd.segments(512, 16, 256, gpu, knob=4, K=256) == (4, 128)  # (the knob still forces them)
 
 
 def test_clear_errors():

@@ -51,14 +51,13 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # with a per-channel gate, not HDLA's, by rank (``_grad_channel_warps``).
 # grad_hdla: step 4 where it also carries HDLA's rows' gradients on to k and g (``_hdla_rows_bwd``, since session
 # 32): by chunk size (``_grad_hdla_warps``: 8 at 32 tokens, 4 at 16; sessions 37, 43). grad_hh: Head-in-Head's
-# step 4 by groups (``_grad_hh_kernel``): 1 warp (H100 HH-GDN r=4: 0.93 ms against 1.22 on 2, 1.43 on 4, 3.59 on 8,
-# and 2.06 for the general step 4; BENCHMARKS.md sessions 38, 39); hh_grouped 0 takes the general one instead, hh_bk
-# caps its key block (benchmarks). hh_inputs 1: the inputs' kernel reduces dÃ and dB̃ to what step 4 by groups reads
-# before storing them (its HG): H100 HH-GDN r=4, inputs 1.41 -> 1.58 ms, step 4 0.93 -> 0.76, fwd+bwd the same
+# step 4 by groups (``_grad_hh_kernel``): 0, by K (``_grad_hh_warps``); hh_grouped 0 takes the general one instead,
+# hh_bk caps its key block (benchmarks). hh_inputs 1: the inputs' kernel reduces dÃ and dB̃ to what step 4 by groups
+# reads before storing them (its HG): H100 HH-GDN r=4, inputs 1.41 -> 1.58 ms, step 4 0.93 -> 0.76, fwd+bwd the same
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
-# inputs 0: by chunk size and gate (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
+# inputs 0: by chunk size, gate and K (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
 # the values kernel's work inside the inputs' kernel, whose launch (warps, key block, cap) it then takes.
-_CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=0, grad_hdla=0, grad_bk=0, grad_hh=1,
+_CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=0, grad_hdla=0, grad_bk=0, grad_hh=0,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
                grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
@@ -71,11 +70,13 @@ def _products_warps(C: int) -> int:
     return _CONFIG["products"] or (4 if C >= 64 else 2)
 
 
-def _inputs_warps(C: int, gate: int) -> int:
+def _inputs_warps(C: int, gate: int, K: int = 128) -> int:
     """The inputs' kernel's width: ``_CONFIG``'s where set, else 2 for a per-channel gate in chunks of 16 tokens or
-    fewer (HDLA) and 4 otherwise (H100, bf16, K = 128: HDLA 1.19 -> 0.95 ms on 2; KDA at 32 tokens 0.68 / 0.66, and
-    Head-in-Head r = 4 at 16 tokens 1.58 -> 3.31 ms, so they keep 4; BENCHMARKS.md session 43)."""
-    return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 else 4)
+    fewer (HDLA) up to K = 128 and 4 otherwise (H100, bf16, K = 128: HDLA 1.19 -> 0.95 ms on 2; KDA at 32 tokens
+    0.68 / 0.66, and Head-in-Head r = 4 at 16 tokens 1.58 -> 3.31 ms, so they keep 4; BENCHMARKS.md session 43). At
+    K = V = 256 HDLA's spills 492 bytes on 2 warps and none on 4 (sm_90): H200, B4 T2048 H16, 4.06 -> 2.66 ms, its
+    forward+backward 12.9 -> 11.5 ms (session 60)."""
+    return _CONFIG["inputs"] or (2 if gate == 2 and C <= 16 and K <= 128 else 4)
 
 
 def _grad_channel_warps(Rab: int) -> int:
@@ -84,6 +85,14 @@ def _grad_channel_warps(Rab: int) -> int:
     HDLA 1.35 -> 1.10; BENCHMARKS.md session 28); H200, B8 T2048 H16 K=V=128 bf16: GLA 0.444 ms on 4, 0.357 on 2,
     0.486 on 8; KDA 0.490 on 4 (with ``_register_cap``'s 128), 0.509 on 2, 0.554 on 8 (session 58)."""
     return _CONFIG["grad_channel"] or (2 if Rab == 0 else 4)
+
+
+def _grad_hh_warps(K: int) -> int:
+    """Head-in-Head's step 4 by groups (``_grad_hh_kernel``): ``_CONFIG["grad_hh"]`` where set, else 1 warp up to
+    K = 128 and 2 above. H100 HH-GDN r=4, K = V = 128: 0.93 ms on 1 against 1.22 on 2, 1.43 on 4, 3.59 on 8, and 2.06
+    for the general step 4 (BENCHMARKS.md sessions 38, 39). At K = V = 256 it spills 668 bytes on 1 (sm_90) and 12 on
+    2: H200, B4 T2048 H16, 0.881 -> 0.713 ms (sessions 59, 60)."""
+    return _CONFIG["grad_hh"] or (1 if K <= 128 else 2)
 
 
 def _register_cap(kernel: str, warps: int, C: int, gate: int, Rab: int, hh: bool, precision: str, K: int,
@@ -1114,7 +1123,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                  num_warps=blocks["num_warps"], num_stages=blocks["num_stages"], UT=ut, tinv=tinv if ut else None,
                  **_maxnreg(_CONFIG["state_bwd_maxnreg"]))
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
-    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"))
+    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"), K=K)
     dh0 = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
     if ns > 1:
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
@@ -1168,7 +1177,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     ddch = f32c(K) if g is not None else None
     BKi = _key_block("inputs_bk", K, prec, gate == 2)
     NKI = _cdiv(K, BKi)
-    warps = _inputs_warps(C, gate)
+    warps = _inputs_warps(C, gate, K)
     yb = f32c(NA, Rab, NKI) if ig else None
     _grad_inputs_kernel[(NKI, NC, B * H)](
         do, s0, dhn, v if raw or raw_v else vf, opt(u if Rab else None), opt(dx), dqd, dkd, opt(dad), opt(dbd),
@@ -1219,7 +1228,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
         _grad_hh_kernel[(NC, B * H)](
             q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
             opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
-            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, num_warps=_CONFIG["grad_hh"],
+            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, num_warps=_grad_hh_warps(K),
             num_stages=1, **_maxnreg(_CONFIG["grad_hh_maxnreg"]),
         )
     elif tied:

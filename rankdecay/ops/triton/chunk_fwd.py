@@ -879,13 +879,22 @@ def fuse_output(programs: int, device: torch.device, scalable: bool = False, sav
     return scalable or programs >= _sm_count(device)
 
 
-def state_value_block(scaled: bool, BV: int, sequences_heads: int, V: int, device: torch.device) -> int:
+def state_value_block(scaled: bool, BV: int, sequences_heads: int, V: int, device: torch.device,
+                      tied_save: bool = False, K: int = 128) -> int:
     """The state kernel's value block: ``_blocks``'s ``BV``, or 32 in place of 64 for the scaled form
     (``scaled_update``) where the 64-wide grid (value blocks x ``sequences_heads``) leaves SMs idle, to double
     its programs. H100 GDN forward, state kernel µs: B1 T32768 1399 -> 1251, B2 T8192 373 -> 336, and at
     B8 T2048 (a full grid) 148 -> 203, so not there; the results were bitwise the same (BENCHMARKS.md
     session 25). The 32-wide block that Triton 3.6 miscompiled (sessions 13, 14) had bf16 W tiles, which
-    the scaled form does not read."""
+    the scaled form does not read.
+
+    16 in place of 32 for the delta rule's walk before the backward (``tied_save``: Gated DeltaNet's, DeltaNet's,
+    Gated DeltaProduct's training) at K > 128, where its [K, 32] state and row tiles spill (sm_90: 1628 bytes at
+    K = V = 256). H200, B4 T2048 H16 K = V = 256 bf16: 3.11 -> 2.40 ms (BENCHMARKS.md session 60). Not for its
+    scaled form without autograd (1.81 -> 2.00 ms) nor for the other mechanisms' walks (KDA 1.27 -> 1.92, HDLA
+    2.31 -> 3.50, Head-in-Head 5.40 -> 8.03), nor for the backward's walk (Gated DeltaNet 1.25 -> 1.27)."""
+    if tied_save and not scaled and K > 128 and BV == 32 and device.type == "cuda":
+        return 16
     if scaled and BV == 64 and device.type == "cuda" and _cdiv(V, 64) * sequences_heads < _sm_count(device):
         return 32
     return BV
@@ -1025,7 +1034,7 @@ def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool,
             and (knob is None or bool(knob)))
 
 
-def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None) -> tuple[int, int]:
+def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None, K: int = 128) -> tuple[int, int]:
     """How many segments of each sequence's chunks the state kernels (the forward's, and the backward's in reverse)
     walk in parallel, and the chunks of each: (1, 0) but for long walks on a grid that leaves SMs idle.
 
@@ -1035,11 +1044,14 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
     state kernel's EYE) takes every segment at once from [0 | I], a state V + K wide, to [H | P]; the segments'
     entering states follow one from another (``chain_segments``: NS - 1 [K, K] x [K, V] products, fp32); the second
     walk, the usual one with its outputs, takes every segment at once from its entering state. Twice the work on NS
-    times the programs.
+    times the programs. Not above K = 128 (``_SEGMENT_RULE["max_keys"]``), where the first walk's [K, V + K] state
+    and the chaining's [K, K] products cost more than the segments save: H200, K = V = 256, B1 T32768 H16, Gated
+    DeltaNet's forward 31.4 -> 10.9 ms and forward+backward 47.7 -> 23.8 without them, HDLA's 21.4 -> 15.8 and
+    72.5 -> 57.1, Head-in-Head's forward 64.6 -> 28.7 (BENCHMARKS.md session 60).
     ``knob`` (``_KNOBS["segments"]``) forces NS (1: off)."""
     if knob is not None:
         ns = max(1, min(int(knob), NC))
-    elif device.type != "cuda" or NC < _SEGMENT_RULE["min_chunks"]:
+    elif device.type != "cuda" or NC < _SEGMENT_RULE["min_chunks"] or K > _SEGMENT_RULE["max_keys"]:
         ns = 1
     else:
         programs = _cdiv(V, 64) * sequences_heads
@@ -1056,8 +1068,8 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
 
 
 # the automatic rule of ``segments``: walks of at least min_chunks chunks, split while the second walk's programs
-# stay within programs_per_sm per SM and each segment keeps min_segment chunks
-_SEGMENT_RULE = dict(min_chunks=64, programs_per_sm=2, min_segment=16, min_segments=4)
+# stay within programs_per_sm per SM and each segment keeps min_segment chunks, up to K = max_keys
+_SEGMENT_RULE = dict(min_chunks=64, programs_per_sm=2, min_segment=16, min_segments=4, max_keys=128)
 
 
 def chain_segments(h0, ends, K: int, V: int, BK: int, reverse: bool = False) -> torch.Tensor:
@@ -1398,7 +1410,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"))
+    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K)
     ht = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
@@ -1421,7 +1433,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             dummy, *rows, dummy, dummy, ends, NC, opt(kf), opt(af), T, HAS_H0=False, o=dummy, FUSE_O=False,
             STORE=False, NS=ns, LS=ls, VS=V + K, EYE=True, **kinds, **out, **blocks)
         h0 = chain_segments(h0, ends, K, V, blocks["BK"])
-    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device)
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device,
+                                                            tied and save, K)
     _state_fwd_kernel[(_cdiv(V, blocks["BV"]), B * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
         FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks, **_maxnreg(cfg.get("state_maxnreg")),
