@@ -28,10 +28,16 @@ import rankdecay.ops.triton.chunk_fwd as cf  # noqa: E402
 
 
 def knobs(spec: str) -> tuple[dict, dict]:
-    """A variant's ``chunk_fwd._KNOBS`` and ``channel._CHANNEL`` settings (the latter prefixed ``ch_``)."""
+    """A variant's ``chunk_fwd._KNOBS`` and ``channel._CHANNEL`` settings (the latter prefixed ``ch_``); a name neither
+    table has is refused (``SystemExit``), rather than timed as the default."""
     pairs = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
-    return ({k: v for k, v in pairs.items() if not k.startswith("ch_")},
-            {k.removeprefix("ch_"): v for k, v in pairs.items() if k.startswith("ch_")})
+    config = {k: v for k, v in pairs.items() if not k.startswith("ch_")}
+    channel = {k.removeprefix("ch_"): v for k, v in pairs.items() if k.startswith("ch_")}
+    unknown = sorted(set(config) - cf.KNOB_NAMES) + sorted(f"ch_{k}" for k in set(channel) - set(ch._CHANNEL))
+    if unknown:
+        raise SystemExit(f"--variants {spec!r}: no knob named {', '.join(unknown)}; chunk_fwd._KNOBS has "
+                         f"{sorted(cf.KNOB_NAMES)}, ch_ takes channel._CHANNEL's {sorted(ch._CHANNEL)}")
+    return config, channel
 
 
 def kernel_times(fn, calls: int = 10) -> dict:
@@ -57,6 +63,8 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[8, 2048, 16, 128, 128])
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="medium")
     args = parser.parse_args()
+    for spec in args.variants:  # every variant's names checked before anything runs
+        knobs(spec)
     torch.set_float32_matmul_precision(args.matmul_precision)
     captured = {}
     orig = cf.chunk_dplr_fwd

@@ -364,8 +364,11 @@ def apply_knobs(pairs: list[str]) -> None:
                 raise SystemExit(f"--knob {name}: the {prefix} table has {sorted(table)}")
             table[key] = int(value)
         else:
-            name = name.removeprefix("fwd_")
-            chunk_fwd._KNOBS[name] = _knob_value(value)
+            key = name.removeprefix("fwd_")
+            if key not in chunk_fwd.KNOB_NAMES:
+                raise SystemExit(f"--knob {name}: chunk_fwd._KNOBS (no prefix, or fwd_) has "
+                                 f"{sorted(chunk_fwd.KNOB_NAMES)}; the prefixed tables are {sorted(tables)} and lc_")
+            chunk_fwd._KNOBS[key] = _knob_value(value)
 
 
 @contextlib.contextmanager

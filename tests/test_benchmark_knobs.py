@@ -32,6 +32,22 @@ def test_unknown_name_is_refused(tables):
     for name in ("lc_16_fast", "lc_48_prep", "lc_prep"):
         with pytest.raises(SystemExit, match=name):
             apply_knobs([f"{name}=64x1"])
+    for name in ("fwd_state_warps", "rowz"):  # chunk_fwd._KNOBS's names are checked too
+        with pytest.raises(SystemExit, match=name):
+            apply_knobs([f"{name}=8"])
+    assert chunk_fwd._KNOBS == {}
+
+
+def test_fwd_variants_refuse_unknown_names(tables):
+    """``fwd_variants.py --variants``: ``chunk_fwd._KNOBS`` names as they are and ``ch_`` for ``channel._CHANNEL``;
+    a name neither has is refused before anything is timed."""
+    from benchmarks.fwd_variants import knobs
+
+    assert knobs("") == ({}, {})
+    assert knobs("state_bv=16,ch_warps=2,stored=None") == ({"state_bv": 16, "stored": None}, {"warps": 2})
+    for spec in ("state_warps=8", "state_bv=16,ch_nonsense=1"):
+        with pytest.raises(SystemExit, match=spec.split(",")[-1].split("=")[0]):
+            knobs(spec)
 
 
 def test_variants_alternate_and_restore_the_knobs(tables):

@@ -2072,6 +2072,30 @@ def test_segments_rule(monkeypatch):
     assert chunk_fwd.segments(512, 16, 256, gpu, knob=4, K=256) == (4, 128)  # (the knob still forces them)
 
 
+def test_knob_names_are_the_ones_read(monkeypatch):
+    """``chunk_fwd.KNOB_NAMES`` is every name the kernels' wrappers read from ``_KNOBS`` or ``chunk_dplr_fwd``'s
+    ``_config`` (found in their source), no more, no fewer; a name outside it is refused with a ValueError that names
+    it, from either, rather than silently doing nothing (a benchmark would time the default and call it a variant)."""
+    import pathlib
+    import re
+
+    from rankdecay.ops.triton import chunk_fwd
+
+    read = re.compile(r'(?:\bcfg|_KNOBS|\bknobs|\(_KNOBS if \w+ is None else \w+\))(?:\.get\(|\[)"([a-z0-9_]+)"')
+    names = set()
+    for path in pathlib.Path(chunk_fwd.__file__).parent.glob("*.py"):
+        for line in path.read_text().splitlines():
+            names.update(read.findall(line.split("#", 1)[0]))
+    assert names == chunk_fwd.KNOB_NAMES, (sorted(names - chunk_fwd.KNOB_NAMES), sorted(chunk_fwd.KNOB_NAMES - names))
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    k1, v1 = q[..., None, :], q[..., None, :]
+    with pytest.raises(ValueError, match="_config: no knob named 'state_warps'"):
+        chunk_fwd.chunk_dplr_fwd(q, k1, v1, k1, k1, None, 1.0, None, _config=dict(state_warps=8))
+    monkeypatch.setitem(chunk_fwd._KNOBS, "segmnets", 1)
+    with pytest.raises(ValueError, match="_KNOBS: no knob named 'segmnets'"):
+        chunk_fwd.chunk_dplr_fwd(q, k1, v1, k1, k1, None, 1.0, None)
+
+
 def test_clear_errors():
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="computes in fp32"):

@@ -839,6 +839,23 @@ def _output_kernel(
 # (1 / 0: with it, T for the state kernels in the 16-bit dtype of the tensors between kernels, or in fp32; None, the
 # default: ``u_from_t_16``'s choice).
 _KNOBS: dict = {}
+# every name _KNOBS and chunk_dplr_fwd's _config may hold (the comment above; "precision" / "state_precision": the
+# products' precision of every kernel / of the state kernels, "intra_warps": the intra kernel's, "tie_a_k": below,
+# ``ties_keys``' and ``pairs_keys``'); ``check_knobs`` refuses the rest, so that a misspelt knob is not silently a no-op
+KNOB_NAMES = frozenset({
+    "channel_rows", "form_a2", "fuse_output", "hdla_cumsum_bk", "hdla_cumsum_rows", "hdla_cumsum_warps", "hdla_finish",
+    "hdla_products", "hdla_row_products", "hh_grams", "hh_sparse_inputs", "intra_bk", "intra_maxnreg", "intra_warps",
+    "kda_pair", "kda_pair_bwd", "kda_rows", "merge", "neumann", "output_bv", "output_warps", "precision", "rows",
+    "scaled", "segments", "state_bv", "state_maxnreg", "state_precision", "state_stages", "stored", "stored_state",
+    "tie_a_k", "u_from_t", "u_from_t_16",
+})
+
+
+def check_knobs(knobs: dict, where: str = "chunk_fwd._KNOBS") -> None:
+    """Raises ValueError naming every key of ``knobs`` that is not a knob (``KNOB_NAMES``)."""
+    unknown = sorted(set(knobs) - KNOB_NAMES)
+    if unknown:
+        raise ValueError(f"{where}: no knob named {', '.join(map(repr, unknown))}; the knobs are {sorted(KNOB_NAMES)}")
 
 
 def hdla_fused_products(precision: str, cfg: dict | None = None) -> bool:
@@ -1194,6 +1211,8 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs
     ``fused_chunk_size(Rab, Rkv)``.
     """
+    check_knobs(_KNOBS)
+    check_knobs(_config or {}, "_config")
     B, T, H, K = q.shape
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
