@@ -907,8 +907,8 @@ def state_value_block(scaled: bool, BV: int, sequences_heads: int, V: int, devic
 
     16 in place of 32 for the delta rule's walk before the backward (``tied_save``: Gated DeltaNet's, DeltaNet's,
     Gated DeltaProduct's training) at K > 128, where its [K, 32] state and row tiles spill (sm_90: 1628 bytes at
-    K = V = 256). H200, B4 T2048 H16 K = V = 256 bf16: 3.11 -> 2.40 ms (BENCHMARKS.md session 60). Not for its
-    scaled form without autograd (1.81 -> 2.00 ms) nor for the other mechanisms' walks (KDA 1.27 -> 1.92, HDLA
+    K = V = 256, none on 16). H200, B4 T2048 H16 K = V = 256 bf16: 3.11 -> 2.40 ms (BENCHMARKS.md session 60). Not
+    for its forward without autograd (1.81 -> 2.00 ms) nor for the other mechanisms' walks (KDA 1.27 -> 1.92, HDLA
     2.31 -> 3.50, Head-in-Head 5.40 -> 8.03), nor for the backward's walk (Gated DeltaNet 1.25 -> 1.27)."""
     if tied_save and not scaled and K > 128 and BV == 32 and device.type == "cuda":
         return 16
