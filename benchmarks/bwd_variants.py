@@ -20,10 +20,10 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels import CASES, apply_knobs, knobs_restored, measure  # noqa: E402  (run from benchmarks/)
+from kernels import CASES, _prefixed_tables, apply_knobs, knobs_restored, measure  # noqa: E402  (from benchmarks/)
 
 # the prefixes ``kernels.apply_knobs`` reads; a name without one is chunk_bwd._CONFIG's here (``bwd_`` there)
-_PREFIXES = ("state_", "fwd_", "ch_", "lc_", "bwd_")
+_PREFIXES = (*_prefixed_tables(), "fwd_", "lc_")
 
 
 def per_kernel(case, inputs, reps=5) -> dict:

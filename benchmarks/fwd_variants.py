@@ -33,10 +33,14 @@ def knobs(spec: str) -> tuple[dict, dict]:
     pairs = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
     config = {k: v for k, v in pairs.items() if not k.startswith("ch_")}
     channel = {k.removeprefix("ch_"): v for k, v in pairs.items() if k.startswith("ch_")}
-    unknown = sorted(set(config) - cf.KNOB_NAMES) + sorted(f"ch_{k}" for k in set(channel) - set(ch._CHANNEL))
+    try:
+        cf.check_knobs(config, f"--variants {spec!r}")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    unknown = sorted(f"ch_{k}" for k in set(channel) - set(ch._CHANNEL))
     if unknown:
-        raise SystemExit(f"--variants {spec!r}: no knob named {', '.join(unknown)}; chunk_fwd._KNOBS has "
-                         f"{sorted(cf.KNOB_NAMES)}, ch_ takes channel._CHANNEL's {sorted(ch._CHANNEL)}")
+        raise SystemExit(f"--variants {spec!r}: no knob named {', '.join(unknown)}; ch_ takes channel._CHANNEL's "
+                         f"{sorted(ch._CHANNEL)}")
     return config, channel
 
 

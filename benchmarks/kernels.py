@@ -365,9 +365,10 @@ def apply_knobs(pairs: list[str]) -> None:
             table[key] = int(value)
         else:
             key = name.removeprefix("fwd_")
-            if key not in chunk_fwd.KNOB_NAMES:
-                raise SystemExit(f"--knob {name}: chunk_fwd._KNOBS (no prefix, or fwd_) has "
-                                 f"{sorted(chunk_fwd.KNOB_NAMES)}; the prefixed tables are {sorted(tables)} and lc_")
+            try:
+                chunk_fwd.check_knobs({key: value}, f"--knob {name}: chunk_fwd._KNOBS (no prefix, or fwd_)")
+            except ValueError as e:
+                raise SystemExit(f"{e}; the prefixed tables are {sorted(tables)} and lc_") from None
             chunk_fwd._KNOBS[key] = _knob_value(value)
 
 
