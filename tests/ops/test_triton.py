@@ -1551,13 +1551,17 @@ _HH_STEP4_CASES = [(16, 4, True, False, 0), (24, 3, False, False, 0), (40, 2, Tr
                    (64, 2, False, True, 16)]
 
 
-# the inputs' kernel by groups (hh_inputs = 1, 2: with every rank's rows of U read) only where step 4 runs by groups
-# (K / r a multiple of 16): elsewhere the knob changes nothing
+# the inputs' kernel by groups (hh_inputs = 1, 2: with every rank's rows of U read, 3: with step 4 reading the
+# products' tiles again per key block, ``hh_products`` 0) only where step 4 runs by groups (K / r a multiple of 16):
+# elsewhere the knobs change nothing
+_HH_INPUTS = ("inputs-general", "inputs-by-groups", "inputs-by-groups-dense", "inputs-by-groups-tiles-per-block")
+
+
 @pytest.mark.parametrize("K,r,static,varlen,cap,hh_inputs", [
-    pytest.param(*case, hh_inputs, id="-".join([("inputs-general", "inputs-by-groups", "inputs-by-groups-dense")[
-        hh_inputs], *map(str, case)]))
-    for case in _HH_STEP4_CASES for hh_inputs in (0, 1, 2)
-    if not hh_inputs or (case[0] // case[1]) % 16 == 0 and (hh_inputs == 1 or case[:2] == (64, 4))])
+    pytest.param(*case, hh_inputs, id="-".join([_HH_INPUTS[hh_inputs], *map(str, case)]))
+    for case in _HH_STEP4_CASES for hh_inputs in (0, 1, 2, 3)
+    if not hh_inputs or (case[0] // case[1]) % 16 == 0 and (hh_inputs == 1 or case[:2] == (64, 4)
+                                                            or hh_inputs == 3 and case[:2] == (48, 3))])
 def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, hh_inputs, monkeypatch):
     """Head-in-Head with a scalar gate on the fused kernels: step 4 carries the gradients of its rows a and b on to
     k and the mask itself (``chunk_bwd._hh_rows_bwd``), with no factor backward and no da or db. Against
@@ -1568,16 +1572,20 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     16 channels inside one group (two blocks per group where the block is capped at 16 with K / r = 32: ``cap``),
     and with ``hh_inputs`` the inputs' kernel too (``_grad_inputs_kernel``'s HG), reading only its key block's
     groups' rows of U (NG: two groups a block, or one for K / r = 32), or with 2 all of them
-    (``_KNOBS["hh_sparse_inputs"] = 0``); elsewhere it is the general kernel. No hh_factors runs: the kernels form
+    (``_KNOBS["hh_sparse_inputs"] = 0``); step 4 then takes each group's Gram before its loop over the ranks (its
+    HP), or with 3 the products' share of the mask's gradient per key block (``_CONFIG["hh_products"] = 0``);
+    elsewhere it is the general kernel. No hh_factors runs: the kernels form
     the rows from k and the mask."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_inputs", int(hh_inputs > 0))
-    monkeypatch.setitem(chunk_fwd._KNOBS, "hh_sparse_inputs", int(hh_inputs < 2))
+    monkeypatch.setitem(chunk_fwd._KNOBS, "hh_sparse_inputs", int(hh_inputs != 2))
+    monkeypatch.setitem(chunk_bwd._CONFIG, "hh_products", 0 if hh_inputs == 3 else None)  # None: the rule
 
     taken, factor_bwd = _hh_rows_spy(monkeypatch), []
     blocks = _hh_key_block_spy(monkeypatch)
+    hp = _spy_warps(monkeypatch, chunk_bwd, "_grad_hh_kernel", key="HP")
     monkeypatch.setattr(factors._HHFactors, "backward", staticmethod(lambda ctx, *g: factor_bwd.append(1)))
     _no_hh_factors(monkeypatch)
     gen = torch.Generator().manual_seed(K + r)
@@ -1606,6 +1614,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     assert taken == [True] and not factor_bwd, (taken, factor_bwd)
     n = K // r  # channels per group: the key block is the largest power of two dividing it, capped
     assert blocks == [None if n % 16 else min(n & -n, cap or 64)], blocks
+    assert hp == ({} if n % 16 else {"_grad_hh_kernel": hh_inputs in (1, 2)}), hp
     ref = call("chunk")
     for name, x, y in zip(["o", "s", "dq", "dk", "dv", "dbeta", "dmask", "dg", "dh0"], got, ref):
         assert torch.isfinite(x).all(), name
@@ -1797,9 +1806,9 @@ def _spy_chunk_sizes(monkeypatch) -> list:
     return chunks
 
 
-def _spy_warps(monkeypatch, module, *names, warps=None) -> dict:
-    """The warps of each launch of ``module``'s kernels ``names`` (launched as usual), by kernel name, in the dict
-    returned (``warps``, or a new one)."""
+def _spy_warps(monkeypatch, module, *names, warps=None, key: str = "num_warps") -> dict:
+    """The warps (or another launch argument, ``key``) of each launch of ``module``'s kernels ``names`` (launched as
+    usual), by kernel name, in the dict returned (``warps``, or a new one)."""
     warps = {} if warps is None else warps
 
     class Spy:
@@ -1808,7 +1817,7 @@ def _spy_warps(monkeypatch, module, *names, warps=None) -> dict:
 
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                warps[self.kernel.fn.__name__] = kw["num_warps"]
+                warps[self.kernel.fn.__name__] = kw[key]
                 return self.kernel[grid](*args, **kw)
             return launch
 
@@ -1956,7 +1965,8 @@ def test_backward_widths_by_chunk_size(monkeypatch):
 def test_wide_keys_launch_widths(monkeypatch):
     """Launches at K > 128 (BENCHMARKS.md sessions 59 and 60, H200 at K = V = 256). Head-in-Head's intra kernel on 4
     warps (on 2 it spills; at K <= 128 it takes 2), its forward state kernel on 8, with autograd (the walk that stores
-    the states) and without (the scaled form over a's rows), and its step 4 by groups on 2 (1 up to K = 128); Gated
+    the states) and without (the scaled form over a's rows), and its step 4 by groups on 2 (1 up to K = 128), which
+    reads the products' tiles per key block there (``hh_tiles_once``: once up to K = 128; session 61); Gated
     DeltaNet's state kernel keeps 4 at the same K; HDLA's inputs' kernel on 4 (2 up to K = 128). Checked on the
     launches themselves, with the outputs and gradients against the PyTorch path. (The delta rule's 16-wide value
     block at that K, a rule for CUDA tensors alone, is checked in
@@ -1970,6 +1980,8 @@ def test_wide_keys_launch_widths(monkeypatch):
     assert chunk_fwd.state_warps(True, 256) == 8 and chunk_fwd.state_warps(True, 128) == 4
     assert chunk_fwd.state_warps(False, 256) == 4
     assert chunk_bwd._grad_hh_warps(256) == 2 and chunk_bwd._grad_hh_warps(128) == 1
+    assert chunk_bwd.hh_tiles_once(128) and not chunk_bwd.hh_tiles_once(256)  # (session 61)
+    assert chunk_bwd.hh_tiles_once(256, 1) and not chunk_bwd.hh_tiles_once(128, 0)
     assert chunk_bwd._inputs_warps(16, 2, 256) == 4 and chunk_bwd._inputs_warps(16, 2, 128) == 2
     cases = (("hh", dict(_intra_kernel=4, _state_fwd_kernel=8)), ("gdn", dict(_state_fwd_kernel=4)),
              ("hdla", dict()))

@@ -57,9 +57,12 @@ from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask
 # (7.03 / 7.02 -> 7.05 / 7.05 ms), peak memory 3935 -> 3583 MB (BENCHMARKS.md session 40; 0: stored whole).
 # inputs 0: by chunk size, gate and K (``_inputs_warps``). values_in_inputs (1 / 0; None: ``values_in_inputs``'s rule):
 # the values kernel's work inside the inputs' kernel, whose launch (warps, key block, cap) it then takes.
+# hh_products (1 / 0; None: ``hh_tiles_once``'s rule): with hh_inputs, step 4 by groups takes each group's Gram of k
+# first and reads each rank's tiles of dL_BA and dL_BK once, for X, Z and the mask's gradient together
+# (``_grad_hh_kernel``'s HP); 0: twice, the mask's share per key block.
 _CONFIG = dict(values=4, products=0, inputs=0, inputs_bk=0, grad=4, grad_channel=0, grad_hdla=0, grad_bk=0, grad_hh=0,
                hh_grouped=1, hh_bk=0, hh_inputs=1, state_bwd_maxnreg=0, inputs_maxnreg=None, products_maxnreg=None,
-               grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None)
+               grad_maxnreg=None, grad_hh_maxnreg=0, values_in_inputs=None, hh_products=None)
 # (the *_maxnreg: a register cap (Triton's maxnreg) for that kernel's launches, 0 none; None: ``_register_cap``'s)
 
 
@@ -126,6 +129,15 @@ def _block_groups(K: int, r: int, BK: int) -> int:
     if not width or not _KNOBS.get("hh_sparse_inputs", 1):
         return 0
     return BK // width if BK % width == 0 else 1 if width % BK == 0 else 0
+
+
+def hh_tiles_once(K: int, knob=None) -> bool:
+    """Whether Head-in-Head's step 4 by groups takes each group's Gram of k before its loop over the ranks and reads
+    each rank's tiles of dL_BA and dL_BK once (``_grad_hh_kernel``'s HP) rather than again in every key block: where
+    measured faster, up to K = 128. H200 HH-GDN r=4 B8 T2048 H16, step 4 at K = V = 128 0.749 -> 0.665 ms (forward+
+    backward 5.65 -> 5.56), at K = V = 256 (B4) 0.699 -> 0.724 (BENCHMARKS.md session 61). ``knob``
+    (``_CONFIG["hh_products"]``) 1 / 0 forces either; None: this rule."""
+    return bool(knob) if knob is not None else K <= 128
 
 
 def _grad_hdla_warps(C: int) -> int:
@@ -230,7 +242,7 @@ def _grad_hh_kernel(
     q, k, g, sa, dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, dch, ddch, dq, dk, pdg, dsa, hpart, hmask, yb, T, NC,
     H: tl.constexpr, K: tl.constexpr, TC: tl.constexpr, RAB: tl.constexpr, RABP: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, PRECISION: tl.constexpr, ASC: tl.constexpr, E_Q: tl.constexpr, E_K: tl.constexpr,
-    HH: tl.constexpr, IG: tl.constexpr = False, NKI: tl.constexpr = 1,
+    HH: tl.constexpr, IG: tl.constexpr = False, NKI: tl.constexpr = 1, HP: tl.constexpr = False,
 ):
     """Step 4 of Head-in-Head (a scalar gate or none, one k row per token) for one chunk, a group of key channels at
     a time (``hh_key_block``: blocks of BK channels inside one group): ``_grad_kernel``'s results, with the rows'
@@ -253,7 +265,10 @@ def _grad_hh_kernel(
     the whole chunk, so the mask's gradient, d sa and dg's sums are written once each, with no key blocks' shares
     (H100 HH-GDN r=4: BENCHMARKS.md session 38). IG: the inputs' kernel reduced its tiles to what this kernel
     reads (its HG): Da per token (dad [B, H, NC, TC, K]), Σ_j m_j Db_j itself (dbd) and each rank's Db_j · k_t per
-    group and inputs' key block (yb, NKI of them, added here) are read as they are."""
+    group and inputs' key block (yb, NKI of them, added here) are read as they are. HP (with IG): each group's Gram
+    of k (over all its key blocks) is taken before the loop over the ranks, which then reads each rank's tiles of
+    dL_BA and dL_BK once for X, Z and the products' share of the mask's gradient together; without it they are read
+    again, with the Gram, in every key block."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c = i_bh * NC + i_c
@@ -283,20 +298,30 @@ def _grad_hh_kernel(
         Pqa = tl.load(dmqa + (c * TC + r_q[:, None]) * NA + r_q[None, :] * RABP + i0).to(tl.float32) * Dqk
         X = tl.zeros([TC, TC], dtype=tl.float32)
         Z = tl.zeros([TC, TC], dtype=tl.float32)
-        for j in range(RAB):
-            m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
-            rows = c * NA + r_q * RABP + j
-            X += m[:, None] * tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
-            Z += m[:, None] * tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
-        X = X * Dbs
-        Z = Z * Dbs
-        s_a = tl.zeros([TC], dtype=tl.float32)
         y = tl.zeros([TC, RABP], dtype=tl.float32)  # the mask's gradient dM_t[j, i0]
         if IG:  # the ranks' Db_j · k_t over group i0, from the inputs' kernel's key blocks
             for ki in range(NKI):
                 y += tl.load(yb + (((c * TC + r_q[:, None]) * RABP + r_j) * RAB + i0) * NKI + ki)
             if GATE == 1:
                 y = y * eb
+        if HP:  # the group's Gram first, so that each rank's tiles are read once for X, Z and y together
+            Gram = tl.zeros([TC, TC], dtype=tl.float32)
+            for k0 in range(i0 * KR, (i0 + 1) * KR, BK):
+                Kr = _load_rows(k, fq, vq, k0 + tl.arange(0, BK), k0 + tl.arange(0, BK) < K, K)
+                Gram += _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
+            Gram = Gram * Dbs
+        for j in range(RAB):
+            m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
+            rows = c * NA + r_q * RABP + j
+            Pba = tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
+            Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
+            X += m[:, None] * Pba
+            Z += m[:, None] * Pbk
+            if HP:
+                y += tl.where(r_j == j, tl.sum((Pba * fac[None, :] + Pbk) * Gram, axis=1)[:, None], 0.0)
+        X = X * Dbs
+        Z = Z * Dbs
+        s_a = tl.zeros([TC], dtype=tl.float32)
         for k0 in range(i0 * KR, (i0 + 1) * KR, BK):
             o_k = k0 + tl.arange(0, BK)
             m_k = o_k < K  # (every block lies inside K)
@@ -309,26 +334,27 @@ def _grad_hh_kernel(
             sQ += tl.sum(Q * Dq, axis=1)
             tl.store(dq + fq[:, None] * K + o_k[None, :], _dot_ex(Pqk + Pqa * fac[None, :], Kr, PRECISION, E_K) + Dq,
                      mask=vq[:, None])
-            Gram = _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
             if IG:  # Σ_j m_j Db_j, from the inputs' kernel
                 DbM = tl.load(dbd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
                 if GATE == 1:
                     DbM = DbM * eb
             else:
                 DbM = tl.zeros([TC, BK], dtype=tl.float32)
-            for j in range(RAB):
-                rows = c * NA + r_q * RABP + j
-                Pba = tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
-                Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
-                yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1)
-                if not IG:
-                    m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
-                    Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
-                    if GATE == 1:
-                        Db = Db * eb
-                    DbM += m[:, None] * Db
-                    yj += tl.sum(Db * Kr, axis=1)
-                y += tl.where(r_j == j, yj[:, None], 0.0)
+            if not HP:  # the products' share of the mask's gradient, per key block
+                Gram = _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
+                for j in range(RAB):
+                    rows = c * NA + r_q * RABP + j
+                    Pba = tl.load(dlba + rows[:, None] * NA + r_q[None, :] * RABP + i0).to(tl.float32)
+                    Pbk = tl.load(dlbk + rows[:, None] * TC + r_q[None, :]).to(tl.float32)
+                    yj = tl.sum((Pba * fac[None, :] + Pbk) * Dbs * Gram, axis=1)
+                    if not IG:
+                        m = _hh_mask_col(hmask, fq, vq, i_h, j, i0, r_q, RAB, HH)
+                        Db = tl.load(dbd + rows[:, None] * K + o_k[None, :]).to(tl.float32)
+                        if GATE == 1:
+                            Db = Db * eb
+                        DbM += m[:, None] * Db
+                        yj += tl.sum(Db * Kr, axis=1)
+                    y += tl.where(r_j == j, yj[:, None], 0.0)
             sB += tl.sum(Kr * DbM, axis=1)
             Dk = tl.load(dkd + (c * TC + r_q[:, None]) * K + o_k[None, :]).to(tl.float32)
             if IG:
@@ -1225,11 +1251,13 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     dg = like(g) if gate == 2 else None
     pdg = torch.empty(B, H, NC, NKB, 3 * C + 1, **f32) if gate == 1 else None
     if bk_hh:
+        # HP: each rank's tiles of dL_BA and dL_BK read once for X, Z and the mask's gradient (``hh_products``)
+        hp = ig and hh_tiles_once(K, _CONFIG["hh_products"])
         _grad_hh_kernel[(NC, B * H)](
             q, k, opt(g), opt(sa32), dmqk, dmqa, dlba, dlbk, dqd, dkd, dad, dbd, opt(dch), opt(ddch), dq, dk, opt(pdg),
-            opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg, GATE=gate,
-            PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, num_warps=_grad_hh_warps(K),
-            num_stages=1, **_maxnreg(_CONFIG["grad_hh_maxnreg"]),
+            opt(dsa), hpart, hh_mask, opt(yb), T, NC, H=H, K=K, TC=C, RAB=Rab, RABP=_pow2(Rab), BK=BKg,
+            GATE=gate, PRECISION=prec, ASC=asc, E_Q=_is16(q), E_K=_is16(k), HH=hh, IG=ig, NKI=NKI, HP=hp,
+            num_warps=_grad_hh_warps(K), num_stages=1, **_maxnreg(_CONFIG["grad_hh_maxnreg"]),
         )
     elif tied:
         _grad_tied_kernel[(NKB, NC, B * H)](
