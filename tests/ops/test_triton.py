@@ -1574,8 +1574,7 @@ def test_hh_backward_carries_rows_gradients_in_step4(K, r, static, varlen, cap, 
     groups' rows of U (NG: two groups a block, or one for K / r = 32), or with 2 all of them
     (``_KNOBS["hh_sparse_inputs"] = 0``); step 4 then takes each group's Gram before its loop over the ranks (its
     HP), or with 3 the products' share of the mask's gradient per key block (``_CONFIG["hh_products"] = 0``);
-    elsewhere it is the general kernel. No hh_factors runs: the kernels form
-    the rows from k and the mask."""
+    elsewhere it is the general kernel. No hh_factors runs: the kernels form the rows from k and the mask."""
     from rankdecay.ops.triton import chunk_bwd, chunk_fwd, factors
 
     monkeypatch.setitem(chunk_bwd._CONFIG, "hh_bk", cap)
