@@ -307,7 +307,8 @@ def _grad_hh_kernel(
         if HP:  # the group's Gram first, so that each rank's tiles are read once for X, Z and y together
             Gram = tl.zeros([TC, TC], dtype=tl.float32)
             for k0 in range(i0 * KR, (i0 + 1) * KR, BK):
-                Kr = _load_rows(k, fq, vq, k0 + tl.arange(0, BK), k0 + tl.arange(0, BK) < K, K)
+                o_k = k0 + tl.arange(0, BK)
+                Kr = _load_rows(k, fq, vq, o_k, o_k < K, K)
                 Gram += _dot_ex(Kr, tl.trans(Kr), PRECISION, E_K)
             Gram = Gram * Dbs
         for j in range(RAB):
