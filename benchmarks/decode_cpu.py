@@ -3,9 +3,10 @@
     python benchmarks/decode_cpu.py [--preset tiny] [--mixers gdn hdla hh-gdn swa] [--contexts 100 2000]
 
 A recurrent model's step costs the same whatever came before (a fixed-size state);
-sliding-window attention's is bounded by its window; "attn" (SWA with a window longer
-than any context: full causal attention) is the contrast, growing with the context. Each row: prefill a random
-context of the given length, then time single-token steps with the cache (median
+sliding-window attention's is bounded by its window; "attn" (SWA with, for each context, a window just longer than
+the context and the steps timed after it: full causal attention) is the contrast, growing with the context. A
+window far longer than that would not do: decoding keeps a ring of window slots and attends over all of them.
+Each row: prefill a random context of the given length, then time single-token steps with the cache (median
 of --steps). Prints a Markdown table.
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from rankdecay.models import RankDecayConfig, RankDecayForCausalLM, output_cache
 
 
+WARMUP = 5
+
+
 @torch.no_grad()
-def step_latency(model, context: int, steps: int, warmup: int = 5) -> float:
+def step_latency(model, context: int, steps: int, warmup: int = WARMUP) -> float:
     ids = torch.randint(0, 256, (1, context))
     out = model(ids, use_cache=True)
     token, cache = out.logits[:, -1:].argmax(-1), output_cache(out)
@@ -46,13 +50,16 @@ def main() -> None:
     print("| mixer | " + " | ".join(f"ms/token @ {c}" for c in args.contexts) + " | ratio |")
     print("|---|" + "---:|" * (len(args.contexts) + 1))
     for mixer in args.mixers:
-        torch.manual_seed(0)
         overrides = {"hh_rank": 2} if mixer.startswith("hh-") and args.preset == "tiny" else {}
-        if mixer == "attn":
-            mixer, overrides = "swa", {"swa_window": 1 << 30}
-        model = RankDecayForCausalLM(RankDecayConfig.from_preset(args.preset, mixer=mixer, **overrides)).eval()
-        mixer = "attn" if overrides.get("swa_window") == 1 << 30 else mixer
-        ms = [1e3 * step_latency(model, c, args.steps) for c in args.contexts]
+        ms = []
+        for c in args.contexts:
+            if mixer == "attn":  # every token of the context and of the timed steps inside the window
+                kind, overrides = "swa", {"swa_window": c + WARMUP + args.steps + 1}
+            else:
+                kind = mixer
+            torch.manual_seed(0)  # the same weights for every context
+            model = RankDecayForCausalLM(RankDecayConfig.from_preset(args.preset, mixer=kind, **overrides)).eval()
+            ms.append(1e3 * step_latency(model, c, args.steps))
         print(f"| {mixer} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |", flush=True)
 
 
