@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_init)
 
     p = sub.add_parser("train", help="train a language model (no arguments: the tiny preset on the Python "
-                       "standard library's sources, a few minutes on a CPU)",
+                       "standard library's sources, about a minute on 2 CPU cores)",
                        description="Train a language model. Options: preset < --config file < flags. Under torchrun "
                                    "(torchrun --nproc-per-node N -m rankdecay train ...) it runs data-parallel.")
     from .train.config import add_train_arguments
