@@ -49,16 +49,17 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, preset {args.preset}, fp32, batch 1")
     print("| mixer | " + " | ".join(f"ms/token @ {c}" for c in args.contexts) + " | ratio |")
     print("|---|" + "---:|" * (len(args.contexts) + 1))
+    def build(kind: str, **overrides):
+        torch.manual_seed(0)  # the same weights for every mixer's contexts
+        return RankDecayForCausalLM(RankDecayConfig.from_preset(args.preset, mixer=kind, **overrides)).eval()
+
     for mixer in args.mixers:
-        overrides = {"hh_rank": 2} if mixer.startswith("hh-") and args.preset == "tiny" else {}
+        if mixer != "attn":
+            model = build(mixer, **({"hh_rank": 2} if mixer.startswith("hh-") and args.preset == "tiny" else {}))
         ms = []
         for c in args.contexts:
             if mixer == "attn":  # every token of the context and of the timed steps inside the window
-                kind, overrides = "swa", {"swa_window": c + WARMUP + args.steps + 1}
-            else:
-                kind = mixer
-            torch.manual_seed(0)  # the same weights for every context
-            model = RankDecayForCausalLM(RankDecayConfig.from_preset(args.preset, mixer=kind, **overrides)).eval()
+                model = build("swa", swa_window=c + WARMUP + args.steps + 1)
             ms.append(1e3 * step_latency(model, c, args.steps))
         print(f"| {mixer} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |", flush=True)
 
