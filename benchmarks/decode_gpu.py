@@ -6,7 +6,11 @@ Random weights in bf16. For each mixer and batch size, after a prompt of --promp
 - ``generate``: ``model.generate`` (transformers' loop and dynamic cache), ms per new token;
 - ``eager``: ``GraphDecoder(cuda_graph=False).step``, the same step on static buffers, launched
   kernel by kernel;
-- ``graph``: ``GraphDecoder().step``, the step replayed as one CUDA graph.
+- ``graph``: ``GraphDecoder().step``, the step replayed as one CUDA graph;
+- with --compile, ``compiled``: ``GraphDecoder(compile=True).step``, the step through torch.compile, then
+  replayed as one CUDA graph; the seconds its first step took (compiling), and how far both graphs' logits are
+  from an fp32 copy of the model after --new-tokens teacher-forced steps (relative L2 error: bf16 alone puts
+  the graph's some way off on random weights; the compiled one should be no further).
 Median of --steps steps, each synchronised. Prints a Markdown table; --json writes the rows.
 --profile N also profiles N eager steps per mixer (B = the first batch size) and prints the kernels
 that take the most GPU time and the number of kernels per step.
@@ -45,15 +49,23 @@ def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayFor
 
 
 @torch.no_grad()
-def run(model, B: int, prompt: int, steps: int, new_tokens: int) -> dict:
+def run(model, B: int, prompt: int, steps: int, new_tokens: int, compiled: bool = False) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda")
     row = {}
-    for name, decoder in (("eager", GraphDecoder(model, cuda_graph=False)), ("graph", GraphDecoder(model))):
+    decoders = [("eager", GraphDecoder(model, cuda_graph=False)), ("graph", GraphDecoder(model))]
+    if compiled:
+        decoders.append(("compiled", GraphDecoder(model, compile=True)))
+    for name, decoder in decoders:
+        t0 = time.perf_counter()
         decoder.prefill(ids)
         token = torch.zeros(B, dtype=torch.long, device="cuda")
         for _ in range(3):
             decoder.step(token)
+        if name == "compiled":
+            row["compile_s"] = time.perf_counter() - t0
         row[f"{name}_ms"] = per_step(lambda: decoder.step(token), steps)  # noqa: B023
+    if compiled:
+        row["graph_err"], row["compiled_err"] = drift(model, ids, [d for _, d in decoders[1:]], new_tokens)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
     short = per_step(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), 3)
@@ -63,12 +75,27 @@ def run(model, B: int, prompt: int, steps: int, new_tokens: int) -> dict:
 
 
 @torch.no_grad()
-def profile(model, B: int, prompt: int, steps: int, top: int = 25) -> None:
-    """Print the CUDA kernels of ``steps`` eager decode steps, by total GPU time, and the kernels per step."""
+def drift(model, ids, decoders, steps: int) -> list[float]:
+    """The relative L2 distance of each decoder's logits from an fp32 copy of the model's, after ``steps``
+    teacher-forced random tokens."""
+    ref = RankDecayForCausalLM(model.config).cuda().eval()
+    ref.load_state_dict({name: w.float() for name, w in model.state_dict().items()})
+    decoders = [GraphDecoder(ref)] + list(decoders)
+    logits = [d.prefill(ids) for d in decoders]
+    for token in torch.randint(0, model.config.vocab_size, (steps, ids.shape[0]), device=ids.device):
+        logits = [d.step(token) for d in decoders]
+    want = logits[0].float()
+    return [((got.float() - want).norm() / want.norm()).item() for got in logits[1:]]
+
+
+@torch.no_grad()
+def profile(model, B: int, prompt: int, steps: int, top: int = 25, compiled: bool = False) -> None:
+    """Print the CUDA kernels of ``steps`` eager decode steps (``compiled``: through torch.compile), by total GPU
+    time, and the kernels per step."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    decoder = GraphDecoder(model, cuda_graph=False)
+    decoder = GraphDecoder(model, cuda_graph=False, compile=compiled)
     decoder.prefill(torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda"))
     token = torch.zeros(B, dtype=torch.long, device="cuda")
     for _ in range(3):
@@ -103,27 +130,33 @@ def main() -> None:
                         help="the cache's recurrent-state dtype (RankDecayConfig.state_dtype); each is a row")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N eager steps per mixer")
+    parser.add_argument("--compile", action="store_true",
+                        help="also GraphDecoder(compile=True): the step through torch.compile, as a CUDA graph")
     args = parser.parse_args()
     import transformers
     import triton
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
-    print("| mixer | state | B | generate ms/token | eager step ms | graph step ms | graph speed-up |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    extra = " compiled graph ms | compile s | graph / compiled vs fp32 |" if args.compile else ""
+    print("| mixer | state | B | generate ms/token | eager step ms | graph step ms | graph speed-up |" + extra)
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.compile else ""))
     rows = []
     for mixer in args.mixers:
         for state_dtype in args.state_dtypes:
             model = build(args.preset, mixer, state_dtype)
             for B in args.batches:
                 r = dict(mixer=mixer, state_dtype=state_dtype, B=B, preset=args.preset,
-                         **run(model, B, args.prompt, args.steps, args.new_tokens))
+                         **run(model, B, args.prompt, args.steps, args.new_tokens, args.compile))
                 rows.append(r)
+                extra = (f" {r['compiled_ms']:.3f} | {r['compile_s']:.0f} | {r['graph_err']:.1e} / "
+                         f"{r['compiled_err']:.1e} |" if args.compile else "")
                 print(f"| {mixer} | {state_dtype} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | "
-                      f"{r['graph_ms']:.3f} | {r['eager_ms'] / r['graph_ms']:.1f}x |", flush=True)
+                      f"{r['graph_ms']:.3f} | {r['eager_ms'] / r['graph_ms']:.1f}x |" + extra, flush=True)
             if args.profile:
-                print(f"\nprofile: {mixer}, {state_dtype}, B={args.batches[0]}")
-                profile(model, args.batches[0], args.prompt, args.profile)
+                for compiled in (False, True) if args.compile else (False,):
+                    print(f"\nprofile: {mixer}, {state_dtype}, B={args.batches[0]}" + (", compiled" * compiled))
+                    profile(model, args.batches[0], args.prompt, args.profile, compiled=compiled)
                 print()
             del model
             torch.cuda.empty_cache()

@@ -31,6 +31,9 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys):
     assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
                  "--cuda-graph"]) == 0
     assert capsys.readouterr().out.splitlines() == lines, "GraphDecoder must decode as model.generate"
+    assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
+                 "--compile"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines, "the compiled step must decode as model.generate"
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert model.config.mixer == "hh-gdn" and model.config.hh_rank == 2

@@ -1,7 +1,6 @@
 """Which execution paths this installation can run."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -26,9 +25,12 @@ def backends() -> dict[str, tuple[bool, str]]:
     return out
 
 
-@functools.cache
+# looked up once, at import: a module constant is what torch.compile can trace through (find_spec is not)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _HAS_TRITON
 
 
 def interpreting() -> bool:

@@ -101,6 +101,49 @@ def test_bad_use_raises_clear_errors():
         decoder.step(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="max_new_tokens"):
         decoder.generate(random_ids(2, 5), max_new_tokens=-1)
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        GraphDecoder(model, cuda_graph=False, compile="yes")
+
+
+def _every_kind():
+    """A tiny fp32 model with a delta-rule layer, an HDLA layer, a Head-in-Head one and SWA."""
+    torch.manual_seed(0)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "hdla", "hh-gdn", "swa"], hh_rank=2, num_hidden_layers=4,
+                                         initializer_range=0.2)
+    return RankDecayForCausalLM(config).eval()
+
+
+def _compiled_matches_uncompiled(model, ids, mask, cuda_graph: bool):
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    plain, compiled = (GraphDecoder(model, cuda_graph=cuda_graph, compile=c) for c in (False, True))
+    ref, got = plain.generate(ids, mask, **kw), compiled.generate(ids, mask, **kw)
+    assert torch.equal(got, ref)
+    assert len(set(got[0, ids.shape[1]:].tolist())) > 1, "the test model should not emit a constant"
+    with torch.no_grad():  # teacher-forced: the last step's logits after the whole continuation
+        full_mask = torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:-1])], 1)
+        for decoder in (plain, compiled):
+            decoder.prefill(got[:, :-1], full_mask)
+        want = plain.step(got[:, -1]).clone()
+        assert_matches(compiled.step(got[:, -1]), want, 1e-5, "compiled step")
+    return compiled
+
+
+@pytest.mark.slow
+def test_compiled_step_decodes_as_the_uncompiled_one():
+    """compile=True (torch.compile of the step, inductor's fused kernels): the same tokens and, up to the
+    fused kernels' rounding, the same logits, for every kind of layer; then more steps of the same batch
+    size (a new prompt) run the compiled step without compiling it again."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = _every_kind()
+    ids, mask = _left_padded((12, 7, 9))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _compiled_matches_uncompiled(model, ids, mask, cuda_graph=False)
+    compiled.generate(ids[:, 2:], mask[:, 2:], max_new_tokens=8, eos_token_id=[])
+    # once, not once per token (the token count is not part of the step: positions are in the cache's tensors)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
@@ -124,3 +167,13 @@ def test_cuda_graph_decodes_as_eager_steps(mixer):
         for decoder in (eager, graph):
             decoder.prefill(got[:, :-1], torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:-1])], 1))
         assert_matches(graph.step(got[:, -1]), eager.step(got[:, -1]).clone(), 1e-6, mixer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
+def test_compiled_cuda_graph_decodes_as_the_plain_one():
+    """On a GPU: the compiled step, with the fused decode kernels inside the compiled graph, recorded as a CUDA
+    graph, gives the plain graph's tokens and logits (fp32 model)."""
+    model = _every_kind().cuda()
+    ids, mask = _left_padded((40, 9, 25))
+    compiled = _compiled_matches_uncompiled(model, ids.cuda(), mask.cuda(), cuda_graph=True)
+    assert compiled._graph is not None

@@ -22,6 +22,8 @@ def _fused_recurrent_fwd_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
+    scale = tl.cast(scale, tl.float32)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -136,6 +138,8 @@ def _fused_recurrent_gdn_kernel(
     # g = -exp(A_log) softplus(g + dt_bias) per head (Mamba2's α, as the GatedDeltaNet layer forms it).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
+    scale, beta_max = tl.cast(scale, tl.float32), tl.cast(beta_max, tl.float32)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
