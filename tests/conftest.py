@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 import torch
@@ -34,6 +35,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+def can_compile_on_cpu() -> bool:
+    """Whether torch.compile's CPU backend (inductor's C++ code) finds a compiler here."""
+    return any(shutil.which(cxx) for cxx in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if cxx)
+
+
+NO_CPU_COMPILE = "torch.compile on the CPU needs a C++ compiler (g++ or clang++), and none is on PATH"
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,6 +11,8 @@ from rankdecay import __version__
 from rankdecay.cli import main
 from rankdecay.data import ByteTokenizer
 
+from .conftest import NO_CPU_COMPILE, can_compile_on_cpu
+
 
 def test_info(capsys):
     assert main(["info"]) == 0
@@ -18,6 +20,19 @@ def test_info(capsys):
     assert f"rankdecay {__version__}" in out
     for word in ("gated_delta_rule", "hdla", "hh_delta_rule", "hh-gdn", "swa", "triton", "chunk"):
         assert word in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
+def test_generate_compile_decodes_as_without(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    assert main(["init", str(model_dir), "--mixer", "gdn", "--set", "initializer_range=0.2"]) == 0
+    capsys.readouterr()
+    prompts = ["--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8"]
+    assert main(["generate", str(model_dir), *prompts]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert main(["generate", str(model_dir), *prompts, "--compile"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines, "the compiled step must decode as model.generate"
 
 
 def test_init_then_generate_matches_the_library(tmp_path, capsys):
@@ -31,9 +46,6 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys):
     assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
                  "--cuda-graph"]) == 0
     assert capsys.readouterr().out.splitlines() == lines, "GraphDecoder must decode as model.generate"
-    assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
-                 "--compile"]) == 0
-    assert capsys.readouterr().out.splitlines() == lines, "the compiled step must decode as model.generate"
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert model.config.mixer == "hh-gdn" and model.config.hh_rank == 2

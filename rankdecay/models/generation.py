@@ -76,7 +76,7 @@ class GraphDecoder:
             convolutions' steps, gates, residual adds, the copy of the cache back into its buffers),
             so the graph replays fewer kernels. The first step of each batch size then compiles
             (tens of seconds for the 340m preset); the tokens are those of the uncompiled step up to
-            the rounding of the fused kernels.
+            the rounding of the fused kernels. On a CPU, inductor needs a C++ compiler (g++ or clang++).
 
     One graph is kept for the last batch size and dtype seen; a new batch size records a
     new one (a few eager warm-up steps and the capture: milliseconds to a second).

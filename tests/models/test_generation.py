@@ -5,7 +5,7 @@ import torch
 
 from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
 
-from ..conftest import assert_matches
+from ..conftest import NO_CPU_COMPILE, assert_matches, can_compile_on_cpu
 from .common import random_ids, tiny_model
 
 PAD = 258
@@ -129,6 +129,7 @@ def _compiled_matches_uncompiled(model, ids, mask, cuda_graph: bool):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
 def test_compiled_step_decodes_as_the_uncompiled_one():
     """compile=True (torch.compile of the step, inductor's fused kernels): the same tokens and, up to the
     fused kernels' rounding, the same logits, for every kind of layer; then more steps of the same batch
