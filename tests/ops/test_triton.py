@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from rankdecay import ops
 
-from ..conftest import assert_matches, rel_rms
+from ..conftest import NO_CPU_COMPILE, assert_matches, can_compile_on_cpu, rel_rms
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
@@ -2889,3 +2889,33 @@ def test_values_in_the_inputs_kernel(case, monkeypatch):
         pt = lambda: _grads_of(lambda *x: op(*x, mode="chunk"), xs)  # noqa: E731
         labels = ["o", "final_state"] + [f"d{i}" for i in range(len(xs))]
     _check_fused_form(monkeypatch, "values_in_inputs", "_grad_values_kernel", fn, pt, labels, case)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE == "cpu" and not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
+def test_kernels_under_torch_compile():
+    """A function of Gated DeltaNet, HDLA and Head-in-Head on the Triton kernels, through torch.compile: the same
+    loss and gradients as without it. The chunked entry points are opaque to the compiler (a graph break
+    around each); traced, inductor launched the kernels itself and they did not compile (session 63)."""
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    q, v = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    g, beta = F.logsigmoid(torch.randn(B, T, H) + 2), torch.rand(B, T, H)
+    lam = F.logsigmoid(torch.randn(B, T, H, K) + 2)
+    mask = ops.head_in_head_mask(torch.rand(H, 2, 2)).to(DEVICE)
+
+    def loss(q, k, v, g, beta, lam):
+        o1, _ = ops.gated_delta_rule(q, k, v, g, beta, mode="triton")
+        o2, _ = ops.hdla(q, k, v, lam, 2 * beta, mode="triton")
+        o3, _ = ops.hh_delta_rule(q, k, v, beta, mask, g, mode="triton")
+        return (o1.sin() + o2.cos() + o3 * o3).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss)):
+        inputs = [x.to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, lam)]
+        value = fn(*inputs)
+        value.backward()
+        results.append([value.detach()] + [x.grad for x in inputs])
+    for name, got, want in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dlam"], results[1], results[0]):
+        assert_matches(got, want, 1e-6, name)

@@ -17,6 +17,13 @@
   the UT transform, outputs, and the gradients that follow from the per-chunk states)
   are batched PyTorch around it (``rankdecay.ops.chunk``).
 
+Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``) are opaque
+(``torch.compiler.disable``): the compiled model breaks its graph around them and they run as written. Traced,
+inductor would launch our kernels itself, with arguments typed its own way (None for the pointers a constexpr
+flag leaves unread, fp64 for Python floats), which does not compile (BENCHMARKS.md session 63). The decode
+kernels (``fused_recurrent_*``) are traced into the compiled graph, which ``GraphDecoder(compile=True)`` relies on:
+they take no None, and cast their float arguments to fp32.
+
 Importing this package needs ``triton``; ``rankdecay.ops.backends()`` says whether it runs.
 """
 from .chunk_bwd import chunk_dplr, chunk_gated_delta_rule, chunk_hdla, padded_dplr

@@ -1437,6 +1437,7 @@ def padded_heads(run, keys: tuple, v, initial_state, groups: int = 1):
     return o.contiguous(), state.contiguous()
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def padded_dplr(run, q, k, v, a, b, g, initial_state, groups: int = 1):
     """``run(q, k, v, a, b, g, initial_state) -> (o, state)`` through ``padded_heads``: q, k, a and b padded as keys,
     and g with them where it is a gate per key channel (zero log-gates: no decay on the zero channels)."""
@@ -1450,6 +1451,7 @@ def narrow_heads(keys: torch.Tensor, v: torch.Tensor, groups: int = 1) -> bool:
     return bool(key_padding(keys, groups) or value_padding(v))
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     """(Gated) DeltaNet on the fused kernels, inputs as ``ops.gated_delta_rule`` takes them and already checked:
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
@@ -1508,6 +1510,7 @@ class _HDLA(torch.autograd.Function):
         return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     """HDLA (``ops.hdla``) on the fused kernels, inputs already checked and contiguous: q, k, g [B, T, H, K] (g
     per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
@@ -1528,6 +1531,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
                kda_b: bool = False):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.

@@ -1179,6 +1179,7 @@ def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
                 and cfg.get("kda_pair_bwd", 1))
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
                    hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):

@@ -673,6 +673,7 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     return dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None):
     """States entering each chunk, the pseudo-values, and the final state.
 

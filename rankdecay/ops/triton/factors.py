@@ -193,6 +193,7 @@ class _HDLAFactors(torch.autograd.Function):
         return dk.to(k.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hdla_factors(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""HDLA's rank-2 decay rows (HDLA App. C.2), differentiable in all three inputs.
 
@@ -258,6 +259,7 @@ class _KDAFactor(torch.autograd.Function):
         return dk, dg, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def kda_factor(k: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     r"""Kimi Delta Attention's decay row ``b = e^{g} ⊙ k`` (``k``'s shape, in ``dtype``: fp32, or 16 bits where
     its products are taken in bf16 anyway), differentiable in ``k`` and ``g``: one Triton kernel forward and one
@@ -344,6 +346,7 @@ class _HHFactors(torch.autograd.Function):
         return dk.to(k.dtype), dmask.to(mask.dtype), None
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_factors(k: torch.Tensor, mask: torch.Tensor,
                b_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Head-in-Head's decay rows (Head-in-Head App. B), differentiable in ``k`` and ``mask``.
@@ -370,6 +373,7 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor,
 _PLACEHOLDERS: dict = {}
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A stand-in for rows the fused kernels form themselves (Head-in-Head's a and b: ``hh_placeholders``; HDLA's a,
     ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``; KDA's b, its ``kda_b``) or for a tensor no kernel of a form
@@ -383,6 +387,7 @@ def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return one.expand(*shape)
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
                     device) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for Head-in-Head's rows (``hh_factors``' a and b, ``[B, T, H, r, K]`` for ``shape`` = (B, T, H, K))
@@ -393,6 +398,7 @@ def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
     return tuple(placeholder((B, T, H, r, K), dt, device) for dt in (k_dtype, b_dtype))
 
 
+@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``hh_factors``' (a, b) without autograd for the fused forward with ``grouped`` and ``hh_mask``
     (``chunk_fwd.chunk_dplr_fwd``), whose kernels form a from k and read b alone: (a placeholder, b). One kernel
