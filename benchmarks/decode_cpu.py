@@ -7,7 +7,9 @@ sliding-window attention's is bounded by its window; "attn" (SWA with, for each 
 the context and the steps timed after it: full causal attention) is the contrast, growing with the context. A
 window far longer than that would not do: decoding keeps a ring of window slots and attends over all of them.
 Each row: prefill a random context of the given length, then time single-token steps with the cache (median
-of --steps). Prints a Markdown table.
+of --steps). With --compile, a second row per mixer times ``GraphDecoder(compile=True).step`` instead: the same step
+on static buffers through torch.compile (compiled during the warm-up steps, which are not timed). Prints a Markdown
+table.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from rankdecay.models import RankDecayConfig, RankDecayForCausalLM, output_cache
+from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM, output_cache
 
 
 WARMUP = 5
@@ -37,6 +39,19 @@ def step_latency(model, context: int, steps: int, warmup: int = WARMUP) -> float
     return statistics.median(times[warmup:])
 
 
+@torch.no_grad()
+def compiled_step_latency(model, context: int, steps: int, warmup: int = WARMUP) -> float:
+    """``step_latency`` for ``GraphDecoder(compile=True)``'s step (the first warm-up step compiles it)."""
+    decoder = GraphDecoder(model, cuda_graph=False, compile=True)
+    token = decoder.prefill(torch.randint(0, 256, (1, context))).argmax(-1)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        token = decoder.step(token).argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -44,6 +59,8 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[100, 2000])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time GraphDecoder(compile=True)'s step, a row per mixer (needs a C++ compiler)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, preset {args.preset}, fp32, batch 1")
@@ -56,12 +73,17 @@ def main() -> None:
     for mixer in args.mixers:
         if mixer != "attn":
             model = build(mixer, **({"hh_rank": 2} if mixer.startswith("hh-") and args.preset == "tiny" else {}))
-        ms = []
+        rows = {mixer: []}
+        if args.compile:
+            rows[f"{mixer}, compiled"] = []
         for c in args.contexts:
             if mixer == "attn":  # every token of the context and of the timed steps inside the window
                 model = build("swa", swa_window=c + WARMUP + args.steps + 1)
-            ms.append(1e3 * step_latency(model, c, args.steps))
-        print(f"| {mixer} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |", flush=True)
+            rows[mixer].append(1e3 * step_latency(model, c, args.steps))
+            if args.compile:
+                rows[f"{mixer}, compiled"].append(1e3 * compiled_step_latency(model, c, args.steps))
+        for name, ms in rows.items():
+            print(f"| {name} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

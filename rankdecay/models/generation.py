@@ -47,9 +47,11 @@ def _leaves(x) -> list[torch.Tensor]:
 
 
 def _clone(x):
-    """A copy of a cache entry with fresh tensors (the static buffers)."""
+    """A copy of a cache entry with fresh, contiguous tensors (the static buffers). Contiguous whatever the prompt
+    left: a short convolution's state is a view into its prompt, with strides that follow the prompt's length, and
+    the compiled step would otherwise be compiled again for every prompt length."""
     if isinstance(x, torch.Tensor):
-        return x.clone()
+        return x.clone(memory_format=torch.contiguous_format)
     if isinstance(x, dict):
         return {key: _clone(value) for key, value in x.items()}
     if isinstance(x, (tuple, list)):
@@ -77,6 +79,8 @@ class GraphDecoder:
             so the graph replays fewer kernels. The first step of each batch size then compiles
             (tens of seconds for the 340m preset); the tokens are those of the uncompiled step up to
             the rounding of the fused kernels. On a CPU, inductor needs a C++ compiler (g++ or clang++).
+            Decoders of models of the same structure and batch size share one compiled step; a process keeps
+            up to ``torch._dynamo.config.recompile_limit`` (8) different ones, and runs any more uncompiled.
 
     One graph is kept for the last batch size and dtype seen; a new batch size records a
     new one (a few eager warm-up steps and the capture: milliseconds to a second).
