@@ -2,6 +2,7 @@
 
     python benchmarks/train_throughput.py                                  # tiny preset, CPU
     python benchmarks/train_throughput.py --preset 340m --batch-size 8 --steps 30 --warmup 10   # GPU
+    python benchmarks/train_throughput.py --compile ...                    # the model through torch.compile
 
 Runs the real trainer (the same code as `rankdecay train`: data, autocast, AdamW, clipping)
 for each mixer on the embedded corpus, and reports the steady-state throughput: the
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model overrides")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (`rankdecay train --compile`)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -44,7 +46,7 @@ def main() -> None:
             overrides = dict(preset=args.preset, mixer=mixer, steps=args.steps, warmup_steps=min(10, args.steps),
                              out_dir=out, eval_every=0, save_every=0, eval_batches=1, log_every=args.warmup,
                              progress=False, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                             seq_len=args.seq_len, model=model)
+                             seq_len=args.seq_len, model=model, compile=args.compile or None)
             cfg = TrainConfig.from_sources(overrides={k: v for k, v in overrides.items() if v is not None})
             if cfg.steps % cfg.log_every:
                 raise SystemExit("--steps - --warmup must be a multiple of --warmup so the last window is whole")
@@ -60,7 +62,8 @@ def main() -> None:
                     print(f"out of memory: retrying {mixer} with micro_batch_size {cfg.micro_batch_size}")
                     torch.cuda.empty_cache()
             peak_mb = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-            rows.append({"mixer": mixer, "preset": args.preset, "batch_size": cfg.batch_size,
+            rows.append({"mixer": mixer + (" (compiled)" if args.compile else ""), "preset": args.preset,
+                         "batch_size": cfg.batch_size,
                          "micro_batch_size": cfg.micro_batch_size or cfg.batch_size, "seq_len": cfg.seq_len,
                          "tokens_per_s": res["tokens_per_s"], "mfu": res.get("mfu"), "peak_mem_mb": peak_mb,
                          "final_loss": res["loss"], "device": device, "torch": torch.__version__})
