@@ -25,18 +25,24 @@ from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
 WARMUP = 5
 
 
-@torch.no_grad()
-def step_latency(model, context: int, steps: int, warmup: int = WARMUP) -> float:
-    ids = torch.randint(0, 256, (1, context))
-    out = model(ids, use_cache=True)
-    token, cache = out.logits[:, -1:].argmax(-1), output_cache(out)
+def _median_step(step, token, warmup: int, steps: int) -> float:
+    """Median seconds of ``step(token) -> logits [1, vocab]`` over ``steps`` after ``warmup``; each next token is
+    the argmax of the last logits, taken outside the timed call."""
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        logits = step(token)
         times.append(time.perf_counter() - t0)
-        token = out.logits[:, -1:].argmax(-1)
+        token = logits.argmax(-1)
     return statistics.median(times[warmup:])
+
+
+@torch.no_grad()
+def step_latency(model, context: int, steps: int, warmup: int = WARMUP) -> float:
+    out = model(torch.randint(0, 256, (1, context)), use_cache=True)
+    cache = output_cache(out)
+    step = lambda token: model(token[:, None], past_key_values=cache, use_cache=True).logits[:, -1]  # noqa: E731
+    return _median_step(step, out.logits[:, -1].argmax(-1), warmup, steps)
 
 
 @torch.no_grad()
@@ -44,12 +50,7 @@ def compiled_step_latency(model, context: int, steps: int, warmup: int = WARMUP)
     """``step_latency`` for ``GraphDecoder(compile=True)``'s step (the first warm-up step compiles it)."""
     decoder = GraphDecoder(model, cuda_graph=False, compile=True)
     token = decoder.prefill(torch.randint(0, 256, (1, context))).argmax(-1)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        token = decoder.step(token).argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:])
+    return _median_step(decoder.step, token, warmup, steps)
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ class GraphDecoder:
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device; it is on {device}")
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
-        self.model, self.device, self.cuda_graph, self.compile = model, device, bool(cuda_graph), compile
+        self.model, self.device, self.cuda_graph = model, device, bool(cuda_graph)
         # dynamic=False: the step's shapes are fixed per batch size (a new one compiles again)
         self._compiled = torch.compile(self._forward, dynamic=False) if compile else None
         self._key = None

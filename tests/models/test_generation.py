@@ -108,8 +108,8 @@ def test_bad_use_raises_clear_errors():
 def _every_kind():
     """A tiny fp32 model with a delta-rule layer, an HDLA layer, a Head-in-Head one and SWA."""
     torch.manual_seed(0)
-    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "hdla", "hh-gdn", "swa"], hh_rank=2, num_hidden_layers=4,
-                                         initializer_range=0.2)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "hdla", "hh-gdn", "swa"], num_hidden_layers=4,
+                                         hh_rank=2, initializer_range=0.2)
     return RankDecayForCausalLM(config).eval()
 
 
