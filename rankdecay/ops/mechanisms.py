@@ -227,13 +227,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     # b = e^g ⊙ k, i.e. bᵀ = kᵀ Diag(e^g): the decay acts on the state before the delta step reads it
     kernels = _triton_factors(mode, q, (q, k, v, g, beta, initial_state))
     if kernels:
-        from .triton.chunk_state import _precision
-        from .triton.factors import placeholder, rows_dtype
+        from .triton.factors import decay_rows_dtype, placeholder
 
         # the fused kernels form what they need of b from k and the gate themselves (b_t e^{G_{t-1}} = k_t e^{G_t}),
         # and build it (``kda_factor``) where a form still reads it: b is a placeholder, and by default no factor
         # kernel runs, with autograd or without
-        b = placeholder(k1.shape, rows_dtype(k, _precision(q)), k.device)
+        b_dtype = decay_rows_dtype(k, q)
+        b = placeholder(k1.shape, b_dtype, k.device)
     else:
         b = _up(k1) * _gate_factor(g)
     return _dplr(q, k1, v[..., None, :], k1, b, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
@@ -396,10 +396,9 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
     hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
-        from .triton.chunk_state import _precision
-        from .triton.factors import hh_factors, hh_placeholders, hh_update_rows, rows_dtype  # no gather
+        from .triton.factors import decay_rows_dtype, hh_factors, hh_placeholders, hh_update_rows  # no gather
 
-        b_dtype = rows_dtype(k, _precision(q))
+        b_dtype = decay_rows_dtype(k, q)
         if (g is None or g.dim() == 3) and r <= 4:
             # the fused kernels form the rows from k and the mask, and their backward carries the rows' gradients on
             # to k and the mask: a and b are placeholders (H100 HH-GDN r=4 fwd+bwd 7.25 -> 7.01 ms, peak 4447 ->

@@ -20,6 +20,26 @@ def test_gradients_reach_every_parameter(mixer):
         assert p.grad.abs().sum() > 0, f"{mixer}: zero gradient for {name}"
 
 
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_torch_compile_traces_the_model_whole(mixer):
+    """Dynamo traces the training loss in one graph on the PyTorch paths, and on the Triton kernels breaks it only at
+    their opaque entry points (``torch.compiler.disable``): a break anywhere else splits ``train --compile``'s graph
+    and can make Dynamo compile what follows again at every call (session 64). Dynamo alone: no C++ compiler."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model(mixer).train().to(device)
+    ids = random_ids(2, 37).to(device)
+    torch._dynamo.reset()
+    try:
+        report = torch._dynamo.explain(lambda x: model(x, labels=x, use_cache=False).loss)(ids)
+    finally:
+        torch._dynamo.reset()
+    reasons = [r.reason for r in report.break_reasons]
+    if device == "cpu":
+        assert report.graph_break_count == 0, reasons
+    for reason in reasons:
+        assert reason.startswith("Skip calling `torch.compiler.disable()`d function"), reason[:400]
+
+
 def test_labels_are_shifted_and_ignore_index():
     model = tiny_model("gdn")
     ids = random_ids(2, 12)

@@ -2912,10 +2912,46 @@ def test_kernels_under_torch_compile():
         return (o1.sin() + o2.cos() + o3 * o3).sum()
 
     results = []
-    for fn in (loss, torch.compile(loss)):
+    compiled = torch.compile(loss)
+    for fn in (loss, compiled):
         inputs = [x.to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, lam)]
         value = fn(*inputs)
         value.backward()
         results.append([value.detach()] + [x.grad for x in inputs])
     for name, got, want in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dlam"], results[1], results[0]):
         assert_matches(got, want, 1e-6, name)
+    # a second call on new tensors of the same shapes runs what the first compiled (on the H200 a graph break in
+    # the precision query made Dynamo compile its resumption again at every call, session 64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(*[(x + 0.01).to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, lam)]).backward()
+
+
+def test_mechanisms_break_a_compiled_graph_only_at_the_kernels():
+    """Traced by Dynamo, the mechanism functions on the Triton kernels break the graph only at the opaque entry points
+    (``torch.compiler.disable``), never inside our Python: a break elsewhere splits the graph where nothing needs it
+    and can make Dynamo compile the code after it again at every call (the precision query did, session 64). Dynamo
+    alone, with no inductor: needs no C++ compiler."""
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 6, 2, 16, 16
+    q, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEVICE), dim=-1)
+    g, beta = F.logsigmoid(torch.randn(B, T, H, device=DEVICE) + 2), torch.rand(B, T, H, device=DEVICE)
+    lam = F.logsigmoid(torch.randn(B, T, H, K, device=DEVICE) + 2)
+    mask = ops.head_in_head_mask(torch.rand(H, 2, 2, device=DEVICE))
+
+    def outputs(q, k, v, g, beta, lam):
+        return (ops.gated_delta_rule(q, k, v, g, beta, mode="triton")[0],
+                ops.hdla(q, k, v, lam, 2 * beta, mode="triton")[0],
+                ops.hh_delta_rule(q, k, v, beta, mask, g, mode="triton")[0],
+                ops.hh_delta_rule(q, k, v, beta, mask, g, mode="triton")[0],
+                ops.kda(q, k, v, lam, beta, mode="triton")[0],
+                ops.gla(q, k, v, lam, mode="triton")[0])
+
+    torch._dynamo.reset()
+    try:
+        report = torch._dynamo.explain(outputs)(q, k, v, g, beta, lam)
+    finally:
+        torch._dynamo.reset()
+    assert report.graph_break_count > 0  # the entry points are opaque: a break at each
+    for reason in report.break_reasons:
+        assert reason.reason.startswith("Skip calling `torch.compiler.disable()`d function"), reason.reason[:400]

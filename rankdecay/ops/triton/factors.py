@@ -221,6 +221,17 @@ def rows_dtype(k: torch.Tensor, precision: str) -> torch.dtype:
     return k.dtype if low else torch.float32
 
 
+@torch.compiler.disable  # torch.get_float32_matmul_precision() breaks a traced graph and returns a fresh str each call
+def decay_rows_dtype(k: torch.Tensor, q: torch.Tensor) -> torch.dtype:
+    """``rows_dtype`` at the products' precision for these inputs (``chunk_state._precision(q)``): what a mechanism
+    asks before it hands the kernels rows they form themselves. Opaque to torch.compile, as the kernels' entry points
+    are: traced, the precision query broke the graph inside ``_precision`` and Dynamo compiled its resumption again
+    for every layer of a step, up to its recompile limit (Head-in-Head on the H200, session 64)."""
+    from .chunk_state import _precision
+
+    return rows_dtype(k, _precision(q))
+
+
 @triton.jit
 def _kda_factor_kernel(k, g, b, db, dk, dg, N, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                        BACKWARD: tl.constexpr):
