@@ -17,7 +17,8 @@
   the UT transform, outputs, and the gradients that follow from the per-chunk states)
   are batched PyTorch around it (``rankdecay.ops.chunk``).
 
-Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``) are opaque
+Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``, and
+``factors.decay_rows_dtype``, which reads the matmul precision, a query Dynamo cannot trace) are opaque
 (``torch.compiler.disable``): the compiled model breaks its graph around them and they run as written. Traced,
 inductor would launch our kernels itself, with arguments typed its own way (None for the pointers a constexpr
 flag leaves unread, fp64 for Python floats), which does not compile (BENCHMARKS.md session 63). The decode
