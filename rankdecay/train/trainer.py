@@ -10,6 +10,7 @@ continues from the newest one, on any world size with the same global batch.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -84,8 +85,14 @@ class Dist:
         tears its group down, and exits, while another still has collective work in flight (gloo's worker threads
         can then abort the process at exit). For a run that ended normally: after an error ``train`` does not call
         it, since destroying the group while other ranks wait in a collective would hang them (the launcher stops
-        them instead)."""
+        them instead).
+
+        Garbage is collected first: the trained model (FSDP2's or DDP's hooks hold it in reference cycles) with the
+        collective work its last steps left would otherwise be freed at interpreter exit, after the group is gone,
+        where freeing such work aborted a gloo rank ("terminate called without an active exception", CI sessions 57
+        and 64; the mechanism pytorch/pytorch#179291 describes)."""
         if self.started:
+            gc.collect()
             dist.barrier()
             dist.destroy_process_group()
             self.started = False

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -156,11 +157,22 @@ def test_process_group_meets_at_a_barrier_before_it_goes_and_is_left_after_an_er
     started = trainer.Dist.__new__(trainer.Dist)  # as a torchrun rank that started the group
     started.started = True
     monkeypatch.setattr(trainer, "Dist", lambda device: started)
-    monkeypatch.setattr(trainer, "_train", lambda cfg, d, data: {"done": True})
+
+    def trains(cfg, d, data):  # leaves a reference cycle behind, as a model wrapped by FSDP2 or DDP does
+        cycle = {}
+        cycle["self"] = cycle
+        holder = type("Model", (), {})()
+        holder.cycle = cycle
+        cycle["model"] = holder
+        weakref.finalize(holder, calls.append, "freed")
+        return {"done": True}
+
+    monkeypatch.setattr(trainer, "_train", trains)
     assert trainer.train(trainer.TrainConfig()) == {"done": True}
-    assert calls == ["barrier", "destroy"] and not started.started
+    # what the run left is freed while the group is alive, then every rank meets, then the group goes
+    assert calls == ["freed", "barrier", "destroy"] and not started.started
     started.close()  # once only
-    assert calls == ["barrier", "destroy"]
+    assert calls == ["freed", "barrier", "destroy"]
 
     calls.clear()
     started.started = True
