@@ -151,6 +151,19 @@ def test_compiled_step_decodes_as_the_uncompiled_one():
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
+@pytest.mark.parametrize("mixer", ["deltanet", "gdp", "kda", "gla", "simple_gla", "linear_attn", "hh-dn"])
+def test_compiled_step_decodes_every_other_mixer(mixer):
+    """compile=True for the mixers the test above leaves out (it has gdn, hdla, hh-gdn and swa): the uncompiled
+    step's tokens, and its logits up to the fused kernels' rounding."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    ids, mask = _left_padded((9, 5))
+    _compiled_matches_uncompiled(tiny_model(mixer), ids, mask, cuda_graph=False)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
 @pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gdn+swa", "gdn-bf16-state"])
 def test_cuda_graph_decodes_as_eager_steps(mixer):
