@@ -34,13 +34,16 @@ def naive_dplr_core(
         S = q.new_zeros(B, H, K, V)
     else:
         S = initial_state.to(dtype)
+    # each step's slices by unbind: indexing step t inside the loop makes autograd's backward allocate and zero-fill
+    # the whole input once per step, quadratic in T
+    steps = [x.unbind(1) if x is not None else [None] * T for x in (q, k, v, a, b, decay)]
     outputs = []
-    for t in range(T):
-        S_new = S if decay is None else decay[:, t, :, :, None] * S
-        if a is not None:
-            bS = torch.einsum("bhrk,bhkv->bhrv", b[:, t], S)  # B_t^T S_{t-1}
-            S_new = S_new - torch.einsum("bhrk,bhrv->bhkv", a[:, t], bS)
-        S = S_new + torch.einsum("bhjk,bhjv->bhkv", k[:, t], v[:, t])
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    for q_t, k_t, v_t, a_t, b_t, d_t in zip(*steps):
+        S_new = S if d_t is None else d_t[..., None] * S
+        if a_t is not None:
+            bS = torch.einsum("bhrk,bhkv->bhrv", b_t, S)  # B_t^T S_{t-1}
+            S_new = S_new - torch.einsum("bhrk,bhrv->bhkv", a_t, bS)
+        S = S_new + torch.einsum("bhjk,bhjv->bhkv", k_t, v_t)
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
     o = torch.stack(outputs, dim=1) if outputs else q.new_zeros(B, 0, H, V)
     return o, S
