@@ -62,6 +62,20 @@ def assert_matches(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "
         assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:g}"
 
 
+def autograd_nodes(x: torch.Tensor) -> list[str]:
+    """The class names of the autograd nodes x comes from, each node once. (On a GPU, heads narrower than the Triton
+    kernels' widths are padded around the kernels' node: slices and a clone after it, ``chunk_bwd.padded_heads``.)"""
+    seen, todo, names = set(), [x.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from rankdecay.ops import dplr, gated_delta_rule, gla, hdla, hh_delta_rule, head_in_head_mask
 from rankdecay.ops.chunk import chunk_dplr_core
 
-from ..conftest import assert_matches
+from ..conftest import assert_matches, autograd_nodes
 from . import reference as ref
 
 f64 = torch.float64
@@ -171,19 +171,6 @@ def test_chunk_memory_is_linear_in_T(mech):
     assert per_token_per_head < K * V * 4, f"{per_token_per_head:.0f} bytes per token and head"
 
 
-def _autograd_nodes(out: torch.Tensor) -> list[str]:
-    """The names of every node of out's backward graph."""
-    seen, stack, names = set(), [out.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("mode", ["naive", "chunk"])
 def test_backward_does_not_index_time_step_by_step(mode):
     """The loops over time (tokens on the naive path, chunks on the chunked one) take their slices by unbind: one
@@ -194,7 +181,7 @@ def test_backward_does_not_index_time_step_by_step(mode):
     for T in (96, 192):
         x = dplr_inputs(1, T, 2, 8, 8, Rab=2, Rkv=1, gate="channel", dtype=torch.float32)
         o, S = dplr(**x, chunk_size=16, output_final_state=True, mode=mode)
-        names = _autograd_nodes(o.sum() + S.sum())
+        names = autograd_nodes(o.sum() + S.sum())
         assert "UnbindBackward0" in names
         selects.append(names.count("SelectBackward0"))
     assert selects[0] == selects[1], f"select nodes grow with T: {selects[0]} at T = 96, {selects[1]} at T = 192"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from rankdecay import ops
 
-from ..conftest import NO_CPU_COMPILE, assert_matches, can_compile_on_cpu, rel_rms
+from ..conftest import NO_CPU_COMPILE, assert_matches, autograd_nodes, can_compile_on_cpu, rel_rms
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
@@ -426,20 +426,6 @@ def test_delta_rule_forward_extremes(output_form):
             assert_matches(x, y, 1e-5, f"T={T} {output_form}: {name}")
 
 
-def _autograd_nodes(x: torch.Tensor) -> list[str]:
-    """The class names of the autograd nodes x comes from (each node once). On a GPU, heads narrower than the kernels'
-    widths are padded around the kernels' node (``chunk_bwd.padded_heads``: slices and a clone after it)."""
-    seen, todo, names = set(), [x.grad_fn], []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        todo.extend(n for n, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("gated", [False, True], ids=["deltanet", "gdn"])
 def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
@@ -466,7 +452,7 @@ def test_delta_rule_is_one_autograd_node(gated, dtype, tol):
                   .requires_grad_() for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
             o, s = ops.gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
             if mode == "triton":
-                assert _autograd_nodes(o).count("_GatedDeltaRuleBackward") == 1
+                assert autograd_nodes(o).count("_GatedDeltaRuleBackward") == 1
             loss = (o.float() * torch.linspace(-1, 1, 20, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs if x is not None])
@@ -519,7 +505,7 @@ def test_hdla_is_one_autograd_node(gate, dtype, tol, stored, one_level, monkeypa
                   for i, x in enumerate((q, k, v, g, beta, h0))]  # new leaves for each mode
             o, s = ops.hdla(*xs[:5], initial_state=xs[5], output_final_state=True, mode=mode)
             if mode == "triton" and gate == "channel":
-                assert _autograd_nodes(o).count("_HDLABackward") == 1
+                assert autograd_nodes(o).count("_HDLABackward") == 1
             loss = (o.float() * torch.linspace(-1, 1, V, device=o.device)).sum()
             (loss + s.sin().sum() if use_state else loss).backward()
             results.append([o.detach(), s.detach()] + [x.grad for x in xs])
