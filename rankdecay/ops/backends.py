@@ -7,6 +7,10 @@ import os
 import torch
 
 
+# looked up once, at import: a module constant is what torch.compile can trace through (find_spec is not)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def backends() -> dict[str, tuple[bool, str]]:
     """``{path: (available, why)}`` for the execution paths of ``dplr(mode=...)``.
 
@@ -14,7 +18,7 @@ def backends() -> dict[str, tuple[bool, str]]:
     the ``triton`` package and the kernels of this version of rankdecay.
     """
     out = {"naive": (True, "PyTorch per-token loop"), "chunk": (True, "PyTorch chunkwise WY/UT")}
-    if not _has_triton():
+    if not _HAS_TRITON:
         out["triton"] = (False, "the triton package is not installed (pip install triton)")
     elif torch.cuda.is_available():
         out["triton"] = (True, f"Triton kernels on {torch.cuda.get_device_name()}")
@@ -25,14 +29,6 @@ def backends() -> dict[str, tuple[bool, str]]:
     return out
 
 
-# looked up once, at import: a module constant is what torch.compile can trace through (find_spec is not)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _has_triton() -> bool:
-    return _HAS_TRITON
-
-
 def interpreting() -> bool:
     """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -41,7 +37,7 @@ def interpreting() -> bool:
 def triton_runs_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels can take tensors like ``x``: CUDA (or any device under
     the interpreter), with triton installed."""
-    return _has_triton() and (x.is_cuda or interpreting())
+    return _HAS_TRITON and (x.is_cuda or interpreting())
 
 
 def resolve_mode(mode: str, q: torch.Tensor, compute_dtype: torch.dtype) -> str:
