@@ -10,7 +10,9 @@ Random weights in bf16. For each mixer and batch size, after a prompt of --promp
 - with --compile, ``compiled``: ``GraphDecoder(compile=True).step``, the step through torch.compile, then
   replayed as one CUDA graph; the seconds its first step took (compiling), and how far both graphs' logits are
   from an fp32 copy of the model after --new-tokens teacher-forced steps (relative L2 error: bf16 alone puts
-  the graph's some way off on random weights; the compiled one should be no further).
+  the graph's some way off on random weights; the compiled one should be no further);
+- with --unpacked, the graph (and with --compile the compiled graph) with ``pack_projections=False``: each
+  linear map of a layer's input its own matrix-vector product, as before the packs.
 Median of --steps steps, each synchronised. Prints a Markdown table; --json writes the rows.
 --profile N also profiles N eager steps per mixer (B = the first batch size) and prints the kernels
 that take the most GPU time and the number of kernels per step.
@@ -49,23 +51,29 @@ def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayFor
 
 
 @torch.no_grad()
-def run(model, B: int, prompt: int, steps: int, new_tokens: int, compiled: bool = False) -> dict:
+def run(model, B: int, prompt: int, steps: int, new_tokens: int, compiled: bool = False,
+        unpacked: bool = False) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda")
     row = {}
     decoders = [("eager", GraphDecoder(model, cuda_graph=False)), ("graph", GraphDecoder(model))]
     if compiled:
         decoders.append(("compiled", GraphDecoder(model, compile=True)))
+    if unpacked:
+        decoders.append(("graph_unpacked", GraphDecoder(model, pack_projections=False)))
+        if compiled:
+            decoders.append(("compiled_unpacked", GraphDecoder(model, compile=True, pack_projections=False)))
     for name, decoder in decoders:
         t0 = time.perf_counter()
         decoder.prefill(ids)
         token = torch.zeros(B, dtype=torch.long, device="cuda")
         for _ in range(3):
             decoder.step(token)
-        if name == "compiled":
-            row["compile_s"] = time.perf_counter() - t0
+        if name.startswith("compiled"):
+            row[name.replace("compiled", "compile_s")] = time.perf_counter() - t0
         row[f"{name}_ms"] = per_step(lambda: decoder.step(token), steps)  # noqa: B023
     if compiled:
-        row["graph_err"], row["compiled_err"] = drift(model, ids, [d for _, d in decoders[1:]], new_tokens)
+        named = dict(decoders)
+        row["graph_err"], row["compiled_err"] = drift(model, ids, [named["graph"], named["compiled"]], new_tokens)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
     short = per_step(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), 3)
@@ -132,6 +140,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N eager steps per mixer")
     parser.add_argument("--compile", action="store_true",
                         help="also GraphDecoder(compile=True): the step through torch.compile, as a CUDA graph")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also the graphs with pack_projections=False (one product per linear map)")
     args = parser.parse_args()
     import transformers
     import triton
@@ -139,18 +149,24 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
     extra = " compiled graph ms | compile s | graph / compiled vs fp32 |" if args.compile else ""
+    if args.unpacked:
+        extra += " unpacked graph ms |" + (" unpacked compiled ms |" if args.compile else "")
     print("| mixer | state | B | generate ms/token | eager step ms | graph step ms | graph speed-up |" + extra)
-    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.compile else ""))
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.compile else "")
+          + ("---:|" * (1 + args.compile) if args.unpacked else ""))
     rows = []
     for mixer in args.mixers:
         for state_dtype in args.state_dtypes:
             model = build(args.preset, mixer, state_dtype)
             for B in args.batches:
                 r = dict(mixer=mixer, state_dtype=state_dtype, B=B, preset=args.preset,
-                         **run(model, B, args.prompt, args.steps, args.new_tokens, args.compile))
+                         **run(model, B, args.prompt, args.steps, args.new_tokens, args.compile, args.unpacked))
                 rows.append(r)
                 extra = (f" {r['compiled_ms']:.3f} | {r['compile_s']:.0f} | {r['graph_err']:.1e} / "
                          f"{r['compiled_err']:.1e} |" if args.compile else "")
+                if args.unpacked:
+                    extra += f" {r['graph_unpacked_ms']:.3f} |" + (f" {r['compiled_unpacked_ms']:.3f} |"
+                                                                   if args.compile else "")
                 print(f"| {mixer} | {state_dtype} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | "
                       f"{r['graph_ms']:.3f} | {r['eager_ms'] / r['graph_ms']:.1f}x |" + extra, flush=True)
             if args.profile:

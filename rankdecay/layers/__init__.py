@@ -14,9 +14,11 @@ from .mixers import (
     SimpleGLA,
 )
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
+from .packing import PackedLinears, pack
 
 __all__ = [
     "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "KDA", "GLA", "SimpleGLA",
     "LinearAttention",
     "HDLA", "HeadInHead", "SlidingWindowAttention", "RMSNorm", "GatedRMSNorm", "ShortConvolution",
+    "PackedLinears", "pack",
 ]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .cache import Cache
 from .modules import sequence_starts
+from .packing import projections as _packed_projections
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -64,6 +65,10 @@ class SlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
 
+    def input_projections(self) -> tuple[str, ...]:
+        """The linear maps of the input x (one packed product when decoding: ``rankdecay.layers.packing``)."""
+        return ("q_proj", "k_proj", "v_proj")
+
     def ring_cache(self, entry: dict) -> dict:
         """A time-ordered cache entry as a ring of ``window_size`` slots: left-padded with slots
         marked as padding, one free slot at the end, which the next token takes."""
@@ -99,7 +104,7 @@ class SlidingWindowAttention(nn.Module):
             positions = (t - starts)[None].expand(B, T)
         else:  # real tokens before this one
             positions = state["count"][:, None] + real.long().cumsum(1) - real.long()
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, cache)
         keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
         key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
 
@@ -122,18 +127,22 @@ class SlidingWindowAttention(nn.Module):
             }
         return o, cache
 
-    def _qkv(self, x, positions):
+    def _qkv(self, x, positions, cache):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q = rotary(self.q_proj(x).view(B, T, H, D), positions, self.rope_theta)
-        k = rotary(self.k_proj(x).view(B, T, H, D), positions, self.rope_theta)
-        return q, k, self.v_proj(x).view(B, T, H, D)
+        p = _packed_projections(self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer")
+                                if cache is not None else None)
+        if p is None:
+            p = {name: getattr(self, name)(x) for name in self.input_projections()}
+        q = rotary(p["q_proj"].view(B, T, H, D), positions, self.rope_theta)
+        k = rotary(p["k_proj"].view(B, T, H, D), positions, self.rope_theta)
+        return q, k, p["v_proj"].view(B, T, H, D)
 
     def _step(self, x, real, ring: dict, cache: Cache):
         """One token against the ring: its key written in place over the slot that left the window."""
         B, _, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = self._qkv(x, ring["count"][:, None])
+        q, k, v = self._qkv(x, ring["count"][:, None], cache)
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
         at = (torch.arange(B, device=x.device), slot)
         ring["k"].index_put_(at, k[:, 0])

@@ -11,11 +11,20 @@ class Cache:
     "recurrent": [B, H, K, V]}``; sliding-window attention keeps its last
     ``window - 1`` keys and values and which of them are real tokens. The size is
     fixed whatever the context length. ``seen_tokens`` counts the steps fed so far.
+
+    ``projections``: per layer, ``{"mixer": PackedLinears | None, "mlp": PackedLinears | None}``, the layer's
+    linear maps of one input packed into one product (``rankdecay.layers.packing``), or None (each map its own
+    product). ``GraphDecoder`` sets them for its decode steps; layers use them only without autograd.
     """
 
     def __init__(self, num_layers: int):
         self.layers: list[dict | None] = [None] * num_layers
         self.seen_tokens = 0
+        self.projections: list[dict] | None = None
+
+    def packed(self, layer_idx: int, part: str):
+        """Layer ``layer_idx``'s pack for ``part`` ("mixer" or "mlp"), or None."""
+        return None if self.projections is None else self.projections[layer_idx].get(part)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

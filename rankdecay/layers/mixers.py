@@ -27,6 +27,7 @@ from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
+from .packing import projections as _packed_projections
 
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
 
@@ -143,13 +144,28 @@ class LinearMixer(nn.Module, abc.ABC):
 
     decode_kernel = False  # decode_gates() feeds ops.gated_delta_rule_decode (the delta rule, one key per token)
 
-    def decode_gates(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gate_projections(self) -> tuple[str, ...]:
+        """The names of the linear maps (submodules) that ``gates`` applies to x itself."""
+        return ()
+
+    def input_projections(self) -> tuple[str, ...]:
+        """Every linear map of the mixer's input x: q, k, v, the output gate and the gates' own. A decode step
+        takes them as one packed product (``rankdecay.layers.packing``)."""
+        return ("q_proj", "k_proj", "v_proj") + (("g_proj",) if self.use_output_gate else ()) + self.gate_projections()
+
+    def projected(self, name: str, x: torch.Tensor, p: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The map ``name`` of x: taken from ``p`` (a packed product's outputs) where given, else applied."""
+        return p[name] if p is not None else self.get_submodule(name)(x)
+
+    def decode_gates(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The gate projections of x for ``ops.gated_delta_rule_decode`` (``a``, ``b``, ``A_log``, ``dt_bias``,
-        ``beta_max``): the same gates as ``gates(x, None)``, formed inside its kernel."""
+        ``beta_max``): the same gates as ``gates(x, None)``, formed inside its kernel. ``p``: as in ``gates``."""
         raise NotImplementedError
 
-    def gates(self, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Per-token gate tensors from the (masked) input x [B, T, D]."""
+    def gates(self, x: torch.Tensor, mask: torch.Tensor | None,
+              p: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Per-token gate tensors from the (masked) input x [B, T, D]. ``p``: the outputs of
+        ``gate_projections()`` on x where the caller formed them already (``projected`` reads them)."""
         return {}
 
     @abc.abstractmethod
@@ -180,7 +196,10 @@ class LinearMixer(nn.Module, abc.ABC):
         conv_states = state["conv"] if state is not None else (None, None, None)
         starts = sequence_starts(T, cu_seqlens, x.device)
 
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # decoding with a pack (GraphDecoder): every map of x in one product
+        p = _packed_projections(self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer")
+                                if cache is not None else None)
+        q, k, v = (self.projected(name, x, p) for name in ("q_proj", "k_proj", "v_proj"))
         if self.use_short_conv:
             q, cq = self.q_conv(q, conv_states[0], starts)
             k, ck = self.k_conv(k, conv_states[1], starts)
@@ -204,7 +223,7 @@ class LinearMixer(nn.Module, abc.ABC):
         if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
                 and self.qk_norm == "l2" and self.qk_hook is None):
             # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
-            o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x), scale=self.scale,
+            o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x, p), scale=self.scale,
                                                          initial_state=initial_state, output_final_state=True,
                                                          inplace_final_state=inplace, mode=mode)
         else:
@@ -214,10 +233,10 @@ class LinearMixer(nn.Module, abc.ABC):
                 k = l2norm(k)
             if self.qk_hook is not None:
                 self.qk_hook(self, q, k)
-            o, final_state = self.mix(q, k, v, self.gates(x, mask), initial_state=initial_state,
+            o, final_state = self.mix(q, k, v, self.gates(x, mask, p), initial_state=initial_state,
                                       cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
         if self.use_output_gate:
-            gate = self.g_proj(x).view(B, T, H, V)
+            gate = self.projected("g_proj", x, p).view(B, T, H, V)
             if self.output_norm:
                 o = self.o_norm(o, gate)
             else:
@@ -261,12 +280,15 @@ class DeltaNet(LinearMixer):
 
     decode_kernel = True
 
-    def gates(self, x, mask):
-        beta = _up(self.b_proj(x)).sigmoid()
+    def gate_projections(self):
+        return ("b_proj",)
+
+    def gates(self, x, mask, p=None):
+        beta = _up(self.projected("b_proj", x, p)).sigmoid()
         return {"beta": 2 * beta if self.allow_neg_eigval else beta}
 
-    def decode_gates(self, x):
-        return {"a": None, "b": self.b_proj(x), "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
+    def decode_gates(self, x, p=None):
+        return {"a": None, "b": self.projected("b_proj", x, p), "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.delta_rule(q, k, v, gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
@@ -280,11 +302,16 @@ class GatedDeltaNet(DeltaNet):
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
         _mamba2_decay_params(self, num_heads)
 
-    def gates(self, x, mask):
-        return {**super().gates(x, mask), "g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
+    def gate_projections(self):
+        return super().gate_projections() + ("a_proj",)
 
-    def decode_gates(self, x):
-        return {**super().decode_gates(x), "a": self.a_proj(x), "A_log": self.A_log, "dt_bias": self.dt_bias}
+    def gates(self, x, mask, p=None):
+        a = self.projected("a_proj", x, p)
+        return {**super().gates(x, mask, p), "g": self.masked_log_gate(_mamba2_log_decay(self, a), mask)}
+
+    def decode_gates(self, x, p=None):
+        return {**super().decode_gates(x, p), "a": self.projected("a_proj", x, p), "A_log": self.A_log,
+                "dt_bias": self.dt_bias}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.gated_delta_rule(q, k, v, gates["g"], gates["beta"],
@@ -308,11 +335,14 @@ class KDA(DeltaNet):
         self.dt_bias = nn.Parameter(self.dt_bias.detach().repeat_interleave(self.head_k_dim))  # per key channel
         self.dt_bias._no_weight_decay = True
 
-    def gates(self, x, mask):
+    def gate_projections(self):
+        return super().gate_projections() + ("f_proj.0",)
+
+    def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
-        f = _up(self.f_proj(x)).view(B, T, self.num_heads, self.head_k_dim)
+        f = _up(self.f_proj[1](self.projected("f_proj.0", x, p))).view(B, T, self.num_heads, self.head_k_dim)
         g = -_up(self.A_log).exp()[:, None] * F.softplus(f + _up(self.dt_bias).view(self.num_heads, -1))
-        return {**super().gates(x, mask), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
+        return {**super().gates(x, mask, p), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.kda(q, k, v, gates["g"], gates["beta"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
@@ -331,8 +361,8 @@ class GatedDeltaProduct(GatedDeltaNet):
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
         self.use_forget_gate = use_forget_gate
 
-    def gates(self, x, mask):
-        gates = super().gates(x, mask)
+    def gates(self, x, mask, p=None):
+        gates = super().gates(x, mask, p)
         B, T = x.shape[:2]
         gates["beta"] = gates["beta"].view(B, T, self.kv_per_token, self.num_heads).flatten(1, 2)
         if not self.use_forget_gate:
@@ -354,9 +384,12 @@ class GLA(LinearMixer):
         self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
                                      nn.Linear(gate_low_rank_dim, num_heads * self.head_k_dim, bias=True))
 
-    def gates(self, x, mask):
+    def gate_projections(self):
+        return ("gk_proj.0",)
+
+    def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
-        g = F.logsigmoid(_up(self.gk_proj(x))) / self.gate_logit_normalizer
+        g = F.logsigmoid(_up(self.gk_proj[1](self.projected("gk_proj.0", x, p)))) / self.gate_logit_normalizer
         return {"g": self.masked_log_gate(g.view(B, T, self.num_heads, self.head_k_dim), mask)}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -371,8 +404,11 @@ class SimpleGLA(LinearMixer):
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
         _mamba2_decay_params(self, num_heads)
 
-    def gates(self, x, mask):
-        return {"g": self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)}
+    def gate_projections(self):
+        return ("a_proj",)
+
+    def gates(self, x, mask, p=None):
+        return {"g": self.masked_log_gate(_mamba2_log_decay(self, self.projected("a_proj", x, p)), mask)}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.simple_gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
@@ -412,11 +448,14 @@ class HDLA(LinearMixer):
         self.lambda_proj = nn.Linear(hidden_size, num_heads * self.head_k_dim, bias=True)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def gates(self, x, mask):
+    def gate_projections(self):
+        return ("lambda_proj", "b_proj")
+
+    def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
-        g = F.logsigmoid(_up(self.lambda_proj(x))) / self.gate_logit_normalizer  # log λ
+        g = F.logsigmoid(_up(self.projected("lambda_proj", x, p))) / self.gate_logit_normalizer  # log λ
         g = g.view(B, T, self.num_heads, self.head_k_dim)
-        beta = _up(self.b_proj(x)).sigmoid()
+        beta = _up(self.projected("b_proj", x, p)).sigmoid()
         return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -453,16 +492,20 @@ class HeadInHead(GatedDeltaNet):
         if not gated:
             del self.a_proj, self.A_log, self.dt_bias
 
-    def gates(self, x, mask):
-        gates = DeltaNet.gates(self, x, mask)
+    def gate_projections(self):
+        mask = ("mask_proj",) if self.mask_kind == "data" else ()
+        return (("b_proj", "a_proj") if self.gated else ("b_proj",)) + mask
+
+    def gates(self, x, mask, p=None):
+        gates = DeltaNet.gates(self, x, mask, p)
         if self.gated:
-            gates["g"] = self.masked_log_gate(_mamba2_log_decay(self, self.a_proj(x)), mask)
+            gates["g"] = self.masked_log_gate(_mamba2_log_decay(self, self.projected("a_proj", x, p)), mask)
         r = self.rank
         if self.mask_kind == "static":
             m_org = self.mask_org
         else:
             B, T = x.shape[:2]
-            m_org = self.mask_proj(x).view(B, T, self.num_heads, r, r)
+            m_org = self.projected("mask_proj", x, p).view(B, T, self.num_heads, r, r)
         gates["mask"] = ops.head_in_head_mask(F.softplus(_up(m_org)))
         return gates
 

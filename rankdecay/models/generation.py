@@ -12,7 +12,9 @@ work is tiny). Captured as a CUDA graph the step is one launch (Mamba's ``cg=Tru
 The prompt is prefilled eagerly (the chunked kernels). The cache is then copied into
 static buffers, and the step ``logits = model(token, cache); cache <- new cache`` is
 recorded once per batch size and replayed per token; the copy back into the buffers is
-part of the graph. Sliding-window attention's cache is its ring of ``window`` slots
+part of the graph. Each layer's linear maps of one input (a mixer's q, k, v, output gate and gates; the
+SwiGLU's gate and up) are packed into one product for the step (``rankdecay.layers.packing``). Sliding-window
+attention's cache is its ring of ``window`` slots
 (``SlidingWindowAttention.ring_cache``), written in place, so every buffer keeps its shape
 from step to step.
 
@@ -32,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..layers.cache import Cache
+from ..layers.packing import pack
 from .modeling import output_cache
 
 
@@ -81,12 +84,20 @@ class GraphDecoder:
             the rounding of the fused kernels. On a CPU, inductor needs a C++ compiler (g++ or clang++).
             Decoders of models of the same structure and batch size share one compiled step; a process keeps
             up to ``torch._dynamo.config.recompile_limit`` (8) different ones, and runs any more uncompiled.
+        pack_projections: take each layer's linear maps of one input as one matrix product in the step (a
+            mixer's q, k, v, output gate and gates; the SwiGLU's gate and up): a one-token step's products are
+            bound by their launches, not their weights (the 340m preset's took 1.52 -> 0.80 ms per step in a
+            CUDA graph on an H200). It keeps a copy of those weights (214M of the 340m preset's 341M parameters:
+            408 MiB in bf16), taken again at each ``prefill`` where a weight changed.
+
+    Each ``prefill`` records the step again where a parameter of the model has moved (``model.to``, a load with
+    ``assign=True``), so the graph never reads a freed weight; weights changed in place are read as they are.
 
     One graph is kept for the last batch size and dtype seen; a new batch size records a
     new one (a few eager warm-up steps and the capture: milliseconds to a second).
     """
 
-    def __init__(self, model, cuda_graph: bool | None = None, compile: bool = False):
+    def __init__(self, model, cuda_graph: bool | None = None, compile: bool = False, pack_projections: bool = True):
         device = next(model.parameters()).device
         if cuda_graph is None:
             cuda_graph = device.type == "cuda"
@@ -94,7 +105,11 @@ class GraphDecoder:
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device; it is on {device}")
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
+        if not isinstance(pack_projections, bool):
+            raise ValueError(f"pack_projections must be True or False, got {pack_projections!r}")
         self.model, self.device, self.cuda_graph = model, device, bool(cuda_graph)
+        self.pack_projections = pack_projections
+        self._packs = None  # per layer {"mixer": PackedLinears | None, "mlp": ...}, built at the first prefill
         # dynamic=False: the step's shapes are fixed per batch size (a new one compiles again)
         self._compiled = torch.compile(self._forward, dynamic=False) if compile else None
         self._key = None
@@ -111,7 +126,9 @@ class GraphDecoder:
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=True)
         cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
-        key = (input_ids.shape[0], tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)))
+        self._pack()
+        key = (input_ids.shape[0], tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)),
+               self._addresses())
         if key != self._key:
             self._build(input_ids.shape[0], layers)
             self._key = key
@@ -135,6 +152,27 @@ class GraphDecoder:
         self._cache.seen_tokens += 1
         return self._logits
 
+    def _pack(self) -> None:
+        """Build the layers' packs (the first time) or copy changed weights into them."""
+        if not self.pack_projections:
+            return
+        layers = [{"mixer": layer.mixer, "mlp": layer.mlp} for layer in self.model.model.layers]
+        if self._packs is None or any(p is not None and p.module is not layer[part]
+                                      for packs, layer in zip(self._packs, layers) for part, p in packs.items()):
+            # first use, or a layer's module was replaced (pruning, ...)
+            self._packs = [{part: pack(module, module.input_projections()) if hasattr(module, "input_projections")
+                            else None for part, module in layer.items()} for layer in layers]
+        for packs in self._packs:
+            for packed in packs.values():
+                if packed is not None:
+                    packed.refresh()
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where every tensor the step reads lives: the model's parameters and buffers and the packs."""
+        packed = [p for packs in self._packs or [] for p in packs.values() if p is not None]
+        return (tuple(t.data_ptr() for t in self.model.parameters()) + tuple(t.data_ptr() for t in self.model.buffers())
+                + tuple(t.data_ptr() for p in packed for t in (p.weight, p.bias) if t is not None))
+
     def _static_shape(self, i: int, entry):
         mixer = self.model.model.layers[i].mixer
         return mixer.ring_cache(entry) if hasattr(mixer, "ring_cache") else entry
@@ -145,6 +183,7 @@ class GraphDecoder:
         self._buffers = [_clone(entry) for entry in layers]
         self._cache = Cache(len(layers))
         self._cache.layers = list(self._buffers)
+        self._cache.projections = self._packs
         self._ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         self._logits = None
         self._run(check=True)  # also the first compile of every kernel

@@ -14,6 +14,7 @@ from ..layers import (
     GLA, HDLA, KDA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer,
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
+from ..layers.packing import projections as _packed_projections
 from .config import RankDecayConfig
 
 # transformers 5.24 renamed the outputs' and generate's ``past_key_values`` to ``cache`` (the old name
@@ -68,13 +69,21 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def input_projections(self) -> tuple[str, ...]:
+        """The linear maps of the input x (one packed product when decoding: ``rankdecay.layers.packing``)."""
+        return ("gate_proj", "up_proj")
+
+    def forward(self, x, packed=None):
+        """x [..., D]; ``packed``: a ``PackedLinears`` of gate_proj and up_proj (used without autograd)."""
+        p = _packed_projections(self, self.input_projections(), x, packed)
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if p is None else (p["gate_proj"], p["up_proj"])
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, config: RankDecayConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.mixer_name = config.mixers[layer_idx]
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mixer = build_mixer(self.mixer_name, config, layer_idx)
@@ -84,7 +93,8 @@ class Block(nn.Module):
     def forward(self, x, attention_mask=None, cache=None, use_cache=False, cu_seqlens=None):
         h, _ = self.mixer(self.attn_norm(x), attention_mask, cache, use_cache, cu_seqlens)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x))
+        packed = cache.packed(self.layer_idx, "mlp") if cache is not None else None
+        return x + self.mlp(self.mlp_norm(x), packed)
 
 
 class RankDecayPreTrainedModel(PreTrainedModel):

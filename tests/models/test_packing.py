@@ -1,0 +1,164 @@
+"""Packed projections (rankdecay.layers.packing): a decode step's linear maps of one input as one product."""
+import pytest
+import torch
+import torch.nn as nn
+
+from rankdecay.layers import Cache, PackedLinears, pack
+from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
+
+from ..conftest import assert_matches
+from .common import LINEAR_MIXERS, random_ids, tiny_model
+
+
+def _model(kind: str) -> RankDecayForCausalLM:
+    if kind == "gdn+swa":
+        torch.manual_seed(0)
+        return RankDecayForCausalLM(RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "swa"],
+                                                                initializer_range=0.2)).eval()
+    if kind == "hh-gdn-data":
+        return tiny_model("hh-gdn", hh_mask="data")
+    if kind == "gla-bias":  # a pack with a bias (the gate's low-rank first map gets one here)
+        model = tiny_model("gla")
+        for layer in model.model.layers:
+            old = layer.mixer.gk_proj[0]
+            layer.mixer.gk_proj[0] = nn.Linear(old.in_features, old.out_features, bias=True)
+            nn.init.normal_(layer.mixer.gk_proj[0].bias, 0, 0.5)
+        return model
+    return tiny_model(kind)
+
+
+def _count_calls(model) -> dict:
+    """Calls of every linear map a pack would take, by module."""
+    calls = {}
+    for layer in model.model.layers:
+        for module in (layer.mixer, layer.mlp):
+            for name in module.input_projections():
+                sub = module.get_submodule(name)
+                calls[sub] = 0
+                sub.register_forward_hook(lambda m, *_: calls.__setitem__(m, calls[m] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("kind", list(LINEAR_MIXERS) + ["swa", "gdn+swa", "hh-gdn-data", "gla-bias"])
+def test_packed_step_takes_one_product_and_decodes_as_separate_maps(kind):
+    """With the packs no separate map of the input runs in a step, and the step's logits are the separate maps'
+    (fp32; one product against the stacked weights rounds as the separate ones up to accumulation order)."""
+    model = _model(kind)
+    ids = random_ids(2, 9)
+    packed, plain = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=False, pack_projections=False)
+    calls = _count_calls(model)
+    with torch.no_grad():
+        for decoder in (packed, plain):
+            decoder.prefill(ids)
+        for n in calls:
+            calls[n] = 0
+        token = ids[:, -1]
+        for _ in range(4):
+            got = packed.step(token).clone()
+            assert not any(calls.values()), "a separate projection ran in a packed step"
+            want = plain.step(token)
+            assert all(calls.values()), "without packs every projection runs"
+            for n in calls:
+                calls[n] = 0
+            assert_matches(got, want, 1e-5, kind)
+            token = want.argmax(-1)
+    layer = packed._packs[0]
+    assert layer["mlp"] is not None and layer["mixer"] is not None, kind
+    assert set(layer["mixer"].names) == set(model.model.layers[0].mixer.input_projections())
+
+
+def test_packs_follow_weights_changed_between_generations():
+    """Weights changed in place, replaced (a new tensor) or resized between two generations: the packed decoder
+    gives what a decoder without packs gives, and records the step again where a tensor moved."""
+    model = tiny_model("hdla")
+    ids = random_ids(2, 7)
+    kw = dict(max_new_tokens=12, eos_token_id=[])
+    decoder = GraphDecoder(model, cuda_graph=False)
+    first = decoder.generate(ids, **kw)
+    mixer = model.model.layers[0].mixer
+    key = decoder._key
+    with torch.no_grad():
+        mixer.q_proj.weight.mul_(-1.5)  # in place: the same storage, a new version
+        mixer.lambda_proj.bias.add_(3.0)  # a bias too
+    changed = decoder.generate(ids, **kw)
+    assert decoder._key == key, "an in-place change needs no new recording"
+    assert torch.equal(changed, GraphDecoder(model, cuda_graph=False, pack_projections=False).generate(ids, **kw))
+    assert not torch.equal(changed, first), "the change should change the tokens"
+    with torch.no_grad():
+        up = model.model.layers[1].mlp.up_proj
+        up.weight = nn.Parameter(torch.randn_like(up.weight))
+    moved = decoder.generate(ids, **kw)
+    assert decoder._key != key, "a moved weight records the step again"
+    assert torch.equal(moved, GraphDecoder(model, cuda_graph=False, pack_projections=False).generate(ids, **kw))
+    old_pack = decoder._packs[0]["mixer"]
+    model.model.layers[0].mixer = type(mixer)(mixer.hidden_size, mixer.num_heads, mixer.head_k_dim,
+                                              mixer.head_v_dim, layer_idx=mixer.layer_idx).eval()
+    replaced = decoder.generate(ids, **kw)
+    assert decoder._packs[0]["mixer"] is not old_pack, "a replaced module is packed anew"
+    assert torch.equal(replaced, GraphDecoder(model, cuda_graph=False, pack_projections=False).generate(ids, **kw))
+
+
+def test_packs_are_not_used_with_autograd():
+    """A cache with packs under autograd: every map runs on its own, so gradients reach the weights."""
+    model = tiny_model("gdn")
+    decoder = GraphDecoder(model, cuda_graph=False)
+    decoder.generate(random_ids(1, 5), max_new_tokens=2, eos_token_id=[])
+    cache = Cache(len(model.model.layers))
+    cache.projections = decoder._packs
+    calls = _count_calls(model)
+    model(random_ids(1, 3), past_key_values=cache, use_cache=True).logits.sum().backward()
+    assert all(calls.values())
+    mixer = model.model.layers[0].mixer
+    assert mixer.q_proj.weight.grad is not None and model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_pack_refuses_what_it_cannot_pack_and_refresh_reallocates_on_new_shapes():
+    module = nn.Module()
+    module.a, module.b = nn.Linear(8, 3), nn.Linear(8, 5, bias=False)
+    packed = pack(module, ["a", "b"])
+    assert isinstance(packed, PackedLinears) and packed.weight.shape == (8, 8) and packed.bias is not None
+    x = torch.randn(4, 8)
+    out = packed(x)
+    assert_matches(out["a"], module.a(x), 1e-6, "a")
+    assert_matches(out["b"], module.b(x), 1e-6, "b")
+    assert not packed.refresh(), "nothing changed"
+    module.b = nn.Linear(8, 2)
+    assert packed.refresh(), "a new shape allocates anew"
+    assert packed.weight.shape == (5, 8) and torch.equal(packed.bias[3:], module.b.bias.detach())
+    assert pack(module, ["a"]) is None, "one map: nothing to pack"
+    module.c = nn.Linear(7, 3)
+    assert pack(module, ["a", "c"]) is None, "different input widths"
+    module.d = nn.Linear(8, 3).double()
+    assert pack(module, ["a", "d"]) is None, "different dtypes"
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    module.e = Scaled(8, 3)
+    assert pack(module, ["a", "e"]) is None, "a subclass with a forward of its own"
+    with pytest.raises(ValueError, match="pack_projections must be True or False"):
+        GraphDecoder(tiny_model("gdn"), cuda_graph=False, pack_projections="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
+def test_packed_cuda_graph_decodes_as_the_unpacked_one_and_records_again_when_a_weight_moves():
+    """On a GPU: the packed CUDA graph gives the unpacked graph's tokens (fp32), also after a weight changed in
+    place (read by the recorded graph through the refreshed pack) and after one moved (recorded again)."""
+    torch.manual_seed(0)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "hdla", "hh-gdn", "swa"], num_hidden_layers=4,
+                                         hh_rank=2, initializer_range=0.2)
+    model = RankDecayForCausalLM(config).cuda().eval()
+    ids = random_ids(3, 20).cuda()
+    kw = dict(max_new_tokens=24, eos_token_id=[])
+    packed = GraphDecoder(model)
+    for step in range(3):
+        got = packed.generate(ids, **kw)
+        assert packed._graph is not None
+        assert torch.equal(got, GraphDecoder(model, pack_projections=False).generate(ids, **kw)), step
+        with torch.no_grad():
+            mixer = model.model.layers[step].mixer
+            if step == 0:
+                mixer.v_proj.weight.mul_(-1)
+            else:
+                mixer.q_proj.weight = nn.Parameter(mixer.q_proj.weight * 1.5)
