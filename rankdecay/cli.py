@@ -94,7 +94,8 @@ def _generate(args) -> int:
         from .models import GraphDecoder
 
         # --cuda-graph: a graph where there is a GPU, the same steps eagerly on a CPU
-        decoder = GraphDecoder(model, cuda_graph=None if args.cuda_graph else False, compile=args.compile)
+        decoder = GraphDecoder(model, cuda_graph=None if args.cuda_graph else False, compile=args.compile,
+                               pack_projections=not args.no_pack)
         out = decoder.generate(batch["input_ids"], batch.get("attention_mask"), **kw)
     else:
         with torch.no_grad():
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with GraphDecoder's step through torch.compile (its small kernels fused; with "
                         "--cuda-graph, then recorded as a graph): faster per token, after a compile of tens of "
                         "seconds")
+    p.add_argument("--no-pack", action="store_true",
+                   help="with --cuda-graph or --compile: each projection its own matrix product in the step, "
+                        "rather than one per layer input against a copy of the weights (saves that copy's memory)")
     p.set_defaults(func=_generate)
     return parser
 

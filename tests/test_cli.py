@@ -35,7 +35,7 @@ def test_generate_compile_decodes_as_without(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == lines, "the compiled step must decode as model.generate"
 
 
-def test_init_then_generate_matches_the_library(tmp_path, capsys):
+def test_init_then_generate_matches_the_library(tmp_path, capsys, monkeypatch):
     model_dir = tmp_path / "model"
     assert main(["init", str(model_dir), "--mixer", "hh-gdn", "--set", "hh_rank=2",
                  "--set", "initializer_range=0.2"]) == 0
@@ -46,6 +46,20 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys):
     assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
                  "--cuda-graph"]) == 0
     assert capsys.readouterr().out.splitlines() == lines, "GraphDecoder must decode as model.generate"
+    import rankdecay.models
+
+    packs = []
+
+    class Spy(rankdecay.models.GraphDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            packs.append(self.pack_projections)
+
+    monkeypatch.setattr(rankdecay.models, "GraphDecoder", Spy)
+    assert main(["generate", str(model_dir), "--prompt", "Hello", "--prompt", "Hi, world", "--max-new-tokens", "8",
+                 "--cuda-graph", "--no-pack"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines, "without packs too"
+    assert packs == [False]
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert model.config.mixer == "hh-gdn" and model.config.hh_rank == 2
