@@ -5,6 +5,9 @@ The block: q/k/v linear projections -> short causal depthwise convolution + SiLU
 with a SiLU output gate -> output projection. A subclass adds only its gates (the
 projections of alpha, beta, lambda, the Head-in-Head mask) and names the op it
 calls; the layer never launches kernels itself (``rankdecay.ops`` picks the path).
+A subclass's ``gate_projections()`` names the linear maps its ``gates`` apply to x, and
+``gates`` reads them through ``projected(name, x, p)``: a decode step then takes them
+with q, k, v and the output gate in one packed product (``rankdecay.layers.packing``).
 
 Every mixer takes ``forward(x [B, T, D], attention_mask [B, T] | None, cache | None,
 use_cache, cu_seqlens | None) -> (o [B, T, D], cache)``. Padding positions
