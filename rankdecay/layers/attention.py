@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .cache import Cache
 from .modules import sequence_starts
+from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
 
@@ -154,7 +155,8 @@ class SlidingWindowAttention(nn.Module):
                                            attn_mask=allowed)
         cache.layers[self.layer_idx] = {**ring, "count": ring["count"] + real.long()[:, 0],
                                         "next": (slot + 1) % self.window_size}
-        return self.o_proj(o.transpose(1, 2).reshape(B, 1, H * D)), cache
+        o = _output_linear(self.o_proj, o.transpose(1, 2).reshape(B, 1, H * D), cache.packed(self.layer_idx, "mixer"))
+        return o, cache
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, window={self.window_size}"

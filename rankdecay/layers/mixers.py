@@ -30,6 +30,7 @@ from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
+from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
 RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
@@ -200,8 +201,8 @@ class LinearMixer(nn.Module, abc.ABC):
         starts = sequence_starts(T, cu_seqlens, x.device)
 
         # decoding with a pack (GraphDecoder): every map of x in one product
-        p = _packed_projections(self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer")
-                                if cache is not None else None)
+        packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None
+        p = _packed_projections(self, self.input_projections(), x, packed)
         q, k, v = (self.projected(name, x, p) for name in ("q_proj", "k_proj", "v_proj"))
         if self.use_short_conv:
             q, cq = self.q_conv(q, conv_states[0], starts)
@@ -246,7 +247,7 @@ class LinearMixer(nn.Module, abc.ABC):
                 o = o * (F.silu(gate) if self.gate_act == "silu" else gate)
         elif self.output_norm:
             o = self.o_norm(o)
-        o = self.o_proj(o.reshape(B, T, H * V))
+        o = _output_linear(self.o_proj, o.reshape(B, T, H * V), packed)
         if cache is not None and use_cache:
             cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state.to(self.state_dtype)}
         return o, cache

@@ -6,6 +6,9 @@ few thread blocks rather than the bandwidth its weights need. A linear mixer app
 concatenated weights, split afterwards: on an H200, the 340m preset's projections in a CUDA graph took 1.52 ->
 0.80 ms per step at B = 1 (``benchmarks/packed_projections.py``).
 
+At B = 1 on a GPU the packed products, and the layers' own output maps, take a Triton matrix-vector kernel
+(:func:`decode_linear`), which reaches more of the GPU's bandwidth than cuBLAS there.
+
 :class:`PackedLinears` holds a copy of the weights, which :meth:`PackedLinears.refresh` updates where any weight
 changed (its storage, its in-place version, its shape). ``GraphDecoder`` packs every layer when decoding starts and
 hands the packs to the model through ``Cache.projections``; the layers use them only without autograd, so a
@@ -18,6 +21,21 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..ops.backends import _HAS_TRITON
+
+if _HAS_TRITON:
+    from ..ops.triton.gemv import gemv as _gemv
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``. One row on a GPU (a B = 1 decode step; no autograd) takes the Triton
+    matrix-vector kernel (``rankdecay.ops.triton.gemv``), which reaches more of the GPU's bandwidth there than
+    cuBLAS; anything else takes ``F.linear``."""
+    if (_HAS_TRITON and x.is_cuda and x.numel() == x.shape[-1] and not torch.is_grad_enabled()
+            and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1):
+        return _gemv(x.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -76,7 +94,7 @@ class PackedLinears:
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{name: module.<name>(x)}`` for x [..., in_features], from one product."""
-        return dict(zip(self.names, F.linear(x, self.weight, self.bias).split(self.widths, -1)))
+        return dict(zip(self.names, decode_linear(x, self.weight, self.bias).split(self.widths, -1)))
 
     def __repr__(self) -> str:
         return f"PackedLinears({', '.join(self.names)}: {list(self.weight.shape)})"
@@ -93,6 +111,15 @@ def pack(module: nn.Module, names: Sequence[str]) -> PackedLinears | None:
            or (m.bias is not None and m.bias.dtype != first.dtype) for m in linears):
         return None
     return PackedLinears(module, names)
+
+
+def output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinears | None) -> torch.Tensor:
+    """``linear(x)``, through :func:`decode_linear` where the layer decodes with a pack (no autograd): a layer's
+    map of its own output (a mixer's output projection, the SwiGLU's down projection) has no other map of the same
+    input to pack with, but takes the same one-row kernel."""
+    if packed is None or torch.is_grad_enabled() or not _plain_linear(linear):
+        return linear(x)
+    return decode_linear(x, linear.weight, linear.bias)
 
 
 def projections(module: nn.Module, names: Sequence[str], x: torch.Tensor,

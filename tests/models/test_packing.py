@@ -1,7 +1,10 @@
 """Packed projections (rankdecay.layers.packing): a decode step's linear maps of one input as one product."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from rankdecay.layers import Cache, PackedLinears, pack
 from rankdecay.models import GraphDecoder, RankDecayConfig, RankDecayForCausalLM
@@ -142,16 +145,21 @@ def test_pack_refuses_what_it_cannot_pack_and_refresh_reallocates_on_new_shapes(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
-def test_packed_cuda_graph_decodes_as_the_unpacked_one_and_records_again_when_a_weight_moves():
+@pytest.mark.parametrize("B, compile", [(3, False), (1, False), (1, True)])
+def test_packed_cuda_graph_decodes_as_the_unpacked_one_and_records_again_when_a_weight_moves(B, compile):
     """On a GPU: the packed CUDA graph gives the unpacked graph's tokens (fp32), also after a weight changed in
-    place (read by the recorded graph through the refreshed pack) and after one moved (recorded again)."""
+    place (read by the recorded graph through the refreshed pack) and after one moved (recorded again). At B = 1
+    the packed products and the output maps take the one-row kernel, in the compiled graph too."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
     torch.manual_seed(0)
     config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "hdla", "hh-gdn", "swa"], num_hidden_layers=4,
                                          hh_rank=2, initializer_range=0.2)
     model = RankDecayForCausalLM(config).cuda().eval()
-    ids = random_ids(3, 20).cuda()
+    ids = random_ids(B, 20).cuda()
     kw = dict(max_new_tokens=24, eos_token_id=[])
-    packed = GraphDecoder(model)
+    packed = GraphDecoder(model, compile=compile)
     for step in range(3):
         got = packed.generate(ids, **kw)
         assert packed._graph is not None
@@ -162,3 +170,61 @@ def test_packed_cuda_graph_decodes_as_the_unpacked_one_and_records_again_when_a_
                 mixer.v_proj.weight.mul_(-1)
             else:
                 mixer.q_proj.weight = nn.Parameter(mixer.q_proj.weight * 1.5)
+
+
+TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                            reason="triton is not installed (pip install triton)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under TRITON_INTERPRET=1
+
+
+@TRITON
+@pytest.mark.parametrize("N, K", [(1, 1), (7, 33), (50, 300), (5, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_kernel_matches_f_linear(N, K, dtype, bias):
+    """The one-row kernel against F.linear in fp64: odd N (a half-filled last program), K below, at and above one
+    1024-wide slice (a partial last slice), bf16 and fp32, with and without a bias; the weight a row slice of a
+    wider matrix (strided rows)."""
+    from rankdecay.ops.triton.gemv import gemv
+
+    gen = torch.Generator().manual_seed(N * 7 + K)
+    wide = torch.randn(N, K + 5, generator=gen).to(DEVICE, dtype)
+    w = wide[:, 3:K + 3]
+    x = torch.randn(K, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
+    got = gemv(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (N,)
+    # fp32 accumulation; the result rounded once to dtype
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert_matches(got.double(), want, tol, f"{N} x {K} {dtype}")
+
+
+@TRITON
+def test_gemv_kernel_refuses_what_it_cannot_take():
+    from rankdecay.ops.triton.gemv import gemv
+
+    with pytest.raises(ValueError, match="one contiguous row"):
+        gemv(torch.randn(2, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv(torch.randn(8, device=DEVICE), torch.randn(8, 3, device=DEVICE).t())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-row kernel's route needs a GPU (BENCHMARKS.md)")
+def test_decode_linear_takes_the_kernel_for_one_row_on_a_gpu(monkeypatch):
+    """decode_linear: one row without autograd on a GPU goes through the kernel (and gives F.linear's result);
+    several rows, autograd and the CPU go to F.linear."""
+    from rankdecay.layers import packing
+
+    calls = []
+    kernel = packing._gemv
+    monkeypatch.setattr(packing, "_gemv", lambda *a: calls.append(1) or kernel(*a))
+    w, b = torch.randn(40, 64, device="cuda"), torch.randn(40, device="cuda")
+    with torch.no_grad():
+        x = torch.randn(1, 1, 64, device="cuda")
+        assert_matches(packing.decode_linear(x, w, b), F.linear(x, w, b), 1e-5, "one row")
+        assert len(calls) == 1
+        packing.decode_linear(torch.randn(2, 1, 64, device="cuda"), w, b)
+        packing.decode_linear(x.cpu(), w.cpu(), b.cpu())
+    packing.decode_linear(x, w, b)
+    assert len(calls) == 1
