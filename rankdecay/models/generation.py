@@ -88,7 +88,9 @@ class GraphDecoder:
             mixer's q, k, v, output gate and gates; the SwiGLU's gate and up): a one-token step's products are
             bound by their launches, not their weights (the 340m preset's took 1.52 -> 0.80 ms per step in a
             CUDA graph on an H200). It keeps a copy of those weights (214M of the 340m preset's 341M parameters:
-            408 MiB in bf16), taken again at each ``prefill`` where a weight changed.
+            408 MiB in bf16), taken again at each ``prefill`` where a weight changed. At B = 1 on a GPU the packed
+            products and the layers' output maps take a one-row Triton kernel (``ops.triton.gemv``); ``False``
+            turns both off.
 
     Each ``prefill`` records the step again where a parameter of the model has moved (``model.to``, a load with
     ``assign=True``), so the graph never reads a freed weight; weights changed in place are read as they are.

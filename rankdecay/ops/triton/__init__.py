@@ -16,6 +16,8 @@
   backward, as a ``torch.autograd.Function``. The parallel parts (decayed products,
   the UT transform, outputs, and the gradients that follow from the per-chunk states)
   are batched PyTorch around it (``rankdecay.ops.chunk``).
+- ``gemv.gemv``: one row times a matrix, for a B = 1 decode step's projections (``rankdecay.layers.packing``
+  routes them to it on a GPU); traced into a compiled graph as the decode kernels are.
 
 Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``, and
 ``factors.decay_rows_dtype``, which reads the matmul precision, a query Dynamo cannot trace) are opaque
