@@ -100,17 +100,22 @@ class PackedLinears:
         return f"PackedLinears({', '.join(self.names)}: {list(self.weight.shape)})"
 
 
-def pack(module: nn.Module, names: Sequence[str]) -> PackedLinears | None:
-    """``module``'s linear maps ``names`` of one input packed into one product, or None where they cannot be
-    (fewer than two, not plain ``nn.Linear``, or different input widths, dtypes or devices)."""
+def packable(module: nn.Module, names: Sequence[str]) -> bool:
+    """Whether ``module``'s maps ``names`` can be one product: at least two, each a plain ``nn.Linear`` (not a
+    subclass or a wrapper such as a LoRA layer, whose forward is its own), of the same input width, dtype and
+    device."""
     linears = [module.get_submodule(name) for name in names]
     if len(linears) < 2 or not all(_plain_linear(m) for m in linears):
-        return None
+        return False
     first = linears[0].weight
-    if any((m.in_features, m.weight.dtype, m.weight.device) != (first.shape[1], first.dtype, first.device)
-           or (m.bias is not None and m.bias.dtype != first.dtype) for m in linears):
-        return None
-    return PackedLinears(module, names)
+    return not any((m.in_features, m.weight.dtype, m.weight.device) != (first.shape[1], first.dtype, first.device)
+                   or (m.bias is not None and m.bias.dtype != first.dtype) for m in linears)
+
+
+def pack(module: nn.Module, names: Sequence[str]) -> PackedLinears | None:
+    """``module``'s linear maps ``names`` of one input packed into one product, or None where they cannot be
+    (:func:`packable`)."""
+    return PackedLinears(module, names) if packable(module, names) else None
 
 
 def output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinears | None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..layers.cache import Cache
-from ..layers.packing import pack
+from ..layers.packing import pack, packable
 from .modeling import output_cache
 
 
@@ -159,15 +159,18 @@ class GraphDecoder:
         if not self.pack_projections:
             return
         layers = [{"mixer": layer.mixer, "mlp": layer.mlp} for layer in self.model.model.layers]
-        if self._packs is None or any(p is not None and p.module is not layer[part]
-                                      for packs, layer in zip(self._packs, layers) for part, p in packs.items()):
-            # first use, or a layer's module was replaced (pruning, ...)
-            self._packs = [{part: pack(module, module.input_projections()) if hasattr(module, "input_projections")
-                            else None for part, module in layer.items()} for layer in layers]
-        for packs in self._packs:
-            for packed in packs.values():
-                if packed is not None:
-                    packed.refresh()
+        if self._packs is None or len(self._packs) != len(layers):
+            self._packs = [{"mixer": None, "mlp": None} for _ in layers]
+        for packs, layer in zip(self._packs, layers):
+            for part, module in layer.items():
+                names = module.input_projections() if hasattr(module, "input_projections") else ()
+                old = packs[part]
+                if not packable(module, names):  # e.g. a map wrapped (LoRA) or cast on its own since
+                    packs[part] = None
+                elif old is None or old.module is not module or old.names != tuple(names):
+                    packs[part] = pack(module, names)  # first use, or the module was replaced (pruning, ...)
+                else:
+                    old.refresh()
 
     def _addresses(self) -> tuple[int, ...]:
         """Where every tensor the step reads lives: the model's parameters and buffers and the packs."""

@@ -93,6 +93,21 @@ def test_packs_follow_weights_changed_between_generations():
     moved = decoder.generate(ids, **kw)
     assert decoder._key != key, "a moved weight records the step again"
     assert torch.equal(moved, GraphDecoder(model, cuda_graph=False, pack_projections=False).generate(ids, **kw))
+
+    class Shifted(nn.Linear):  # a map with a forward of its own (as a LoRA wrapper): it cannot be packed
+        def forward(self, x):
+            return super().forward(x) + 0.5
+
+    k = mixer.k_proj
+    mixer.k_proj = Shifted(k.in_features, k.out_features, bias=False)
+    mixer.k_proj.load_state_dict(k.state_dict())
+    wrapped = decoder.generate(ids, **kw)
+    assert decoder._packs[0]["mixer"] is None and decoder._packs[1]["mixer"] is not None
+    assert torch.equal(wrapped, GraphDecoder(model, cuda_graph=False, pack_projections=False).generate(ids, **kw))
+    assert not torch.equal(wrapped, moved), "the wrapper should change the tokens"
+    mixer.k_proj = k
+    decoder.generate(ids, **kw)
+    assert decoder._packs[0]["mixer"] is not None, "packed again once it can be"
     old_pack = decoder._packs[0]["mixer"]
     model.model.layers[0].mixer = type(mixer)(mixer.hidden_size, mixer.num_heads, mixer.head_k_dim,
                                               mixer.head_v_dim, layer_idx=mixer.layer_idx).eval()
