@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..layers.cache import Cache
-from ..layers.packing import pack, packable
+from ..layers.packing import PackedLinears, packable
 from .modeling import output_cache
 
 
@@ -168,7 +168,7 @@ class GraphDecoder:
                 if not packable(module, names):  # e.g. a map wrapped (LoRA) or cast on its own since
                     packs[part] = None
                 elif old is None or old.module is not module or old.names != tuple(names):
-                    packs[part] = pack(module, names)  # first use, or the module was replaced (pruning, ...)
+                    packs[part] = PackedLinears(module, names)  # first use, or the module was replaced
                 else:
                     old.refresh()
 
