@@ -29,7 +29,7 @@ from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path 
 from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
-from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, sequence_starts
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, sequence_starts
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
@@ -204,19 +204,24 @@ class LinearMixer(nn.Module, abc.ABC):
         packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None
         p = _packed_projections(self, self.input_projections(), x, packed)
         q, k, v = (self.projected(name, x, p) for name in ("q_proj", "k_proj", "v_proj"))
+        recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
+        mode = _recurrent_mode(x) if recurrent else "auto"
         if self.use_short_conv:
-            q, cq = self.q_conv(q, conv_states[0], starts)
-            k, ck = self.k_conv(k, conv_states[1], starts)
-            v, cv = self.v_conv(v, conv_states[2], starts)
-            new_conv = (cq, ck, cv)
+            convs = (self.q_conv, self.k_conv, self.v_conv)
+            # a decode step on the GPU's route: the three in one kernel, the cache's states shifted in place
+            fused = (conv_step(convs, (q, k, v), conv_states)
+                     if mode == "fused_recurrent" and use_cache and T == 1 and starts is None else None)
+            if fused is not None:
+                (q, k, v), new_conv = fused, tuple(conv_states)
+            else:
+                (q, cq), (k, ck), (v, cv) = (conv(y, s, starts) for conv, y, s in zip(convs, (q, k, v), conv_states))
+                new_conv = (cq, ck, cv)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
             new_conv = (None, None, None)
         q = q.view(B, T, H, K)
         k = k.view(B, T, n, H, K).flatten(1, 2)  # row t * n + j: the j-th key of token t
         v = v.view(B, T, n, H, V).flatten(1, 2)
-        recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
-        mode = _recurrent_mode(x) if recurrent else "auto"
         initial_state = state["recurrent"] if state is not None else None
         # on the GPU's per-token kernels, with a cache to update, the kernel writes the state back into
         # the cache's tensor (in its dtype): a decode step allocates no state and nothing copies it

@@ -1,9 +1,16 @@
 """Building blocks shared by the token mixers: norms and the short causal convolution."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..ops.backends import _HAS_TRITON
+
+if _HAS_TRITON:
+    from ..ops.triton.conv import short_conv_step as _short_conv_step
 
 
 class RMSNorm(nn.Module):
@@ -88,4 +95,28 @@ class ShortConvolution(nn.Module):
             y = y + tap
         if self.activation == "silu":
             y = F.silu(y)
-        return y, full[:, T:].transpose(1, 2)
+        # contiguous (a small copy per prompt): a decode step on a GPU then updates it in place (``conv_step``)
+        return y, full[:, T:].transpose(1, 2).contiguous()
+
+
+def conv_step(convs: Sequence[ShortConvolution], xs: Sequence[torch.Tensor],
+              states: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """One decode token through several short convolutions (a mixer's q, k and v) in one Triton kernel, each
+    ``states[i]`` updated in place (``rankdecay.ops.triton.conv``); or None where that does not apply, and the
+    caller runs each ``convs[i](xs[i], states[i])``.
+
+    It applies to inputs ``[B, 1, D_i]`` without autograd where Triton is installed (the caller decides that the
+    step runs on the GPU's decode route), with up to three plain ``ShortConvolution``s of one kernel size (at
+    least 2) and activation, and states that are contiguous and in x's dtype (as ``ShortConvolution`` returns
+    them). Returns ``[y_i]``, each of x_i's shape; the states then hold the shifted inputs, x last."""
+    if not _HAS_TRITON or torch.is_grad_enabled() or not 1 <= len(convs) <= 3:
+        return None
+    first = convs[0]
+    for conv, x, state in zip(convs, xs, states):
+        if (type(conv) is not ShortConvolution or conv.kernel_size != first.kernel_size or conv.kernel_size < 2
+                or conv.activation != first.activation or conv.activation not in ("silu", None)
+                or x.dim() != 3 or x.shape[1] != 1 or x.stride(-1) != 1 or x.dtype == torch.float64
+                or state is None or not state.is_contiguous() or state.dtype != x.dtype
+                or state.shape != (x.shape[0], conv.dim, conv.kernel_size - 1)):
+            return None
+    return _short_conv_step(xs, states, [conv.filters().contiguous() for conv in convs], first.activation)
