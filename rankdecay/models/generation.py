@@ -13,7 +13,8 @@ The prompt is prefilled eagerly (the chunked kernels). The cache is then copied 
 static buffers, and the step ``logits = model(token, cache); cache <- new cache`` is
 recorded once per batch size and replayed per token; the copy back into the buffers is
 part of the graph. Each layer's linear maps of one input (a mixer's q, k, v, output gate and gates; the
-SwiGLU's gate and up) are packed into one product for the step (``rankdecay.layers.packing``). Sliding-window
+SwiGLU's gate and up) are packed into one product for the step (``rankdecay.layers.packing``), and its short
+convolutions take one kernel that shifts their states in place (``rankdecay.ops.triton.conv``). Sliding-window
 attention's cache is its ring of ``window`` slots
 (``SlidingWindowAttention.ring_cache``), written in place, so every buffer keeps its shape
 from step to step.

@@ -18,6 +18,8 @@
   are batched PyTorch around it (``rankdecay.ops.chunk``).
 - ``gemv.gemv``: one row times a matrix, for a B = 1 decode step's projections (``rankdecay.layers.packing``
   routes them to it on a GPU); traced into a compiled graph as the decode kernels are.
+- ``conv.short_conv_step``: a decode step of a mixer's three short convolutions in one launch, their states
+  shifted in place (``rankdecay.layers.modules.conv_step`` routes a GPU decode step to it); traced likewise.
 
 Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``, and
 ``factors.decay_rows_dtype``, which reads the matmul precision, a query Dynamo cannot trace) are opaque
