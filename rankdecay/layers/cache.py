@@ -8,7 +8,8 @@ class Cache:
     """Decoding state of a whole model, one slot per layer.
 
     A linear mixer keeps ``{"conv": (q, k, v) conv states [B, D, kernel - 1],
-    "recurrent": [B, H, K, V]}`` (on the GPU's decode route a step writes both back into the same tensors); sliding-window attention keeps its last
+    "recurrent": [B, H, K, V]}`` (on the GPU's decode route a step writes both back into the same
+    tensors); sliding-window attention keeps its last
     ``window - 1`` keys and values and which of them are real tokens. The size is
     fixed whatever the context length. ``seen_tokens`` counts the steps fed so far.
 
