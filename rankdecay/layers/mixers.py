@@ -30,6 +30,7 @@ from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, sequence_starts
+from .packing import fused_output_linear as _fused_output_linear
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
@@ -244,15 +245,23 @@ class LinearMixer(nn.Module, abc.ABC):
                 self.qk_hook(self, q, k)
             o, final_state = self.mix(q, k, v, self.gates(x, mask, p), initial_state=initial_state,
                                       cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
-        if self.use_output_gate:
-            gate = self.projected("g_proj", x, p).view(B, T, H, V)
-            if self.output_norm:
+        gate = self.projected("g_proj", x, p).view(B, T, H, V) if self.use_output_gate else None
+        fused = None
+        if packed is not None:  # a B = 1 decode step on a GPU: the norm and the gate inside the output map's kernel
+            act = (self.o_norm.activation if self.output_norm else self.gate_act) if gate is not None else None
+            fused = _fused_output_linear(self.o_proj, o.reshape(B, T, H * V), packed,
+                                         u=None if gate is None else gate.reshape(B, T, H * V), u_act=act,
+                                         norm=self.o_norm if self.output_norm else None)
+        if fused is not None:
+            o = fused
+        else:
+            if gate is not None and self.output_norm:
                 o = self.o_norm(o, gate)
-            else:
+            elif gate is not None:
                 o = o * (F.silu(gate) if self.gate_act == "silu" else gate)
-        elif self.output_norm:
-            o = self.o_norm(o)
-        o = _output_linear(self.o_proj, o.reshape(B, T, H * V), packed)
+            elif self.output_norm:
+                o = self.o_norm(o)
+            o = _output_linear(self.o_proj, o.reshape(B, T, H * V), packed)
         if cache is not None and use_cache:
             cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state.to(self.state_dtype)}
         return o, cache

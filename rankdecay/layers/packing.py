@@ -23,17 +23,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.backends import _HAS_TRITON
+from .modules import GatedRMSNorm, RMSNorm
 
 if _HAS_TRITON:
+    from ..ops.triton.gemv import block_k as _block_k
     from ..ops.triton.gemv import gemv as _gemv
+
+
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    """Where the one-row kernel runs: a GPU (tests patch this to run it interpreted on the CPU)."""
+    return x.is_cuda
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` takes the one-row kernel: one row on a GPU, no autograd, one dtype."""
+    return (_HAS_TRITON and x.numel() == x.shape[-1] and _on_kernel_device(x) and not torch.is_grad_enabled()
+            and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``. One row on a GPU (a B = 1 decode step; no autograd) takes the Triton
     matrix-vector kernel (``rankdecay.ops.triton.gemv``), which reaches more of the GPU's bandwidth there than
     cuBLAS; anything else takes ``F.linear``."""
-    if (_HAS_TRITON and x.is_cuda and x.numel() == x.shape[-1] and not torch.is_grad_enabled()
-            and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and weight.stride(-1) == 1):
+    if _one_row(x, weight, bias):
         return _gemv(x.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -125,6 +137,33 @@ def output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinears | No
     if packed is None or torch.is_grad_enabled() or not _plain_linear(linear):
         return linear(x)
     return decode_linear(x, linear.weight, linear.bias)
+
+
+def fused_output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinears | None, *,
+                        u: torch.Tensor | None = None, x_act: str | None = None, u_act: str | None = None,
+                        norm: nn.Module | None = None) -> torch.Tensor | None:
+    """``linear(pre(x) * post(u))`` in the one-row kernel, where a layer decodes one row with a pack on a GPU
+    (no autograd); else None, and the caller forms it as it would without (same result up to rounding: the
+    kernel keeps the prologue in fp32 and rounds once).
+
+    ``pre(x)``: ``norm(x)`` over each group of ``norm``'s width (an ``RMSNorm`` per head: its weight and eps; the
+    group a power of two), ``silu(x)`` (``x_act="silu"``), or x. ``post(u)``: ``silu(u)`` (``u_act="silu"``),
+    u, or 1 without u. So a mixer's output norm and gate (``GatedRMSNorm``), or a SwiGLU's ``silu(gate) * up``,
+    are read by the output map's kernel instead of taking kernels of their own."""
+    if packed is None or not _plain_linear(linear) or not _one_row(x, linear.weight, linear.bias):
+        return None
+    if u is not None and (u.shape != x.shape or u.dtype != x.dtype):
+        return None
+    weight = None
+    if norm is not None:  # (the gate's activation comes in u_act)
+        K, G = x.shape[-1], norm.weight.numel()
+        if (type(norm) not in (RMSNorm, GatedRMSNorm) or x_act is not None or G & (G - 1) or K % G
+                or _block_k(K) % G or norm.weight.dtype not in (torch.float32, x.dtype)):
+            return None
+        x_act, weight = "rms_norm", norm.weight
+    y = _gemv(x.contiguous(), linear.weight, linear.bias, u=None if u is None else u.contiguous(), x_act=x_act,
+              u_act=u_act, norm_weight=weight, eps=norm.eps if norm is not None else 1e-6)
+    return y.view(*x.shape[:-1], linear.weight.shape[0])
 
 
 def projections(module: nn.Module, names: Sequence[str], x: torch.Tensor,

@@ -14,6 +14,7 @@ from ..layers import (
     GLA, HDLA, KDA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer,
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
+from ..layers.packing import fused_output_linear as _fused_output_linear
 from ..layers.packing import output_linear as _output_linear
 from ..layers.packing import projections as _packed_projections
 from .config import RankDecayConfig
@@ -78,7 +79,8 @@ class SwiGLU(nn.Module):
         """x [..., D]; ``packed``: a ``PackedLinears`` of gate_proj and up_proj (used without autograd)."""
         p = _packed_projections(self, self.input_projections(), x, packed)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if p is None else (p["gate_proj"], p["up_proj"])
-        return _output_linear(self.down_proj, F.silu(gate) * up, packed)
+        fused = _fused_output_linear(self.down_proj, gate, packed, u=up, x_act="silu")  # B = 1 on a GPU
+        return fused if fused is not None else _output_linear(self.down_proj, F.silu(gate) * up, packed)
 
 
 class Block(nn.Module):

@@ -243,3 +243,89 @@ def test_decode_linear_takes_the_kernel_for_one_row_on_a_gpu(monkeypatch):
         packing.decode_linear(x.cpu(), w.cpu(), b.cpu())
     packing.decode_linear(x, w, b)
     assert len(calls) == 1
+
+
+@TRITON
+@pytest.mark.parametrize("K, G", [(64, 32), (96, 32), (2048, 256)])
+@pytest.mark.parametrize("x_act, u_act, norm", [(None, None, False), (None, "silu", False), ("silu", None, False),
+                                                 (None, "silu", True), (None, None, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_prologue_matches_its_pytorch_form(K, G, x_act, u_act, norm, dtype):
+    """The kernel's prologue, W (pre(x) * post(u)) + b, against fp64 PyTorch: a mixer's output norm per head with
+    its gate, the gate alone (silu or linear), a SwiGLU's silu(gate) * up. K = 96 leaves a slice with a group wholly
+    past K (masked, its statistic 0, its share 0); 2048 takes two slices of whole groups."""
+    from rankdecay.ops.triton.gemv import gemv
+
+    gen = torch.Generator().manual_seed(K + G)
+    N = 5
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    x, u, nw = torch.randn(K, generator=gen) * 3, torch.randn(K, generator=gen), torch.randn(G, generator=gen)
+    with_u = u_act is not None or not norm and x_act is None  # the linear gate, or silu(u)
+    kw = dict(x_act="rms_norm", norm_weight=nw.to(DEVICE)) if norm else dict(x_act=x_act)
+    got = gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype), b.to(DEVICE, dtype),
+               u=u.to(DEVICE, dtype) if with_u else None, u_act=u_act, **kw)
+    xd, ud = x.to(dtype).double(), u.to(dtype).double()
+    pre = (F.rms_norm(xd.view(-1, G), (G,), nw.double(), 1e-6).view(-1) if norm
+           else F.silu(xd) if x_act == "silu" else xd)
+    post = (F.silu(ud) if u_act == "silu" else ud) if with_u else 1.0
+    want = F.linear(pre * post, w.to(dtype).double(), b.to(dtype).double())
+    assert got.dtype == dtype
+    assert_matches(got.double(), want, 1e-5 if dtype == torch.float32 else 8e-3, f"{K} {G} {x_act} {u_act} {norm}")
+
+
+@TRITON
+def test_gemv_prologue_refuses_what_it_cannot_take():
+    from rankdecay.ops.triton.gemv import gemv
+
+    x, w = torch.randn(64, device=DEVICE), torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="x_act must be"):
+        gemv(x, w, x_act="gelu")
+    with pytest.raises(ValueError, match="a power of two dividing K"):
+        gemv(x, w, x_act="rms_norm", norm_weight=torch.ones(24, device=DEVICE))
+    with pytest.raises(ValueError, match="a power of two dividing K"):
+        gemv(x, w, x_act="rms_norm")
+    with pytest.raises(ValueError, match="u must be one contiguous row"):
+        gemv(x, w, u=torch.randn(32, device=DEVICE))
+
+
+@TRITON
+@pytest.mark.parametrize("kind", ["gdn", "hdla", "hh-gdn", "gla", "kda", "gdn+swa"])
+def test_one_row_steps_take_norm_and_gates_inside_the_output_kernel(kind, monkeypatch):
+    """A B = 1 packed step on the GPU's route (forced here, the kernels interpreted on the CPU): the mixers' output
+    norm and gate and the SwiGLU's silu(gate) * up go into their output maps' kernel (no GatedRMSNorm runs), and
+    the logits are those of the step without packs (fp32). Two rows keep the separate kernels."""
+    from rankdecay.layers import modules, packing
+
+    model = _model(kind)
+    ids = random_ids(1, 9)
+    calls = {"prologue": 0, "norm": 0}
+    kernel = packing._gemv
+    monkeypatch.setattr(packing, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(packing, "_gemv", lambda *a, **kw: calls.__setitem__(
+        "prologue", calls["prologue"] + bool(kw.get("u") is not None or kw.get("x_act"))) or kernel(*a, **kw))
+    forward = modules.RMSNorm.forward
+    monkeypatch.setattr(modules.RMSNorm, "forward", lambda self, *a: calls.__setitem__(
+        "norm", calls["norm"] + (type(self) is modules.GatedRMSNorm)) or forward(self, *a))
+    packed, plain = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=False, pack_projections=False)
+    with torch.no_grad():
+        packed.prefill(ids), plain.prefill(ids)
+        calls.update(prologue=0, norm=0)
+        token = ids[:, -1]
+        for _ in range(3):
+            got = packed.step(token).clone()
+            want = plain.step(token)
+            assert_matches(got, want, 1e-5, kind)
+            token = want.argmax(-1)
+    mixers = sum(hasattr(layer.mixer, "o_norm") or getattr(layer.mixer, "use_output_gate", False)
+                 for layer in model.model.layers)
+    layers = model.config.num_hidden_layers
+    assert calls["prologue"] == 3 * (layers + mixers), calls  # each SwiGLU, and each gated or normed linear mixer
+    gated_norms = sum(isinstance(getattr(layer.mixer, "o_norm", None), modules.GatedRMSNorm)
+                      for layer in model.model.layers)
+    assert calls["norm"] == 3 * gated_norms, "the unpacked steps alone run the output norms"
+    calls.update(prologue=0)
+    two = GraphDecoder(model, cuda_graph=False)
+    with torch.no_grad():
+        two.prefill(random_ids(2, 9))
+        two.step(torch.zeros(2, dtype=torch.long))
+    assert calls["prologue"] == 0, "two rows take F.linear and the separate kernels"

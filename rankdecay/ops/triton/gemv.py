@@ -9,6 +9,12 @@ launch of a sweep), cuBLAS -> this kernel: 3080 x 1024 5.02 -> 3.74, 1024 x 1024
 8.81. The launch here, two outputs a program and 1024-wide slices, won at three of those shapes. With four rows
 cuBLAS is as fast or faster, so ``rankdecay.layers.packing.decode_linear`` takes this kernel for one row only.
 
+A prologue takes what a layer does to a row just before its output map: ``y = W (pre(x) * post(u)) + b`` with
+pre an RMSNorm per group of channels (a head) or SiLU, and post a gate row, SiLU'd or not. So a mixer's output norm
+and gate (``GatedRMSNorm``) and a SwiGLU's ``silu(gate) * up`` need no kernels of their own in a B = 1 step
+(``rankdecay.layers.packing.fused_output_linear``). Each program forms the prologue over the whole row again (a
+few thousand channels, from L2), so no program waits on another.
+
 Traced by ``torch.compile`` as a user-defined Triton kernel (no None arguments: a missing bias passes the weight
 under ``HAS_BIAS=False``).
 """
@@ -24,31 +30,80 @@ BLOCK_N, BLOCK_K, WARPS, STAGES = 2, 1024, 1, 3  # the launch that won at the 34
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, u_ptr, nw_ptr, N, K, stride_wn, eps,
+                 HAS_BIAS: tl.constexpr, X_ACT: tl.constexpr, U_ACT: tl.constexpr, G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y = W (pre(x) * post(u)) + b. pre: x (X_ACT 0), silu(x) (1), or RMSNorm over groups of G channels times
+    # nw (2); post: 1 (U_ACT 0), u (1), silu(u) (2). A group's statistic scales its share of the sum, so each
+    # slice of BLOCK_K channels (whole groups) is summed per group first.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                     other=0.0)
-        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        xs = x
+        if X_ACT == 1:
+            xs = x * tl.sigmoid(x)
+        if X_ACT == 2:
+            xs = x * tl.load(nw_ptr + rk % G, mask=rk < K, other=0.0).to(tl.float32)
+        if U_ACT > 0:
+            u = tl.load(u_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            if U_ACT == 2:
+                u = u * tl.sigmoid(u)
+            xs = xs * u
+        prod = w.to(tl.float32) * xs[None, :]
+        if X_ACT == 2:
+            ss = tl.sum(tl.reshape(x * x, (BLOCK_K // G, G)), axis=1)  # [groups]
+            r = tl.rsqrt(ss / G + tl.cast(eps, tl.float32))  # (inductor passes floats as fp64)
+            acc += tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // G, G)), axis=2) * r[None, :], axis=1)
+        else:
+            acc += tl.sum(prod, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [K] (one row, contiguous), weight [N, K] (rows contiguous), bias [N];
-    returns [N] in x's dtype, accumulated in fp32. No autograd."""
+def block_k(K: int) -> int:
+    """The kernel's slice of the row: whole row up to 1024 channels, else 1024 a step."""
+    return min(BLOCK_K, _pow2(K))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, u: torch.Tensor | None = None,
+         x_act: str | None = None, u_act: str | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6) -> torch.Tensor:
+    """``F.linear(pre(x) * post(u), weight, bias)`` for one row; no autograd.
+
+    Args:
+        x: [K], contiguous, one row.
+        weight: [N, K], rows contiguous. bias: [N] or None.
+        u: [K] or None: a second row, multiplied in after ``u_act`` (None: identity, or ``"silu"``).
+        x_act: None (x itself), ``"silu"``, or ``"rms_norm"``: x scaled by ``rsqrt(mean(x²) + eps)`` over each
+            group of ``norm_weight.numel()`` channels (a head), times ``norm_weight`` ([G], G a power of two
+            dividing K and the kernel's slice, ``block_k(K)``).
+    Returns [N] in x's dtype, accumulated in fp32 (the prologue too, rounded once at the end)."""
     K = x.shape[-1]
     N = weight.shape[0]
     if x.numel() != K or weight.shape[1] != K or weight.stride(1) != 1 or not x.is_contiguous():
         raise ValueError(f"gemv takes one contiguous row x [K] and weight [N, K] with contiguous rows; got x "
                          f"{list(x.shape)}, weight {list(weight.shape)} with strides {weight.stride()}")
+    if u is not None and (u.numel() != K or not u.is_contiguous()):
+        raise ValueError(f"u must be one contiguous row of K = {K}, like x; got {list(u.shape)}")
+    if x_act not in (None, "silu", "rms_norm") or u_act not in (None, "silu"):
+        raise ValueError(f"x_act must be None, 'silu' or 'rms_norm' and u_act None or 'silu'; got {x_act!r}, "
+                         f"{u_act!r}")
+    G = 1
+    if x_act == "rms_norm":
+        G = norm_weight.numel() if norm_weight is not None else 0
+        if G < 1 or G & (G - 1) or K % G or block_k(K) % G or not norm_weight.is_contiguous():
+            raise ValueError(f"x_act='rms_norm' needs norm_weight [G], contiguous, G a power of two dividing K = {K} "
+                             f"and {block_k(K)}; got {None if norm_weight is None else list(norm_weight.shape)}")
     y = x.new_empty(N)
-    _gemv_kernel[(-(-N // BLOCK_N),)](x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0),
-                                      HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, _pow2(K)),
-                                      num_warps=WARPS, num_stages=STAGES)
+    _gemv_kernel[(-(-N // BLOCK_N),)](
+        x, weight, bias if bias is not None else weight, y, u if u is not None else x,
+        norm_weight if norm_weight is not None else weight, N, K, weight.stride(0), float(eps),
+        HAS_BIAS=bias is not None, X_ACT={None: 0, "silu": 1, "rms_norm": 2}[x_act],
+        U_ACT=0 if u is None else 2 if u_act == "silu" else 1, G=G, BLOCK_N=BLOCK_N, BLOCK_K=block_k(K),
+        num_warps=WARPS, num_stages=STAGES)
     return y
