@@ -7,7 +7,9 @@ concatenated weights, split afterwards: on an H200, the 340m preset's projection
 0.80 ms per step at B = 1 (``benchmarks/packed_projections.py``).
 
 At B = 1 on a GPU the packed products, and the layers' own output maps, take a Triton matrix-vector kernel
-(:func:`decode_linear`), which reaches more of the GPU's bandwidth than cuBLAS there.
+(:func:`decode_linear`), which reaches more of the GPU's bandwidth than cuBLAS there. The output maps' kernel also
+forms what comes just before them (:func:`fused_output_linear`): a mixer's output norm and gate, a SwiGLU's
+``silu(gate) * up``.
 
 :class:`PackedLinears` holds a copy of the weights, which :meth:`PackedLinears.refresh` updates where any weight
 changed (its storage, its in-place version, its shape). ``GraphDecoder`` packs every layer when decoding starts and
