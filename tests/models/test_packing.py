@@ -291,13 +291,14 @@ def test_gemv_prologue_refuses_what_it_cannot_take():
 @TRITON
 @pytest.mark.parametrize("kind", ["gdn", "hdla", "hh-gdn", "gla", "kda", "gdn+swa"])
 def test_one_row_steps_take_norm_and_gates_inside_the_output_kernel(kind, monkeypatch):
-    """A B = 1 packed step on the GPU's route (forced here, the kernels interpreted on the CPU): the mixers' output
-    norm and gate and the SwiGLU's silu(gate) * up go into their output maps' kernel (no GatedRMSNorm runs), and
-    the logits are those of the step without packs (fp32). Two rows keep the separate kernels."""
+    """A B = 1 packed step on the GPU's route (on a GPU, or forced on the CPU with the kernels interpreted): the
+    mixers' output norm and gate and the SwiGLU's silu(gate) * up go into their output maps' kernel (no
+    GatedRMSNorm runs), and the logits are those of the step without packs (fp32). Two rows keep the separate
+    kernels."""
     from rankdecay.layers import modules, packing
 
-    model = _model(kind)
-    ids = random_ids(1, 9)
+    model = _model(kind).to(DEVICE)
+    ids = random_ids(1, 9).to(DEVICE)
     calls = {"prologue": 0, "norm": 0}
     kernel = packing._gemv
     monkeypatch.setattr(packing, "_on_kernel_device", lambda x: True)
@@ -326,6 +327,6 @@ def test_one_row_steps_take_norm_and_gates_inside_the_output_kernel(kind, monkey
     calls.update(prologue=0)
     two = GraphDecoder(model, cuda_graph=False)
     with torch.no_grad():
-        two.prefill(random_ids(2, 9))
-        two.step(torch.zeros(2, dtype=torch.long))
+        two.prefill(random_ids(2, 9).to(DEVICE))
+        two.step(torch.zeros(2, dtype=torch.long, device=DEVICE))
     assert calls["prologue"] == 0, "two rows take F.linear and the separate kernels"
