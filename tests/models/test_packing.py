@@ -270,7 +270,7 @@ def test_gemv_prologue_matches_its_pytorch_form(K, G, x_act, u_act, norm, dtype)
     post = (F.silu(ud) if u_act == "silu" else ud) if with_u else 1.0
     want = F.linear(pre * post, w.to(dtype).double(), b.to(dtype).double())
     assert got.dtype == dtype
-    assert_matches(got.double(), want, 1e-5 if dtype == torch.float32 else 8e-3, f"{K} {G} {x_act} {u_act} {norm}")
+    assert_matches(got.double().cpu(), want, 1e-5 if dtype == torch.float32 else 8e-3, f"{K} {G} {x_act} {u_act} {norm}")
 
 
 @TRITON
