@@ -1041,10 +1041,10 @@ def test_intra_kernel_width_by_mechanism(monkeypatch):
     for name in ("_intra_kernel", "_state_fwd_kernel", "_output_kernel"):
         monkeypatch.setattr(chunk_fwd, name, Capture(name))
     monkeypatch.setattr(chunk_fwd, "hdla_products", lambda *args, **kw: None)
-    B, T, H, K = 1, 40, 2, 16
-    q, k, v, g = (torch.randn(B, T, H, K) for _ in range(4))
-    beta = torch.rand(B, T, H)
-    a, b = torch.randn(B, T, H, 2, K), torch.randn(B, T, H, 2, K)
+    B, T, H, K = 1, 40, 2, 16  # on DEVICE: the kernels not captured here (the log-cumsum's) run on a GPU too
+    q, k, v, g = (torch.randn(B, T, H, K, device=DEVICE) for _ in range(4))
+    beta = torch.rand(B, T, H, device=DEVICE)
+    a, b = torch.randn(B, T, H, 2, K, device=DEVICE), torch.randn(B, T, H, 2, K, device=DEVICE)
     for prec, neumann, want in (("bf16", None, 4), ("bf16", False, 2), ("ieee", None, 4), ("ieee", False, 4)):
         warps.clear()
         chunk_fwd.chunk_dplr_fwd(q, k[..., None, :], v[..., None, :], a, b, g, 0.1, None, hdla_beta=beta,
