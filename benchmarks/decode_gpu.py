@@ -13,6 +13,9 @@ Random weights in bf16. For each mixer and batch size, after a prompt of --promp
   the graph's some way off on random weights; the compiled one should be no further);
 - with --unpacked, the graph (and with --compile the compiled graph) with ``pack_projections=False``: each
   linear map of a layer's input its own matrix-vector product, as before the packs.
+--no-fused-norms runs the one-row kernel without the prologues that take each layer's norms, gates and adds
+(``rankdecay.layers.packing``'s ``fused_*`` return None, so the layers form them with kernels of their own): the
+"off" side of an A/B of those fusions.
 Median of --steps steps, each synchronised. Prints a Markdown table; --json writes the rows.
 --profile N also profiles N eager steps per mixer (B = the first batch size) and prints the kernels
 that take the most GPU time and the number of kernels per step.
@@ -126,6 +129,25 @@ def profile(model, B: int, prompt: int, steps: int, top: int = 25, compiled: boo
         print(f"| {name[:90]} | {len(t) / steps:.0f} | {sum(t) / steps:.1f} | {sum(t) / steps / total:.1%} |")
 
 
+# where the layers call the one-row kernel's prologues (each module imports the function under this name)
+FUSED = (("rankdecay.layers.mixers", "_fused_output_linear"), ("rankdecay.models.modeling", "_fused_output_linear"),
+         ("rankdecay.models.modeling", "_fused_input_projections"))
+
+
+def no_fused_norms() -> list[str]:
+    """Turn the one-row kernel's prologues off for this process: each call site's ``fused_*`` returns None, so
+    the layers take their separate norms, gates and adds. Returns the call sites patched."""
+    import importlib
+
+    patched = []
+    for module_name, attr in FUSED:
+        module = importlib.import_module(module_name)
+        if hasattr(module, attr):
+            setattr(module, attr, lambda *args, **kwargs: None)
+            patched.append(f"{module_name}.{attr}")
+    return patched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="340m")
@@ -142,7 +164,11 @@ def main() -> None:
                         help="also GraphDecoder(compile=True): the step through torch.compile, as a CUDA graph")
     parser.add_argument("--unpacked", action="store_true",
                         help="also the graphs with pack_projections=False (one product per linear map)")
+    parser.add_argument("--no-fused-norms", action="store_true",
+                        help="the one-row kernel without its prologues (norms, gates, adds in kernels of their own)")
     args = parser.parse_args()
+    if args.no_fused_norms:
+        print("prologues off:", ", ".join(no_fused_norms()))
     import transformers
     import triton
 

@@ -330,3 +330,34 @@ def test_one_row_steps_take_norm_and_gates_inside_the_output_kernel(kind, monkey
         two.prefill(random_ids(2, 9).to(DEVICE))
         two.step(torch.zeros(2, dtype=torch.long, device=DEVICE))
     assert calls["prologue"] == 0, "two rows take F.linear and the separate kernels"
+
+
+@TRITON
+def test_decode_benchmark_turns_the_prologues_off(monkeypatch):
+    """``benchmarks/decode_gpu.py --no-fused-norms`` (the "off" side of an A/B of the prologues): every call site it
+    names exists, and with them patched a packed B = 1 step on the one-row route takes no prologue and still gives
+    the unpacked step's logits."""
+    import importlib
+
+    from benchmarks import decode_gpu
+    from rankdecay.layers import packing
+
+    present = [(m, a) for m, a in decode_gpu.FUSED if hasattr(importlib.import_module(m), a)]
+    assert len(present) >= 2, "decode_gpu.FUSED names call sites that no longer exist"
+    for module_name, attr in present:  # undone at the end of the test
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, attr, getattr(module, attr))
+    assert decode_gpu.no_fused_norms() == [f"{m}.{a}" for m, a in present]
+    prologues = []
+    kernel = packing._gemv
+    monkeypatch.setattr(packing, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(packing, "_gemv", lambda *a, **kw: prologues.append(kw) or kernel(*a, **kw))
+    model = _model("gdn").to(DEVICE)
+    ids = random_ids(1, 9).to(DEVICE)
+    packed, plain = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=False, pack_projections=False)
+    with torch.no_grad():
+        packed.prefill(ids), plain.prefill(ids)
+        prologues.clear()
+        got = packed.step(ids[:, -1])
+        assert prologues and not any(prologues), "a prologue ran with the prologues off"
+        assert_matches(got, plain.step(ids[:, -1]), 1e-5, "prologues off")
