@@ -130,8 +130,7 @@ def profile(model, B: int, prompt: int, steps: int, top: int = 25, compiled: boo
 
 
 # where the layers call the one-row kernel's prologues (each module imports the function under this name)
-FUSED = (("rankdecay.layers.mixers", "_fused_output_linear"), ("rankdecay.models.modeling", "_fused_output_linear"),
-         ("rankdecay.models.modeling", "_fused_input_projections"))
+FUSED = (("rankdecay.layers.mixers", "_fused_output_linear"), ("rankdecay.models.modeling", "_fused_output_linear"))
 
 
 def no_fused_norms() -> list[str]:
@@ -139,13 +138,9 @@ def no_fused_norms() -> list[str]:
     the layers take their separate norms, gates and adds. Returns the call sites patched."""
     import importlib
 
-    patched = []
     for module_name, attr in FUSED:
-        module = importlib.import_module(module_name)
-        if hasattr(module, attr):
-            setattr(module, attr, lambda *args, **kwargs: None)
-            patched.append(f"{module_name}.{attr}")
-    return patched
+        setattr(importlib.import_module(module_name), attr, lambda *args, **kwargs: None)
+    return [f"{module_name}.{attr}" for module_name, attr in FUSED]
 
 
 def main() -> None:

@@ -103,7 +103,7 @@ class PackedLinears:
         if has_bias:
             torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears],
                       out=self.bias)
-        self._key = self._state(linears)
+        self._key = state  # (reading the weights into the copy leaves their versions as they were)
         return new
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
