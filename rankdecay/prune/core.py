@@ -176,7 +176,7 @@ def transform_model(model, transforms: dict[int, torch.Tensor], info: dict | Non
         prefix = f"model.layers.{i}.mixer."
         for name, blocks in _key_params(m):
             w = sd[prefix + name]
-            t = T.to(torch.float64)
+            t = T.to(device=w.device, dtype=torch.float64)  # T from calibration on the CPU, w on the model's
             if name.endswith("conv.weight"):
                 t = t * t
             shaped = w.double().reshape(blocks, m.num_heads, K, -1)

@@ -387,12 +387,16 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
     if cfg.fsdp:
         if W == 1:
             raise ValueError("fsdp needs several processes (run under torchrun)")
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
+        # the mesh on the run's device: fully_shard's default takes the machine's accelerator, so --device cpu on
+        # a GPU machine would put every rank on a GPU (one per local rank, more than a one-GPU host has)
+        mesh = init_device_mesh(dist_.device.type, (W,))
         for block in raw_model.model.layers:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(raw_model, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(raw_model, mesh=mesh, mp_policy=mp)
         wrapped = raw_model
     elif W > 1:
         from torch.nn.parallel import DistributedDataParallel

@@ -935,16 +935,19 @@ def test_intra_kernel_register_cap_only_where_measured():
 
 @pytest.mark.parametrize("Rkv", [1, 2])
 def test_fused_forward_with_tf32_merges(Rkv, monkeypatch):
-    """The inverse's TF32 merges (a benchmarking knob; under the interpreter a TF32 product is exact) give the
-    same forward: the 64-row inverse (Rkv = 1: four 16-row blocks) and the 32-row one (Rkv = 2: 32-token chunks)."""
+    """The inverse's TF32 merges (a benchmarking knob) give the same forward: the 64-row inverse (Rkv = 1: four
+    16-row blocks) and the 32-row one (Rkv = 2: 32-token chunks). Under the interpreter a TF32 product is exact, so
+    to 1e-5; on a GPU the merges round their operands to TF32, so to one unit of its rounding, 2^-11 (the H200
+    measured 2.1e-5 and 1.7e-5; a wrong merge is off by order one)."""
     from rankdecay.ops.triton import chunk_fwd
 
     monkeypatch.setitem(chunk_fwd._KNOBS, "merge", "tf32")
     inputs = random_inputs(1, 70, 2, 16, 8, 1, Rkv, "scalar")
     with torch.no_grad():
         got, ref = run("triton", inputs, grads=False), run("chunk", inputs, grads=False, chunk_size=16)
+    tol = 2 ** -11 if got[0].is_cuda else 1e-5
     for name, x, y in zip(["o", "final_state"], got, ref):
-        assert_matches(x, y, 1e-5, f"Rkv={Rkv}: {name}")
+        assert_matches(x, y, tol, f"Rkv={Rkv}: {name}")
 
 
 @pytest.mark.parametrize("neumann", [True, False], ids=["neumann", "substitution"])
@@ -1362,9 +1365,10 @@ def test_gated_delta_product_interleaved_matches_rank_machinery(nh, gated, stron
         return [o.detach(), s.detach()] + [x.grad for x in xs]
 
     got = grads("triton")
-    assert rows == [T * nh], rows
+    assert rows and set(rows) == {T * nh}, rows  # (twice on a GPU: the call again inside, on heads padded to 16)
+    rows.clear()
     ref = grads("chunk")
-    assert rows == [T * nh, T], rows  # the rank machinery: T tokens of n_h rows
+    assert rows == [T], rows  # the rank machinery: T tokens of n_h rows
     names_ = ["o", "final_state", "dq", "dk", "dv"] + (["dg"] if gated else []) + ["dbeta", "dh0"]
     for name, x, y in zip(names_, got, ref):
         assert torch.isfinite(x).all(), name
