@@ -85,7 +85,9 @@ class SlidingWindowAttention(nn.Module):
                 "next": torch.full_like(entry["count"], W - 1)}
 
     def forward(self, x, attention_mask=None, cache: Cache | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, projected: dict[str, torch.Tensor] | None = None):
+        """x [B, T, D] -> (o [B, T, D], cache). ``projected``: q, k and v of x where the caller formed them
+        already (as for the linear mixers: ``layers.packing.fused_input_projections``)."""
         B, T, _ = x.shape
         H, D, W = self.num_heads, self.head_dim, self.window_size
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
@@ -95,7 +97,7 @@ class SlidingWindowAttention(nn.Module):
                      "real": real.new_zeros(B, 0), "count": torch.zeros(B, dtype=torch.long, device=x.device)}
         starts = sequence_starts(T, cu_seqlens, x.device)
         if T == 1 and starts is None and cache is not None and use_cache:
-            return self._step(x, real, self.ring_cache(state), cache)
+            return self._step(x, real, self.ring_cache(state), cache, projected)
         if "next" in state:
             state = _rolled(state)
         P = state["k"].shape[1]
@@ -105,7 +107,7 @@ class SlidingWindowAttention(nn.Module):
             positions = (t - starts)[None].expand(B, T)
         else:  # real tokens before this one
             positions = state["count"][:, None] + real.long().cumsum(1) - real.long()
-        q, k, v = self._qkv(x, positions, cache)
+        q, k, v = self._qkv(x, positions, cache, projected)
         keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
         key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
 
@@ -128,22 +130,22 @@ class SlidingWindowAttention(nn.Module):
             }
         return o, cache
 
-    def _qkv(self, x, positions, cache):
+    def _qkv(self, x, positions, cache, projected=None):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        p = _packed_projections(self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer")
-                                if cache is not None else None)
+        p = projected if projected is not None else _packed_projections(
+            self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer") if cache is not None else None)
         if p is None:
             p = {name: getattr(self, name)(x) for name in self.input_projections()}
         q = rotary(p["q_proj"].view(B, T, H, D), positions, self.rope_theta)
         k = rotary(p["k_proj"].view(B, T, H, D), positions, self.rope_theta)
         return q, k, p["v_proj"].view(B, T, H, D)
 
-    def _step(self, x, real, ring: dict, cache: Cache):
+    def _step(self, x, real, ring: dict, cache: Cache, projected=None):
         """One token against the ring: its key written in place over the slot that left the window."""
         B, _, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = self._qkv(x, ring["count"][:, None], cache)
+        q, k, v = self._qkv(x, ring["count"][:, None], cache, projected)
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
         at = (torch.arange(B, device=x.device), slot)
         ring["k"].index_put_(at, k[:, 0])

@@ -188,7 +188,10 @@ class LinearMixer(nn.Module, abc.ABC):
         return g * mask.reshape(mask.shape + (1,) * (g.dim() - 2)).to(g.dtype)
 
     def forward(self, x, attention_mask=None, cache: Cache | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, projected: dict[str, torch.Tensor] | None = None):
+        """x [B, T, D] -> (o [B, T, D], cache). ``projected``: ``input_projections()`` of x where the caller
+        formed them already (a block's decode step whose first product also took its residual add and norm,
+        ``layers.packing.fused_input_projections``); x then gives only the shapes."""
         B, T, _ = x.shape
         H, K, V, n = self.num_heads, self.head_k_dim, self.head_v_dim, self.kv_per_token
         mask = None
@@ -203,7 +206,7 @@ class LinearMixer(nn.Module, abc.ABC):
 
         # decoding with a pack (GraphDecoder): every map of x in one product
         packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None
-        p = _packed_projections(self, self.input_projections(), x, packed)
+        p = projected if projected is not None else _packed_projections(self, self.input_projections(), x, packed)
         q, k, v = (self.projected(name, x, p) for name in ("q_proj", "k_proj", "v_proj"))
         recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
         mode = _recurrent_mode(x) if recurrent else "auto"

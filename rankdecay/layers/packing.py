@@ -9,7 +9,8 @@ concatenated weights, split afterwards: on an H200, the 340m preset's projection
 At B = 1 on a GPU the packed products, and the layers' own output maps, take a Triton matrix-vector kernel
 (:func:`decode_linear`), which reaches more of the GPU's bandwidth than cuBLAS there. The output maps' kernel also
 forms what comes just before them (:func:`fused_output_linear`): a mixer's output norm and gate, a SwiGLU's
-``silu(gate) * up``.
+``silu(gate) * up``; a block's packed input projections form its residual add and input norm
+(:func:`fused_input_projections`).
 
 :class:`PackedLinears` holds a copy of the weights, which :meth:`PackedLinears.refresh` updates where any weight
 changed (its storage, its in-place version, its shape). ``GraphDecoder`` packs every layer when decoding starts and
@@ -166,6 +167,29 @@ def fused_output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinear
     y = _gemv(x.contiguous(), linear.weight, linear.bias, u=None if u is None else u.contiguous(), x_act=x_act,
               u_act=u_act, norm_weight=weight, eps=norm.eps if norm is not None else 1e-6)
     return y.view(*x.shape[:-1], linear.weight.shape[0])
+
+
+def fused_input_projections(packed: PackedLinears | None, x: torch.Tensor, norm: nn.Module,
+                            residual: torch.Tensor | None = None
+                            ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """A block's first product with its residual add and input norm inside: ``(packed(norm(s)), s)`` with
+    ``s = x + residual`` (x without one), in the one-row kernel where it decodes one row on a GPU (no autograd);
+    else None, and the caller adds, norms and projects as it would without (same result up to rounding: the
+    kernel keeps the norm in fp32 and rounds the products once).
+
+    x, residual: [..., D], one row. ``norm``: an ``RMSNorm`` over D (its weight and eps)."""
+    if packed is None or not _one_row(x, packed.weight, packed.bias) or type(norm) is not RMSNorm:
+        return None
+    D = x.shape[-1]
+    if norm.weight.numel() != D or norm.weight.dtype not in (torch.float32, x.dtype):
+        return None
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return None
+    s = torch.empty_like(x) if residual is not None else x
+    y = _gemv(x.contiguous(), packed.weight, packed.bias, x_act="rms_norm_row", norm_weight=norm.weight,
+              eps=norm.eps, residual=None if residual is None else residual.contiguous(),
+              out_sum=s if residual is not None else None)
+    return dict(zip(packed.names, y.view(*x.shape[:-1], -1).split(packed.widths, -1))), s
 
 
 def projections(module: nn.Module, names: Sequence[str], x: torch.Tensor,

@@ -14,6 +14,7 @@ from ..layers import (
     GLA, HDLA, KDA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer,
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
+from ..layers.packing import fused_input_projections as _fused_input_projections
 from ..layers.packing import fused_output_linear as _fused_output_linear
 from ..layers.packing import output_linear as _output_linear
 from ..layers.packing import projections as _packed_projections
@@ -75,9 +76,10 @@ class SwiGLU(nn.Module):
         """The linear maps of the input x (one packed product when decoding: ``rankdecay.layers.packing``)."""
         return ("gate_proj", "up_proj")
 
-    def forward(self, x, packed=None):
-        """x [..., D]; ``packed``: a ``PackedLinears`` of gate_proj and up_proj (used without autograd)."""
-        p = _packed_projections(self, self.input_projections(), x, packed)
+    def forward(self, x, packed=None, projected=None):
+        """x [..., D]; ``packed``: a ``PackedLinears`` of gate_proj and up_proj (used without autograd);
+        ``projected``: their outputs where the caller formed them already (``Block.decode_step``)."""
+        p = projected if projected is not None else _packed_projections(self, self.input_projections(), x, packed)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if p is None else (p["gate_proj"], p["up_proj"])
         fused = _fused_output_linear(self.down_proj, gate, packed, u=up, x_act="silu")  # B = 1 on a GPU
         return fused if fused is not None else _output_linear(self.down_proj, F.silu(gate) * up, packed)
@@ -98,6 +100,25 @@ class Block(nn.Module):
         x = x + h
         packed = cache.packed(self.layer_idx, "mlp") if cache is not None else None
         return x + self.mlp(self.mlp_norm(x), packed)
+
+    def decode_step(self, x: torch.Tensor, pending: torch.Tensor | None, cache: Cache
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A one-row decode step with packs (``RankDecayModel`` calls it): ``x + pending`` through the block, as
+        ``(x', pending')`` whose sum is the block's output. Where the one-row kernel applies, each residual add and
+        the norm after it go into the next product (``layers.packing.fused_input_projections``), so they take no
+        kernels of their own and the last add is left to the next block; else the plain forward."""
+        fused = _fused_input_projections(cache.packed(self.layer_idx, "mixer"), x, self.attn_norm, pending)
+        mlp_packed = cache.packed(self.layer_idx, "mlp")
+        if fused is None or mlp_packed is None:
+            return self(x if pending is None else x + pending, None, cache, True), None
+        p, x = fused
+        h, _ = self.mixer(x, None, cache, True, None, projected=p)
+        fused = _fused_input_projections(mlp_packed, x, self.mlp_norm, h)
+        if fused is None:  # (the same conditions as the first; not reached)
+            x = x + h
+            return x + self.mlp(self.mlp_norm(x), mlp_packed), None
+        p, x = fused
+        return x, self.mlp(x, mlp_packed, projected=p)
 
 
 class RankDecayPreTrainedModel(PreTrainedModel):
@@ -167,6 +188,15 @@ class RankDecayModel(RankDecayPreTrainedModel):
             attention_mask = attention_mask[:, -T:]
             if bool(attention_mask.all()):
                 attention_mask = None
+        if (use_cache and past_key_values.projections is not None and B * T == 1 and attention_mask is None
+                and cu_seqlens is None and not torch.is_grad_enabled()):
+            # a one-row step with packs (GraphDecoder): each residual add and norm inside the next product
+            pending = None
+            for layer in self.layers:
+                x, pending = layer.decode_step(x, pending, past_key_values)
+            past_key_values.seen_tokens += T
+            x = x if pending is None else x + pending
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: past_key_values})
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, attention_mask, past_key_values, use_cache,

@@ -274,6 +274,34 @@ def test_gemv_prologue_matches_its_pytorch_form(K, G, x_act, u_act, norm, dtype)
 
 
 @TRITON
+@pytest.mark.parametrize("K", [64, 96, 2100])
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_row_norm_with_residual_matches_its_pytorch_form(K, add, dtype):
+    """A block's first product: W rms_norm(x + r) + b with the norm over the whole row and x + r written out (by
+    the first program, rounded to x's dtype as PyTorch's sum), against fp64. K = 96 masks part of its one slice;
+    2100 spans three slices, so the row's statistic gathers over them."""
+    from rankdecay.ops.triton.gemv import gemv
+
+    gen = torch.Generator().manual_seed(K + add)
+    N = 7
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    x, r, nw = torch.randn(K, generator=gen) * 3, torch.randn(K, generator=gen), 0.5 + torch.rand(K, generator=gen)
+    x, r = x.to(dtype), r.to(dtype)
+    s = torch.full((K,), float("nan"), dtype=dtype, device=DEVICE)
+    got = gemv(x.to(DEVICE), w.to(DEVICE, dtype), b.to(DEVICE, dtype), x_act="rms_norm_row", norm_weight=nw.to(DEVICE),
+               eps=1e-5, residual=r.to(DEVICE) if add else None, out_sum=s if add else None)
+    xs = (x + r if add else x).double()  # (x + r rounded to dtype)
+    want = F.linear(F.rms_norm(xs, (K,), nw.double(), 1e-5), w.to(dtype).double(), b.to(dtype).double())
+    assert got.dtype == dtype
+    assert_matches(got.double().cpu(), want, 1e-5 if dtype == torch.float32 else 8e-3, f"{K} {add} {dtype}")
+    if add and (dtype == torch.float32 or DEVICE == "cuda"):
+        assert torch.equal(s.cpu(), x + r), "the sum written out is not x + r"
+    elif add:  # Triton's interpreter rounds fp32 to bf16 by truncation: within one unit of bf16's last place
+        assert torch.allclose(s.float(), (x + r).float(), rtol=2 ** -7, atol=0), "the sum written out is not x + r"
+
+
+@TRITON
 def test_gemv_prologue_refuses_what_it_cannot_take():
     from rankdecay.ops.triton.gemv import gemv
 
@@ -286,44 +314,65 @@ def test_gemv_prologue_refuses_what_it_cannot_take():
         gemv(x, w, x_act="rms_norm")
     with pytest.raises(ValueError, match="u must be one contiguous row"):
         gemv(x, w, u=torch.randn(32, device=DEVICE))
+    with pytest.raises(ValueError, match="norm_weight \\[K = 64\\]"):
+        gemv(x, w, x_act="rms_norm_row", norm_weight=torch.ones(32, device=DEVICE))
+    with pytest.raises(ValueError, match="residual and out_sum"):
+        gemv(x, w, x_act="rms_norm_row", norm_weight=torch.ones(64, device=DEVICE), residual=torch.randn(64, device=DEVICE))
+    with pytest.raises(ValueError, match="a tensor of its own"):
+        gemv(x, w, residual=torch.randn(64, device=DEVICE), out_sum=x)
 
 
 @TRITON
 @pytest.mark.parametrize("kind", ["gdn", "hdla", "hh-gdn", "gla", "kda", "gdn+swa"])
-def test_one_row_steps_take_norm_and_gates_inside_the_output_kernel(kind, monkeypatch):
-    """A B = 1 packed step on the GPU's route (on a GPU, or forced on the CPU with the kernels interpreted): the
-    mixers' output norm and gate and the SwiGLU's silu(gate) * up go into their output maps' kernel (no
-    GatedRMSNorm runs), and the logits are those of the step without packs (fp32). Two rows keep the separate
-    kernels."""
+def test_one_row_steps_take_norms_and_gates_inside_the_products(kind, monkeypatch):
+    """A B = 1 packed step on the GPU's route (on a GPU, or forced on the CPU with the kernels interpreted): each
+    block's residual adds and input norms go into its packed products (the add written out as the residual stream,
+    the norm over the whole row), the mixers' output norm and gate and the SwiGLU's silu(gate) * up into their output
+    maps' kernel, so no RMSNorm runs but the final one; the logits are those of the step without packs (fp32),
+    over steps that carry the last add from block to block. Two rows keep the separate kernels."""
     from rankdecay.layers import modules, packing
 
     model = _model(kind).to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():  # weights of their own, so that a norm's weight left out shows
+        if isinstance(module, modules.RMSNorm):
+            module.weight.data.copy_(0.5 + torch.rand(module.weight.shape, generator=gen))
     ids = random_ids(1, 9).to(DEVICE)
-    calls = {"prologue": 0, "norm": 0}
+    calls = {"prologue": 0, "row_norm": 0, "add": 0, "gated_norm": 0, "norm": 0}
     kernel = packing._gemv
+
+    def gemv(*a, **kw):
+        calls["prologue"] += bool(kw.get("u") is not None or kw.get("x_act"))
+        calls["row_norm"] += kw.get("x_act") == "rms_norm_row"
+        calls["add"] += kw.get("residual") is not None
+        return kernel(*a, **kw)
+
     monkeypatch.setattr(packing, "_on_kernel_device", lambda x: True)
-    monkeypatch.setattr(packing, "_gemv", lambda *a, **kw: calls.__setitem__(
-        "prologue", calls["prologue"] + bool(kw.get("u") is not None or kw.get("x_act"))) or kernel(*a, **kw))
+    monkeypatch.setattr(packing, "_gemv", gemv)
     forward = modules.RMSNorm.forward
     monkeypatch.setattr(modules.RMSNorm, "forward", lambda self, *a: calls.__setitem__(
-        "norm", calls["norm"] + (type(self) is modules.GatedRMSNorm)) or forward(self, *a))
+        "gated_norm" if type(self) is modules.GatedRMSNorm else "norm",
+        calls["gated_norm" if type(self) is modules.GatedRMSNorm else "norm"] + 1) or forward(self, *a))
     packed, plain = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=False, pack_projections=False)
-    with torch.no_grad():
-        packed.prefill(ids), plain.prefill(ids)
-        calls.update(prologue=0, norm=0)
-        token = ids[:, -1]
-        for _ in range(3):
-            got = packed.step(token).clone()
-            want = plain.step(token)
-            assert_matches(got, want, 1e-5, kind)
-            token = want.argmax(-1)
+    layers = model.config.num_hidden_layers
     mixers = sum(hasattr(layer.mixer, "o_norm") or getattr(layer.mixer, "use_output_gate", False)
                  for layer in model.model.layers)
-    layers = model.config.num_hidden_layers
-    assert calls["prologue"] == 3 * (layers + mixers), calls  # each SwiGLU, and each gated or normed linear mixer
     gated_norms = sum(isinstance(getattr(layer.mixer, "o_norm", None), modules.GatedRMSNorm)
                       for layer in model.model.layers)
-    assert calls["norm"] == 3 * gated_norms, "the unpacked steps alone run the output norms"
+    with torch.no_grad():
+        packed.prefill(ids), plain.prefill(ids)
+        token = ids[:, -1]
+        for _ in range(3):
+            calls.update(prologue=0, row_norm=0, add=0, gated_norm=0, norm=0)
+            got = packed.step(token).clone()
+            # each block: its two packed products (norm; the add but in the first) and its two output maps
+            assert calls == {"prologue": 3 * layers + mixers, "row_norm": 2 * layers, "add": 2 * layers - 1,
+                             "gated_norm": 0, "norm": 1}, calls
+            calls.update(norm=0, gated_norm=0)
+            want = plain.step(token)
+            assert calls["norm"] == 2 * layers + 1 and calls["gated_norm"] == gated_norms, calls
+            assert_matches(got, want, 1e-5, kind)
+            token = want.argmax(-1)
     calls.update(prologue=0)
     two = GraphDecoder(model, cuda_graph=False)
     with torch.no_grad():
