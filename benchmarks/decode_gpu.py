@@ -130,7 +130,8 @@ def profile(model, B: int, prompt: int, steps: int, top: int = 25, compiled: boo
 
 
 # where the layers call the one-row kernel's prologues (each module imports the function under this name)
-FUSED = (("rankdecay.layers.mixers", "_fused_output_linear"), ("rankdecay.models.modeling", "_fused_output_linear"))
+FUSED = (("rankdecay.layers.mixers", "_fused_output_linear"), ("rankdecay.models.modeling", "_fused_output_linear"),
+         ("rankdecay.models.modeling", "_fused_input_projections"))
 
 
 def no_fused_norms() -> list[str]:
