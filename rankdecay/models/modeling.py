@@ -114,7 +114,7 @@ class Block(nn.Module):
         p, x = fused
         h, _ = self.mixer(x, None, cache, True, None, projected=p)
         fused = _fused_input_projections(mlp_packed, x, self.mlp_norm, h)
-        if fused is None:  # (the same conditions as the first; not reached)
+        if fused is None:  # the MLP's pack refused what the mixer's took (its weights' dtype or layout)
             x = x + h
             return x + self.mlp(self.mlp_norm(x), mlp_packed), None
         p, x = fused
