@@ -13,6 +13,7 @@ from .mixers import (
     LinearMixer,
     SimpleGLA,
 )
+from .loss import linear_cross_entropy
 from .modules import GatedRMSNorm, RMSNorm, ShortConvolution
 from .packing import PackedLinears, pack
 
@@ -20,5 +21,5 @@ __all__ = [
     "Cache", "LinearMixer", "DeltaNet", "GatedDeltaNet", "GatedDeltaProduct", "KDA", "GLA", "SimpleGLA",
     "LinearAttention",
     "HDLA", "HeadInHead", "SlidingWindowAttention", "RMSNorm", "GatedRMSNorm", "ShortConvolution",
-    "PackedLinears", "pack",
+    "PackedLinears", "pack", "linear_cross_entropy",
 ]

@@ -57,6 +57,9 @@ class RankDecayConfig(PretrainedConfig):
             cache: "float32" (default) or "bfloat16" / "float16", which halves the cache and the
             memory a decode step moves (vLLM's ``mamba_ssm_cache_dtype``). The state is still
             updated in fp32 inside each step and rounded once per step when stored.
+        fuse_linear_cross_entropy: in training, ``RankDecayForCausalLM`` forms the loss through the LM head in
+            chunks of tokens (``rankdecay.layers.linear_cross_entropy``) and returns no logits: none of the
+            [B, T, vocab] logits or their gradient are held (fla's option of the same name).
     """
 
     model_type = "rankdecay"
@@ -92,6 +95,7 @@ class RankDecayConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
         state_dtype: str = "float32",
+        fuse_linear_cross_entropy: bool = False,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
@@ -112,6 +116,7 @@ class RankDecayConfig(PretrainedConfig):
         self.intermediate_size, self.rms_norm_eps, self.initializer_range = (
             intermediate_size, rms_norm_eps, initializer_range)
         self.use_cache, self.state_dtype = use_cache, state_dtype
+        self.fuse_linear_cross_entropy = fuse_linear_cross_entropy
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
         self.validate_mixers()

@@ -14,6 +14,8 @@ from ..layers import (
     GLA, HDLA, KDA, Cache, DeltaNet, GatedDeltaNet, GatedDeltaProduct, HeadInHead, LinearAttention, LinearMixer,
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
+from ..layers.loss import REDUCTIONS as _LOSS_REDUCTIONS
+from ..layers.loss import linear_cross_entropy
 from ..layers.packing import fused_input_projections as _fused_input_projections
 from ..layers.packing import fused_output_linear as _fused_output_linear
 from ..layers.packing import output_linear as _output_linear
@@ -234,16 +236,31 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
                 labels=None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
-                logits_to_keep: int = 0, cache: Cache | None = None, **kwargs):
-        """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy
-        (labels are shifted inside; -100 is ignored). See ``RankDecayModel.forward``."""
+                logits_to_keep: int = 0, cache: Cache | None = None, loss_reduction: str = "mean", **kwargs):
+        """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy (labels are shifted
+        inside; -100 is ignored): its mean over the targets, or with ``loss_reduction`` "sum" their sum, "none"
+        [B, T - 1] per target (0 where ignored), fp32. With ``config.fuse_linear_cross_entropy`` in training
+        (``model.train()``, labels given, a plain ``nn.Linear`` head) the loss goes through
+        ``rankdecay.layers.linear_cross_entropy`` and ``logits`` is None. See ``RankDecayModel.forward``."""
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {_LOSS_REDUCTIONS}; got {loss_reduction!r}")
         out = self.model(input_ids, attention_mask, _one_cache(past_key_values, cache), inputs_embeds, use_cache,
                          cu_seqlens)
         h = out.last_hidden_state
+        if (labels is not None and self.training and getattr(self.config, "fuse_linear_cross_entropy", False)
+                and type(self.lm_head) is nn.Linear):
+            # every position, the last one's target ignored: x stays h itself (no copy), and no logits are formed
+            target = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = linear_cross_entropy(h, target, self.lm_head.weight, self.lm_head.bias,
+                                        reduction=loss_reduction)
+            loss = loss[:, :-1] if loss_reduction == "none" else loss
+            return CausalLMOutputWithPast(loss=loss, logits=None, **{CACHE_FIELD: output_cache(out)})
         logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                                   reduction=loss_reduction)
+            loss = loss.view(labels[:, 1:].shape) if loss_reduction == "none" else loss
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: output_cache(out)})
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

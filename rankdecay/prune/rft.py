@@ -94,11 +94,13 @@ def recover(student, teacher, batches, lr: float = 1e-4, rank: int = 16, alpha: 
         ids = batches[step].to(device)
         with torch.no_grad():
             t_logits = teacher(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        out = student(input_ids=ids, labels=ids, use_cache=False)
-        s_logits = out.logits[:, :-1].float()
+        # the distillation needs the student's logits, so its loss is formed from them here (with labels, a
+        # model with fuse_linear_cross_entropy would return none)
+        s_logits = student(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        ce = F.cross_entropy(s_logits.flatten(0, 1), ids[:, 1:].flatten())
         kd = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
                       reduction="none").sum(-1).mean()
-        loss = out.loss + kd_weight * kd
+        loss = ce + kd_weight * kd
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -155,15 +155,24 @@ def autocast_dtype(dtype: str, device: torch.device):
 
 # ----------------------------------------------------------------------------- loss
 def token_losses(model, batch: dict, amp_dtype, return_logits: bool = False):
-    """Per-token next-token losses [B, T-1] (fp32) and the target mask, for ``make_batch`` output;
-    with ``return_logits`` also the logits that scored them, [B, T-1, vocab] (fp32)."""
+    """Per-token next-token losses [B, T-1] (fp32, 0 where the target is -100) and the target mask, for
+    ``make_batch`` output; with ``return_logits`` also the logits that scored them, [B, T-1, vocab] (fp32).
+    Without ``return_logits`` a ``RankDecayForCausalLM`` forms the losses itself (``loss_reduction="none"``), so
+    with ``fuse_linear_cross_entropy`` it holds no logits in training; a model that returns no loss (the synthetic
+    tasks' wrappers) is scored from its logits."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
-    with ctx:
-        logits = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False).logits
     targets = batch["labels"][:, 1:]
-    logits = logits[:, :-1].float()
-    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
     valid = targets != -100
+    with ctx:
+        if return_logits:
+            out = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False)
+        else:
+            out = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False,
+                        labels=batch["labels"], loss_reduction="none")
+    if not return_logits and getattr(out, "loss", None) is not None:
+        return out.loss.float() * valid, valid
+    logits = out.logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
     return (loss * valid, valid, logits) if return_logits else (loss * valid, valid)
 
 

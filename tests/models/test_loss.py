@@ -1,0 +1,187 @@
+"""The LM head's cross-entropy in chunks of tokens (``rankdecay.layers.linear_cross_entropy``) and the models' and
+trainer's use of it (``fuse_linear_cross_entropy``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rankdecay.layers import linear_cross_entropy
+from rankdecay.layers.loss import default_chunk_size
+from tests.conftest import assert_matches, rel_rms
+from tests.models.common import random_ids, tiny_model
+
+
+def _inputs(shape=(3, 37), D=16, V=29, bias=True, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, D, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, D, generator=gen, dtype=dtype, requires_grad=True)
+    b = torch.randn(V, generator=gen, dtype=dtype, requires_grad=True) if bias else None
+    t = torch.randint(0, V, shape, generator=gen)
+    if t.numel() > 20:
+        t.view(-1)[:9] = -100  # the whole first chunk of 7 ignored, and two of the next
+        t.view(-1)[20] = -100
+    return x, t, w, b
+
+
+def _grads(loss, leaves, weights):
+    return torch.autograd.grad((loss * weights).sum(), [p for p in leaves if p is not None])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_the_logits_path(reduction, chunk_size, bias):
+    """Losses and the gradients of x, weight and bias equal F.cross_entropy over F.linear's logits (fp64, exact to
+    rounding), with ignored rows (a whole chunk of them), chunks that do not divide the 111 rows, one row a chunk,
+    one chunk for all, and per-row weights on the "none" losses."""
+    x, t, w, b = _inputs(bias=bias)
+    got = linear_cross_entropy(x, t, w, b, reduction=reduction, chunk_size=chunk_size)
+    ref = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), reduction=reduction)
+    ref = ref.view(t.shape) if reduction == "none" else ref
+    weights = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(1))
+    assert got.shape == ref.shape and got.dtype == torch.float64
+    assert_matches(got, ref, 1e-12, f"{reduction} loss")
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert_matches(g, r, 1e-12, f"{reduction} d{name}")
+    if reduction == "none":
+        assert (got[t == -100] == 0).all()
+
+
+def test_gradcheck():
+    x, t, w, b = _inputs(shape=(2, 5), D=4, V=6)
+    t[0, 0] = -100
+    assert torch.autograd.gradcheck(lambda x, w, b: linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=3),
+                                    (x, w, b))
+
+
+def test_every_row_ignored():
+    """As F.cross_entropy: the mean is NaN (0 / 0), the sum 0, and no gradient reaches anything."""
+    x, t, w, b = _inputs(shape=(4,))
+    t[:] = -100
+    assert torch.isnan(linear_cross_entropy(x, t, w, b)) and torch.isnan(F.cross_entropy(F.linear(x, w, b), t))
+    total = linear_cross_entropy(x, t, w, b, reduction="sum")
+    assert total.item() == 0
+    assert all((g == 0).all() for g in torch.autograd.grad(total, (x, w, b)))
+
+
+def test_bf16_autocast_rounds_as_the_logits_path():
+    """Under bf16 autocast the products run in bf16, as the head's F.linear does there: the losses agree to the
+    fp32 softmax's rounding (the products of a row are the same), the gradients to one unit of bf16's rounding,
+    2^-8 (the plain path rounds the weight's whole gradient to bf16 once; here each chunk's, summed in fp32)."""
+    x, t, w, b = _inputs(shape=(300,), D=64, V=500, dtype=torch.float32, seed=3)
+    weights = torch.rand(300, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=64)
+        ref = F.cross_entropy(F.linear(x, w, b).float(), t, reduction="none")
+    assert got.dtype == torch.float32
+    assert_matches(got, ref, 1e-5, "bf16 losses")
+    exact = F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t, reduction="none")
+    assert rel_rms(got, exact) > 1e-4, "the products were not in bf16"
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert g.dtype == torch.float32
+        assert_matches(g, r, 2 ** -8, f"bf16 d{name}")
+
+
+def _saved_numel(fn) -> int:
+    """The largest tensor autograd keeps for the backward of fn()."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return max(sizes)
+
+
+def test_keeps_no_logits_for_the_backward():
+    """Nothing of N x V elements is kept for the backward (the logits path keeps the logits: the check can fail)."""
+    x, t, w, b = _inputs(shape=(200,), D=16, V=300)
+    N, V = 200, 300
+    assert _saved_numel(lambda: F.cross_entropy(F.linear(x, w, b), t)) >= N * V
+    assert _saved_numel(lambda: linear_cross_entropy(x, t, w, b, chunk_size=50)) < N * V / 4
+
+
+def test_default_chunk_size():
+    """A chunk's logits no larger than x: N·D / V rows, at least 256, at most N."""
+    assert default_chunk_size(16384, 1024, 32000) == 524
+    assert default_chunk_size(16384, 64, 32000) == 256
+    assert default_chunk_size(100, 64, 32000) == 100
+    assert default_chunk_size(4096, 64, 264) == 992
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w[:, :3], b), ValueError, "weight must be \\[V, D\\] with D = 16"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b[:3]), ValueError, "bias must be \\[V\\]"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t.float(), w, b), ValueError, "target must be an integer tensor"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t[:, :3], w, b), ValueError, "target must be an integer tensor"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="avg"), ValueError, "reduction must be one of"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, chunk_size=0), ValueError, "chunk_size must be a positive"),
+    (lambda x, t, w, b: linear_cross_entropy(x.long(), t, w, b), TypeError, "x must be a floating-point tensor"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t.clamp_min(0) + 29, w, b), ValueError, "outside \\[0, 29\\)"),
+])
+def test_bad_input_is_refused_clearly(call, error, match):
+    x, t, w, b = _inputs()
+    with pytest.raises(error, match=match):
+        call(x, t, w, b)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla"])
+def test_model_with_fused_loss_trains_as_without(mixer):
+    """``fuse_linear_cross_entropy``: in training the model returns no logits, and its loss (mean, sum and per
+    token) and every parameter's gradient equal the logits path's; in eval mode it returns logits as before."""
+    ids = random_ids(2, 21, vocab=264)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    plain, fused = tiny_model(mixer).train(), tiny_model(mixer, fuse_linear_cross_entropy=True).train()
+    for reduction in ("mean", "sum", "none"):
+        out_p = plain(input_ids=ids, labels=labels, use_cache=False, loss_reduction=reduction)
+        out_f = fused(input_ids=ids, labels=labels, use_cache=False, loss_reduction=reduction)
+        assert out_f.logits is None and out_p.logits is not None
+        assert out_f.loss.shape == out_p.loss.shape == ((2, 20) if reduction == "none" else ())
+        assert_matches(out_f.loss, out_p.loss, 1e-6, f"{mixer} {reduction} loss")
+    out_p.loss.sum().backward()
+    out_f.loss.sum().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        assert_matches(p.grad, grads[name].grad, 1e-5, f"{mixer} d{name}")
+    fused.eval()
+    assert fused(input_ids=ids, labels=labels, use_cache=False).logits is not None
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        fused(input_ids=ids, labels=labels, loss_reduction="avg")
+
+
+def test_trainer_losses_with_the_fused_loss():
+    """``token_losses`` (the trainer's per-token losses) asks the model for them: with the fused loss in training
+    they equal the logits path's, ignored targets 0, and ``return_logits`` still gets logits."""
+    from rankdecay.train.data import make_batch
+    from rankdecay.train.trainer import token_losses
+
+    tokens = random_ids(2, 33, vocab=256).numpy()
+    batch = make_batch(tokens, "varlen", 257, "cpu")
+    plain, fused = tiny_model().train(), tiny_model(fuse_linear_cross_entropy=True).train()
+    (lp, vp), (lf, vf) = token_losses(plain, batch, None), token_losses(fused, batch, None)
+    assert torch.equal(vp, vf) and not vf.all() and (lf[~vf] == 0).all()
+    assert_matches(lf, lp, 1e-6, "per-token losses")
+    *_, logits = token_losses(fused, batch, None, return_logits=True)
+    assert logits.shape == (1, 65, 264)
+
+
+def test_rankdecay_train_with_the_fused_loss(tmp_path):
+    """``rankdecay train --set fuse_linear_cross_entropy=true`` trains to the same weights as without (3 steps)."""
+    from rankdecay.cli import main
+    from rankdecay.models import RankDecayForCausalLM
+    from tests.train.test_config_data import write_docs
+    from tests.train.test_trainer import SMALL
+
+    docs = write_docs(tmp_path / "docs", n=40, size=300)
+    models = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        assert main(["train", "--data", str(docs), *SMALL, "--steps", "3", "--eval-every", "0", "--out-dir", str(out),
+                     "--set", f"fuse_linear_cross_entropy={flag}"]) == 0
+        models[flag] = RankDecayForCausalLM.from_pretrained(out)
+    assert models["true"].config.fuse_linear_cross_entropy and not models["false"].config.fuse_linear_cross_entropy
+    plain = dict(models["false"].named_parameters())
+    for name, p in models["true"].named_parameters():
+        assert_matches(p, plain[name], 1e-5, name)
