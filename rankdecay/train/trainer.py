@@ -153,6 +153,14 @@ def autocast_dtype(dtype: str, device: torch.device):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": None}[dtype]
 
 
+def memory_stats(device: torch.device) -> dict:
+    """``{"max_memory_gib": ...}``: the most GPU memory this process's tensors have held since it started (the
+    figure to size batches by; ``torch.cuda.max_memory_allocated``), on a CUDA device; nothing elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30}
+
+
 # ----------------------------------------------------------------------------- loss
 def token_losses(model, batch: dict, amp_dtype, return_logits: bool = False):
     """Per-token next-token losses [B, T-1] (fp32, 0 where the target is -100) and the target mask, for
@@ -520,15 +528,16 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                 dist_.all_sum([float(time.perf_counter() - run_t0 > cfg.time_limit)])[0] > 0
             if done % max(cfg.log_every, 1) == 0 or done == cfg.steps or timed_out:
                 tps = window_tokens / window_time
-                last = {"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tps,
-                        "elapsed_s": time.perf_counter() - run_t0}
+                last = {"step": done, "split": "train", "loss": window_loss / window_steps, "last_loss": train_loss,
+                        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                        "tokens_per_s": tps, "elapsed_s": time.perf_counter() - run_t0, **memory_stats(dist_.device)}
                 if peak:
                     last["mfu"] = flops_per_token * tps / (peak * 1e12 * W)
                 log(last)
                 if bar is None:
                     _log(dist_, f"step {done}/{cfg.steps}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
-                                f"{tps:,.0f} tok/s" + (f"  MFU {last['mfu']:.1%}" if "mfu" in last else ""))
+                                f"{tps:,.0f} tok/s" + (f"  MFU {last['mfu']:.1%}" if "mfu" in last else "")
+                         + (f"  peak {last['max_memory_gib']:.1f} GiB" if "max_memory_gib" in last else ""))
                 window_time, window_steps, window_loss, window_tokens = 0.0, 0, 0.0, 0
             if bar is not None:
                 post = {"loss": f"{train_loss:.3f}"}

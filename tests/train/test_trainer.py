@@ -267,3 +267,15 @@ def test_a_local_tokenizer_file_trains_saves_and_generates(tmp_path, docs, capsy
     assert main(["generate", str(out), "--prompt", "alpha", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("alpha")
     assert main(["eval", str(out), "--seq-len", "32", "--max-windows", "2", "--no-progress"]) == 0
+
+
+def test_memory_stats_only_on_a_gpu():
+    """The train log's peak memory: ``torch.cuda.max_memory_allocated`` in GiB on a CUDA device, nothing on the
+    CPU (where no allocator counts it)."""
+    from rankdecay.train.trainer import memory_stats
+
+    assert memory_stats(torch.device("cpu")) == {}
+    if torch.cuda.is_available():
+        x = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")  # 0.25 GiB held
+        assert memory_stats(torch.device("cuda"))["max_memory_gib"] >= 0.25
+        del x
