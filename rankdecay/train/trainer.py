@@ -545,6 +545,8 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                     post["tok/s"] = f"{last['tokens_per_s']:,.0f}"
                     if "mfu" in last:
                         post["MFU"] = f"{last['mfu']:.1%}"
+                    if "max_memory_gib" in last:
+                        post["peak"] = f"{last['max_memory_gib']:.1f} GiB"
                 if val:
                     post["val"] = f"{val['val_loss']:.3f}"
                 bar.set_postfix(post, refresh=False)
