@@ -8,6 +8,7 @@ work is tiny). Captured as a CUDA graph the step is one launch (Mamba's ``cg=Tru
 
     decoder = GraphDecoder(model)                 # CUDA graph on a GPU, the same steps eagerly on a CPU
     out = decoder.generate(input_ids, attention_mask=mask, max_new_tokens=64)   # [B, T + new]
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, graph_decoder=True)  # the same
 
 The prompt is prefilled eagerly (the chunked kernels). The cache is then copied into
 static buffers, and the step ``logits = model(token, cache); cache <- new cache`` is
@@ -293,3 +294,40 @@ class GraphDecoder:
                 break
             logits = self.step(nxt)
         return torch.cat(tokens, 1)
+
+
+# what ``model.generate(graph_decoder=True)`` takes from a generation config; the rest must keep its default
+_GRAPH_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                   "pad_token_id", "bos_token_id", "use_cache", "output_attentions", "output_hidden_states",
+                   "_from_model_config", "transformers_version"}
+
+
+def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict) -> torch.Tensor:
+    """``RankDecayForCausalLM.generate(graph_decoder=True)``: the generation config's settings through the decoder
+    kept on the model (``model._graph_decoder``, built again where ``compile`` changed)."""
+    import copy
+
+    kwargs = dict(kwargs)
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError("generate(graph_decoder=True) needs input_ids [B, T] (as inputs or input_ids=)")
+    attention_mask = kwargs.pop("attention_mask", None)
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    if unused:
+        raise ValueError(f"generate(graph_decoder=True) does not take {sorted(unused)}; it takes input_ids, "
+                         f"attention_mask and the settings {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
+    other = sorted(set(config.to_diff_dict()) - _GRAPH_SETTINGS)
+    if other:
+        raise ValueError(f"generate(graph_decoder=True) cannot honour {other} (set in the arguments or the "
+                         f"generation config); it takes {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
+    max_new = config.max_new_tokens
+    if max_new is None:  # transformers' rule: max_length counts the prompt
+        max_new = max(config.max_length - input_ids.shape[1], 0)
+    decoder = model.__dict__.get("_graph_decoder")
+    if decoder is None or (decoder._compiled is not None) != compile:
+        decoder = GraphDecoder(model, compile=compile)
+        model.__dict__["_graph_decoder"] = decoder
+    return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new, do_sample=bool(config.do_sample),
+                            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                            eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)

@@ -228,6 +228,28 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embeddings = value
 
+    def generate(self, inputs=None, generation_config=None, *, graph_decoder: bool = False, compile: bool = False,
+                 **kwargs):
+        """transformers' ``generate``. With ``graph_decoder=True`` (or ``compile=True``) the tokens come from a
+        ``rankdecay.models.GraphDecoder`` kept on the model, as Mamba's ``generate(..., cg=True)``: the step as a
+        CUDA graph on a GPU (the same steps eagerly on a CPU), ``compile`` through ``torch.compile`` as well. It
+        takes what ``GraphDecoder.generate`` does (``input_ids``, ``attention_mask``, ``max_new_tokens`` or
+        ``max_length``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``,
+        from the arguments or the generation config) and returns the ids ``[B, T + new]``; any other setting is
+        refused by name. The decoder is built at the first such call and kept for the next ones (a copy or pickle
+        of the model leaves it behind)."""
+        if not graph_decoder and not compile:
+            return super().generate(inputs, generation_config, **kwargs)
+        from .generation import graph_generate
+
+        return graph_generate(self, inputs, generation_config, compile, kwargs)
+
+    def __getstate__(self):
+        # the decoder ``generate(graph_decoder=True)`` keeps (CUDA graphs, static buffers) is not copied or pickled
+        state = self.__dict__.copy()
+        state.pop("_graph_decoder", None)
+        return state
+
     def get_output_embeddings(self):
         return self.lm_head
 

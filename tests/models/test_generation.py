@@ -188,6 +188,18 @@ def test_cuda_graph_decodes_as_eager_steps(mixer):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
+def test_model_generate_with_graph_decoder_records_a_graph():
+    """On a GPU ``model.generate(graph_decoder=True)`` replays a CUDA graph and gives transformers' tokens."""
+    model = _hybrid().cuda()
+    ids, mask = (t.cuda() for t in _left_padded((40, 9, 25)))
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[])
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[], graph_decoder=True)
+    assert model.__dict__["_graph_decoder"]._graph is not None
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
 def test_compiled_cuda_graph_decodes_as_the_plain_one():
     """On a GPU: the compiled step, with the fused decode kernels inside the compiled graph, recorded as a CUDA
     graph, gives the plain graph's tokens and logits (fp32 model)."""
@@ -195,3 +207,35 @@ def test_compiled_cuda_graph_decodes_as_the_plain_one():
     ids, mask = _left_padded((40, 9, 25))
     compiled = _compiled_matches_uncompiled(model, ids.cuda(), mask.cuda(), cuda_graph=True)
     assert compiled._graph is not None
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])
+def test_model_generate_with_graph_decoder(mixer):
+    """``model.generate(graph_decoder=True)`` (Mamba's ``cg=True``) gives transformers' tokens, greedy, left-padded,
+    with max_new_tokens or max_length, an EOS and the generation config's pad; it keeps one decoder on the model
+    for later calls, leaves it out of copies, and refuses settings it cannot honour by name."""
+    import copy
+
+    model = _hybrid() if mixer == "gdn+swa" else tiny_model(mixer)
+    ids, mask = _left_padded((11, 4, 8))
+    for kw in (dict(max_new_tokens=12, eos_token_id=[]), dict(max_length=ids.shape[1] + 9, eos_token_id=[]),
+               dict(max_new_tokens=12)):
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        got = model.generate(ids, attention_mask=mask, do_sample=False, graph_decoder=True, **kw)
+        assert torch.equal(got, ref), (mixer, kw)
+    eos = int(ref[0, ids.shape[1] + 3])  # a token the first row emits: rows end at different steps
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+    got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, graph_decoder=True)
+    assert torch.equal(got, ref) and (got == PAD).any()
+    decoder = model.__dict__["_graph_decoder"]
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, graph_decoder=True)
+    assert model.__dict__["_graph_decoder"] is decoder
+    assert "_graph_decoder" not in copy.deepcopy(model).__dict__
+    with pytest.raises(ValueError, match="cannot honour \\['num_beams'\\]"):
+        model.generate(ids, attention_mask=mask, num_beams=2, graph_decoder=True)
+    with pytest.raises(ValueError, match="does not take \\['streamer_like'\\]"):
+        model.generate(ids, streamer_like=1, graph_decoder=True)
+    with pytest.raises(ValueError, match="needs input_ids"):
+        model.generate(graph_decoder=True, max_new_tokens=2)
