@@ -246,7 +246,7 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
 
     def __getstate__(self):
         # the decoder ``generate(graph_decoder=True)`` keeps (CUDA graphs, static buffers) is not copied or pickled
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_graph_decoder", None)
         return state
 
