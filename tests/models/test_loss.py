@@ -167,24 +167,31 @@ def test_trainer_losses_with_the_fused_loss():
     assert logits.shape == (1, 65, 264)
 
 
+@pytest.mark.slow
 def test_rankdecay_train_with_the_fused_loss(tmp_path):
-    """``rankdecay train --set fuse_linear_cross_entropy=true`` trains to the same weights as without (3 steps)."""
+    """``rankdecay train --set fuse_linear_cross_entropy=true`` trains to the same weights as without (3 steps), in
+    one process and sharded with FSDP2 over two (the head's weight tied to the embeddings, so both uses' gradients
+    meet in one sharded parameter)."""
     from rankdecay.cli import main
     from rankdecay.models import RankDecayForCausalLM
     from tests.train.test_config_data import write_docs
-    from tests.train.test_trainer import SMALL
+    from tests.train.test_trainer import SMALL, torchrun
 
     docs = write_docs(tmp_path / "docs", n=40, size=300)
+    common = ["train", "--data", str(docs), *SMALL, "--steps", "3", "--eval-every", "0"]
     models = {}
     for flag in ("false", "true"):
         out = tmp_path / flag
-        assert main(["train", "--data", str(docs), *SMALL, "--steps", "3", "--eval-every", "0", "--out-dir", str(out),
-                     "--set", f"fuse_linear_cross_entropy={flag}"]) == 0
+        assert main(common + ["--out-dir", str(out), "--set", f"fuse_linear_cross_entropy={flag}"]) == 0
         models[flag] = RankDecayForCausalLM.from_pretrained(out)
+    torchrun(common + ["--out-dir", str(tmp_path / "fsdp"), "--fsdp", "--set", "fuse_linear_cross_entropy=true"])
+    models["fsdp"] = RankDecayForCausalLM.from_pretrained(tmp_path / "fsdp")
     assert models["true"].config.fuse_linear_cross_entropy and not models["false"].config.fuse_linear_cross_entropy
+    assert models["true"].config.tie_word_embeddings
     plain = dict(models["false"].named_parameters())
-    for name, p in models["true"].named_parameters():
-        assert_matches(p, plain[name], 1e-5, name)
+    for run in ("true", "fsdp"):
+        for name, p in models[run].named_parameters():
+            assert_matches(p, plain[name], 1e-5, f"{run}: {name}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory needs a CUDA GPU (run pending: BENCHMARKS.md)")
