@@ -7,7 +7,8 @@ log-sum-exp ([N], fp32) and nothing of size N x V, and the backward forms each c
 from the kept log-sum-exp, and from it the gradients of x, the weight and the bias. That is one product of the head
 more than the plain path (4 instead of 3). fla's and Liger-Kernel's fused linear cross-entropy form the gradients in
 the forward instead, which ties them to a scalar loss; recomputing keeps ``reduction="none"`` (per-token losses,
-masked or weighted afterwards) exact as well.
+masked or weighted afterwards) exact as well. It traces under ``torch.compile`` (``fullgraph=True`` too), so a
+compiled model's loss is part of its graph: the chunks' loop unrolled, their elementwise work fused.
 
 Precision: each chunk's product runs in the dtype ``F.linear`` would run it in (autocast's, bf16 under bf16
 autocast; else the inputs'), the softmax and the loss in fp32, and the weight's and bias' gradients are summed over
@@ -94,7 +95,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
-@torch.compiler.disable  # a loop over chunks with a data-dependent check: opaque to torch.compile, run as written
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          ignore_index: int = -100, reduction: str = "mean", chunk_size: int | None = None
                          ) -> torch.Tensor:
@@ -133,8 +133,10 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         raise ValueError(f"x, target, weight and bias must be on one device; got {sorted(map(str, devices))}")
     shape = x.shape[:-1]
     xf, tf = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
+    # (not under torch.compile, where reading the check's result would break the graph: there an index out of range
+    # fails inside gather as it does in F.cross_entropy)
     out_of_range = (tf != ignore_index) & ((tf < 0) | (tf >= V))
-    if bool(out_of_range.any()):
+    if not torch.compiler.is_compiling() and bool(out_of_range.any()):
         raise ValueError(f"target holds class indices outside [0, {V}) that are not ignore_index = {ignore_index}: "
                          f"{tf[out_of_range][:5].tolist()}")
     chunk = chunk_size or default_chunk_size(xf.shape[0], xf.shape[1], V)

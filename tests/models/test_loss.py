@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from rankdecay.layers import linear_cross_entropy
 from rankdecay.layers.loss import default_chunk_size
-from tests.conftest import assert_matches, rel_rms
+from tests.conftest import NO_CPU_COMPILE, assert_matches, can_compile_on_cpu, rel_rms
 from tests.models.common import random_ids, tiny_model
 
 
@@ -222,3 +222,24 @@ def test_gpu_bf16_values_and_peak_memory():
     for name, g, r in zip(("dx", "dw"), got[1:], ref[1:]):
         assert_matches(g, r, 2 ** -8, name)
     assert peak < peak_ref / 4, f"{peak / 2 ** 20:.0f} MiB against the logits path's {peak_ref / 2 ** 20:.0f}"
+
+
+@pytest.mark.skipif(not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
+def test_traces_under_torch_compile_fullgraph():
+    """``torch.compile(fullgraph=True)`` takes it whole (no graph break), with the losses and gradients of the eager
+    call; and a compiled model's fused loss (fullgraph: the model's PyTorch path on the CPU) equals the eager one."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x, t, w, b = _inputs(shape=(3, 37), dtype=torch.float32)
+    compiled = torch.compile(lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=16),
+                             fullgraph=True)
+    got, ref = compiled(x, t, w, b), linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=16)
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(4))
+    assert_matches(got, ref, 1e-6, "compiled losses")
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert_matches(g, r, 1e-6, f"compiled d{name}")
+    model = tiny_model(fuse_linear_cross_entropy=True).train()
+    ids = random_ids(2, 21, vocab=264)
+    loss = torch.compile(lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss, fullgraph=True)(ids)
+    assert_matches(loss, model(input_ids=ids, labels=ids, use_cache=False).loss, 1e-6, "compiled model loss")
