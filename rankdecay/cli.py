@@ -90,6 +90,11 @@ def _generate(args) -> int:
               temperature=args.temperature if sampling else None, top_k=args.top_k if sampling else None,
               top_p=args.top_p if sampling else None,
               pad_token_id=tokenizer.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id)
+    if len(prompts) == 1:  # one prompt: its continuation is printed as it comes
+        from transformers import TextStreamer
+
+        print(prompts[0], end="", flush=True)
+        kw["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if args.cuda_graph or args.compile:
         from .models import GraphDecoder
 
@@ -100,9 +105,10 @@ def _generate(args) -> int:
     else:
         with torch.no_grad():
             out = model.generate(**batch, **kw)
-    new = out[:, batch["input_ids"].shape[1]:]
-    for prompt, row in zip(prompts, new):
-        print(prompt + tokenizer.decode(row, skip_special_tokens=True))
+    if len(prompts) > 1:
+        new = out[:, batch["input_ids"].shape[1]:]
+        for prompt, row in zip(prompts, new):
+            print(prompt + tokenizer.decode(row, skip_special_tokens=True))
     return 0
 
 

@@ -72,6 +72,11 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys, monkeypatch):
         expected.append(prompt + tok.decode(out[0, ids.shape[1]:]))
     assert lines == expected
 
+    # one prompt: streamed as it comes (transformers' TextStreamer), the same line either way
+    for extra in ([], ["--cuda-graph"]):
+        assert main(["generate", str(model_dir), "--prompt", "Hi, world", "--max-new-tokens", "8", *extra]) == 0
+        assert capsys.readouterr().out.splitlines() == expected[1:], extra
+
 
 def test_generate_state_dtype_reaches_the_layers(tmp_path, capsys, monkeypatch):
     import rankdecay.layers.mixers as mixers

@@ -249,12 +249,15 @@ class GraphDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
+                 streamer=None) -> torch.Tensor:
         """Continue ``input_ids [B, T]`` by ``max_new_tokens``; returns ``[B, T + n]`` (n is
         smaller when every row has ended with an EOS token; ended rows are padded with
         ``pad_token_id``). Defaults for ``eos_token_id`` / ``pad_token_id`` come from the
         model's generation config, and so do ``temperature``, ``top_k`` and ``top_p`` when
-        None (transformers' defaults: 1.0, 50, 1.0). Greedy unless ``do_sample``."""
+        None (transformers' defaults: 1.0, 50, 1.0). Greedy unless ``do_sample``.
+        ``streamer``: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``): given the prompt, then
+        each new token ``[B]`` as it is chosen, then ``end()``, as ``model.generate`` does."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         config = self.model.generation_config
@@ -276,7 +279,11 @@ class GraphDecoder:
             if top_p is not None and top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p))
         tokens = [input_ids]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         if max_new_tokens == 0:
+            if streamer is not None:
+                streamer.end()
             return input_ids
         logits = self.prefill(input_ids, attention_mask)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
@@ -290,9 +297,13 @@ class GraphDecoder:
                 nxt = torch.where(done, pad, nxt)
                 done = done | torch.isin(nxt, eos)
             tokens.append(nxt[:, None])
+            if streamer is not None:
+                streamer.put(nxt.cpu())
             if i + 1 == max_new_tokens or (eos.numel() and bool(done.all())):
                 break
             logits = self.step(nxt)
+        if streamer is not None:
+            streamer.end()
         return torch.cat(tokens, 1)
 
 
@@ -312,11 +323,12 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("generate(graph_decoder=True) needs input_ids [B, T] (as inputs or input_ids=)")
     attention_mask = kwargs.pop("attention_mask", None)
+    streamer = kwargs.pop("streamer", None)
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unused = config.update(**kwargs)
     if unused:
         raise ValueError(f"generate(graph_decoder=True) does not take {sorted(unused)}; it takes input_ids, "
-                         f"attention_mask and the settings {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
+                         f"attention_mask, streamer and the settings {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
     other = sorted(set(config.to_diff_dict()) - _GRAPH_SETTINGS)
     if other:
         raise ValueError(f"generate(graph_decoder=True) cannot honour {other} (set in the arguments or the "
@@ -330,4 +342,4 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
         model.__dict__["_graph_decoder"] = decoder
     return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new, do_sample=bool(config.do_sample),
                             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                            eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+                            eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, streamer=streamer)

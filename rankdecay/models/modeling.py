@@ -235,9 +235,9 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         CUDA graph on a GPU (the same steps eagerly on a CPU), ``compile`` through ``torch.compile`` as well. It
         takes what ``GraphDecoder.generate`` does (``input_ids``, ``attention_mask``, ``max_new_tokens`` or
         ``max_length``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``,
-        from the arguments or the generation config) and returns the ids ``[B, T + new]``; any other setting is
-        refused by name. The decoder is built at the first such call and kept for the next ones (a copy or pickle
-        of the model leaves it behind)."""
+        from the arguments or the generation config; a ``streamer``) and returns the ids ``[B, T + new]``; any other
+        setting is refused by name. The decoder is built at the first such call and kept for the next ones (a copy
+        or pickle of the model leaves it behind)."""
         if not graph_decoder and not compile:
             return super().generate(inputs, generation_config, **kwargs)
         from .generation import graph_generate

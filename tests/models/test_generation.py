@@ -239,3 +239,45 @@ def test_model_generate_with_graph_decoder(mixer):
         model.generate(ids, streamer_like=1, graph_decoder=True)
     with pytest.raises(ValueError, match="needs input_ids"):
         model.generate(graph_decoder=True, max_new_tokens=2)
+
+
+class _Recorder:
+    """A transformers streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_streamer_is_fed_as_transformers_feeds_it():
+    """``GraphDecoder.generate(streamer=...)`` and ``model.generate(graph_decoder=True, streamer=...)`` feed a
+    streamer as transformers' ``generate`` does: the prompt, then each new token [B] as it is chosen (the pad for
+    rows that ended), then one ``end()``."""
+    model = tiny_model()
+    ids, mask = _left_padded((11, 4, 8))
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=[])
+    eos = int(free[1, ids.shape[1] + 2])  # a token the second row emits: the rows end apart
+    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    fed = {}
+    for name in ("transformers", "decoder", "model"):
+        rec = _Recorder()
+        if name == "transformers":
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, streamer=rec, **kw)
+        elif name == "decoder":
+            out = GraphDecoder(model, cuda_graph=False).generate(ids, mask, streamer=rec, **kw)
+        else:
+            out = model.generate(ids, attention_mask=mask, graph_decoder=True, streamer=rec, **kw)
+        assert rec.ends == 1 and torch.equal(rec.puts[0], ids), name
+        assert torch.equal(torch.cat([ids] + [p[:, None] for p in rec.puts[1:]], 1), out), name
+        fed[name] = rec.puts
+    assert (out == PAD).any(), "a row should have ended"
+    for name in ("decoder", "model"):
+        assert len(fed[name]) == len(fed["transformers"]), name
+        assert all(torch.equal(a, b) for a, b in zip(fed[name], fed["transformers"])), name
