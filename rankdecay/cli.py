@@ -43,6 +43,26 @@ def _init(args) -> int:
     return 0
 
 
+def _convert_fla(args) -> int:
+    import shutil
+
+    import torch
+
+    from .models import from_fla
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    model = from_fla(args.source, dtype=dtype)
+    model.save_pretrained(args.out)
+    copied = []
+    for f in sorted(Path(args.source).iterdir()):  # its tokenizer, for `rankdecay generate` and AutoTokenizer
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
+            shutil.copy2(f, Path(args.out, f.name))
+            copied.append(f.name)
+    print(f"converted fla's Gated DeltaNet in {args.source} ({model.num_params() / 1e6:.2f}M parameters) to "
+          f"{args.out}" + (f", with {', '.join(copied)}" if copied else ""))
+    return 0
+
+
 def _parse_value(text: str):
     import json
 
@@ -254,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
+
+    p = sub.add_parser("convert-fla", help="a flash-linear-attention Gated DeltaNet checkpoint as a rankdecay model")
+    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM was saved to (config.json + weights)")
+    p.add_argument("out", help="where to save the rankdecay model (save_pretrained; the tokenizer files are copied)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default: as stored)")
+    p.set_defaults(func=_convert_fla)
 
     p = sub.add_parser("generate", help="continue prompts with a saved model")
     p.add_argument("model_dir", help="a directory saved by save_pretrained (or `rankdecay init`)")
