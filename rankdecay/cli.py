@@ -49,12 +49,14 @@ def _convert_fla(args) -> int:
     import torch
 
     from .models import from_fla
+    from .models.convert import local_folder
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
-    model = from_fla(args.source, dtype=dtype)
+    source = local_folder(args.source)
+    model = from_fla(source, dtype=dtype)
     model.save_pretrained(args.out)
     copied = []
-    for f in sorted(Path(args.source).iterdir()):  # its tokenizer, for `rankdecay generate` and AutoTokenizer
+    for f in sorted(source.iterdir()):  # its tokenizer, for `rankdecay generate` and AutoTokenizer
         if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
             shutil.copy2(f, Path(args.out, f.name))
             copied.append(f.name)
@@ -276,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_synth)
 
     p = sub.add_parser("convert-fla", help="a flash-linear-attention Gated DeltaNet checkpoint as a rankdecay model")
-    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM was saved to (config.json + weights)")
+    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM was saved to (config.json + weights), "
+                                  "or a Hugging Face Hub repository of one (org/name)")
     p.add_argument("out", help="where to save the rankdecay model (save_pretrained; the tokenizer files are copied)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the weights' dtype (default: as stored)")

@@ -74,14 +74,15 @@ def from_fla(source, dtype: torch.dtype | None = None):
     """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``.
 
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
-        be installed), or the fla model itself. dtype: the weights' dtype (default: as stored).
+        be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``
+        where no such folder exists), or the fla model itself. dtype: the weights' dtype (default: as stored).
     Returns the model in eval mode; every weight is checked to land (none missing, none left over)."""
     from .modeling import RankDecayForCausalLM
 
     if isinstance(source, torch.nn.Module):
         fla, state = source.config.to_dict(), source.state_dict()
     else:
-        folder = Path(source)
+        folder = local_folder(source)
         if not (folder / "config.json").exists():
             raise ValueError(f"{folder} has no config.json: give a folder an fla model was saved to, or the model")
         fla, state = json.loads((folder / "config.json").read_text()), _load_weights(folder)
@@ -97,6 +98,18 @@ def from_fla(source, dtype: torch.dtype | None = None):
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
     model = model.to(dtype) if dtype is not None else model
     return model.eval()
+
+
+def local_folder(source) -> Path:
+    """``source`` itself where it is a folder here, else the Hub repository of that name downloaded (its config,
+    weights and tokenizer files) into Hugging Face's cache."""
+    folder = Path(source)
+    if folder.exists() or str(source).count("/") != 1 or str(source).startswith((".", "/", "~")):
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.bin", "tokenizer*",
+                                                                "*.model"]))
 
 
 def _load_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -92,6 +92,24 @@ def test_convert_fla_command_and_a_saved_folder(tmp_path):
     assert len(set(ref[0, 12:].tolist())) > 1, "the test model should not emit a constant"
 
 
+def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
+    """A source that is no folder here but reads "org/name" is fetched from the Hub (``snapshot_download``, patched
+    here to a saved folder: the tests download nothing); a folder that exists is read as it is."""
+    import huggingface_hub
+
+    from rankdecay.models.convert import local_folder
+
+    fla = _fla_model(seed=3)
+    fla.save_pretrained(tmp_path / "snapshot")
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append((repo, kw["allow_patterns"])) or str(tmp_path / "snapshot"))
+    ours = from_fla("fla-hub/gdn-test")
+    assert asked and asked[0][0] == "fla-hub/gdn-test" and "*.safetensors" in asked[0][1]
+    assert torch.equal(ours.model.embeddings.weight, fla.model.embeddings.weight.cpu())
+    assert local_folder(tmp_path / "snapshot") == tmp_path / "snapshot" and len(asked) == 1
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(num_v_heads=4), "num_v_heads = 4"),
     (dict(use_gate=False), "use_gate = False"),
