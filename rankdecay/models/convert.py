@@ -76,7 +76,8 @@ def from_fla(source, dtype: torch.dtype | None = None):
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
         be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``
         where no such folder exists), or the fla model itself. dtype: the weights' dtype (default: as stored).
-    Returns the model in eval mode; every weight is checked to land (none missing, none left over)."""
+    Returns the model in eval mode, on the fla model's device (from a folder, on the CPU); every weight is checked to
+    land (none missing, none left over)."""
     from .modeling import RankDecayForCausalLM
 
     if isinstance(source, torch.nn.Module):
@@ -96,6 +97,8 @@ def from_fla(source, dtype: torch.dtype | None = None):
     if missing or unexpected:
         raise ValueError(f"the fla checkpoint does not match a rankdecay Gated DeltaNet of its config: missing "
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
+    if isinstance(source, torch.nn.Module):  # on the device of the model converted (a folder loads on the CPU)
+        model = model.to(next(iter(state.values())).device)
     model = model.to(dtype) if dtype is not None else model
     return model.eval()
 

@@ -49,9 +49,10 @@ def _batch(T):
 def test_converted_model_gives_fla_logits(allow_neg_eigval, tie):
     """The converted model's logits are fla's, to fp32 rounding (relative RMS 1e-5; measured 1.4e-6 on the CPU),
     for a left-padded batch: β in (0, 1) or (0, 2), the head tied or not. On the CPU fla runs its recurrent
-    kernel (T <= 64: 40); on a GPU also its chunked one (T = 100)."""
+    kernel (T <= 64: 40); on a GPU also its chunked one (T = 100: its products may be TF32, so to 2^-8)."""
     fla = _fla_model(allow_neg_eigval=allow_neg_eigval, tie_word_embeddings=tie)
     ours = from_fla(fla)
+    assert next(ours.parameters()).device.type == DEVICE
     assert ours.config.mixer == "gdn" and ours.config.tie_word_embeddings == tie
     assert ours.config.allow_neg_eigval == allow_neg_eigval and ours.config.head_v_dim == 64
     for T in (40,) if DEVICE == "cpu" else (40, 100):
@@ -60,7 +61,10 @@ def test_converted_model_gives_fla_logits(allow_neg_eigval, tie):
             ref = fla(ids, attention_mask=mask).logits
             got = ours(ids, attention_mask=mask).logits
         real = mask.bool()
-        assert rel_rms(got[real], ref[real]) < 1e-5, (T, rel_rms(got[real], ref[real]))
+        # T > 64: fla's chunked kernels, whose fp32 products may be one TF32 pass: eight units of its rounding, as
+        # test_gpu_bf16_reduced_matmul_precision bounds "high"
+        tol = 1e-5 if T <= 64 else 2 ** -8
+        assert rel_rms(got[real], ref[real]) < tol, (T, rel_rms(got[real], ref[real]))
 
 
 def test_convert_fla_command_and_a_saved_folder(tmp_path):
