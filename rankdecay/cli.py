@@ -43,17 +43,22 @@ def _init(args) -> int:
     return 0
 
 
+def _dtype(name: str | None):
+    """The torch dtype of a ``--dtype`` choice (None stays None)."""
+    import torch
+
+    return None if name is None else {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                      "float16": torch.float16}[name]
+
+
 def _convert_fla(args) -> int:
     import shutil
-
-    import torch
 
     from .models import from_fla
     from .models.convert import local_folder
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
     source = local_folder(args.source)
-    model = from_fla(source, dtype=dtype)
+    model = from_fla(source, dtype=_dtype(args.dtype))
     model.save_pretrained(args.out)
     copied = []
     for f in sorted(source.iterdir()):  # its tokenizer, for `rankdecay generate` and AutoTokenizer
@@ -95,7 +100,7 @@ def _generate(args) -> int:
         raise SystemExit(f"{args.model_dir} is not a saved model (no config.json); create one with "
                          "`rankdecay init` or save one with model.save_pretrained()")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = _dtype(args.dtype)
     extra = {"state_dtype": args.state_dtype} if args.state_dtype else {}
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, **extra).to(device).eval()
     tokenizer = load_tokenizer(args.model_dir, model.config.vocab_size)

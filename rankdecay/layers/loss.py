@@ -135,7 +135,8 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
     xf, tf = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
     # (not under torch.compile, where reading the check's result would break the graph: there an index out of range
     # fails inside gather as it does in F.cross_entropy)
-    out_of_range = (tf != ignore_index) & ((tf < 0) | (tf >= V))
+    valid = tf != ignore_index
+    out_of_range = valid & ((tf < 0) | (tf >= V))
     if not torch.compiler.is_compiling() and bool(out_of_range.any()):
         raise ValueError(f"target holds class indices outside [0, {V}) that are not ignore_index = {ignore_index}: "
                          f"{tf[out_of_range][:5].tolist()}")
@@ -147,4 +148,4 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         return losses.view(shape)
     if reduction == "sum":
         return losses.sum()
-    return losses.sum() / (tf != ignore_index).sum()
+    return losses.sum() / valid.sum()

@@ -80,8 +80,10 @@ def from_fla(source, dtype: torch.dtype | None = None):
     land (none missing, none left over)."""
     from .modeling import RankDecayForCausalLM
 
+    device = None  # a folder loads on the CPU; a model converts onto its own device
     if isinstance(source, torch.nn.Module):
         fla, state = source.config.to_dict(), source.state_dict()
+        device = next(iter(state.values())).device
     else:
         folder = local_folder(source)
         if not (folder / "config.json").exists():
@@ -97,10 +99,7 @@ def from_fla(source, dtype: torch.dtype | None = None):
     if missing or unexpected:
         raise ValueError(f"the fla checkpoint does not match a rankdecay Gated DeltaNet of its config: missing "
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
-    if isinstance(source, torch.nn.Module):  # on the device of the model converted (a folder loads on the CPU)
-        model = model.to(next(iter(state.values())).device)
-    model = model.to(dtype) if dtype is not None else model
-    return model.eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def local_folder(source) -> Path:

@@ -308,9 +308,9 @@ class GraphDecoder:
 
 
 # what ``model.generate(graph_decoder=True)`` takes from a generation config; the rest must keep its default
-_GRAPH_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                   "pad_token_id", "bos_token_id", "use_cache", "output_attentions", "output_hidden_states",
-                   "_from_model_config", "transformers_version"}
+_GRAPH_SETTINGS = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                   "pad_token_id", "bos_token_id", "use_cache", "output_attentions", "output_hidden_states")
+_GRAPH_BOOKKEEPING = {"_from_model_config", "transformers_version"}  # a config's own records, not settings
 
 
 def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict) -> torch.Tensor:
@@ -328,11 +328,11 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
     unused = config.update(**kwargs)
     if unused:
         raise ValueError(f"generate(graph_decoder=True) does not take {sorted(unused)}; it takes input_ids, "
-                         f"attention_mask, streamer and the settings {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
-    other = sorted(set(config.to_diff_dict()) - _GRAPH_SETTINGS)
+                         f"attention_mask, streamer and the settings {sorted(_GRAPH_SETTINGS)}")
+    other = sorted(set(config.to_diff_dict()) - set(_GRAPH_SETTINGS) - _GRAPH_BOOKKEEPING)
     if other:
         raise ValueError(f"generate(graph_decoder=True) cannot honour {other} (set in the arguments or the "
-                         f"generation config); it takes {sorted(s for s in _GRAPH_SETTINGS if s[0] != '_')}")
+                         f"generation config); it takes {sorted(_GRAPH_SETTINGS)}")
     max_new = config.max_new_tokens
     if max_new is None:  # transformers' rule: max_length counts the prompt
         max_new = max(config.max_length - input_ids.shape[1], 0)

@@ -269,7 +269,7 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         out = self.model(input_ids, attention_mask, _one_cache(past_key_values, cache), inputs_embeds, use_cache,
                          cu_seqlens)
         h = out.last_hidden_state
-        if (labels is not None and self.training and getattr(self.config, "fuse_linear_cross_entropy", False)
+        if (labels is not None and self.training and self.config.fuse_linear_cross_entropy
                 and type(self.lm_head) is nn.Linear):
             # every position, the last one's target ignored: x stays h itself (no copy), and no logits are formed
             target = F.pad(labels[:, 1:], (0, 1), value=-100)

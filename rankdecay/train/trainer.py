@@ -171,12 +171,9 @@ def token_losses(model, batch: dict, amp_dtype, return_logits: bool = False):
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     targets = batch["labels"][:, 1:]
     valid = targets != -100
+    losses = {} if return_logits else dict(labels=batch["labels"], loss_reduction="none")
     with ctx:
-        if return_logits:
-            out = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False)
-        else:
-            out = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False,
-                        labels=batch["labels"], loss_reduction="none")
+        out = model(input_ids=batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), use_cache=False, **losses)
     if not return_logits and getattr(out, "loss", None) is not None:
         return out.loss.float() * valid, valid
     logits = out.logits[:, :-1].float()
