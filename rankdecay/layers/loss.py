@@ -1,34 +1,63 @@
-"""Cross-entropy through a linear map without the logits: a language model's loss in chunks of tokens.
+"""Cross-entropy through a linear map without the logits: a language model's loss in slices of the vocabulary.
 
 A language model's last product maps N hidden rows [N, D] to logits [N, V]. With V = 32,000 and N = B·T = 16,384
 the logits take 1 GiB in bf16 and 2 GiB once cast to fp32 for the softmax, and the backward holds a gradient of the
-same size. :func:`linear_cross_entropy` never holds more than one chunk of them: the forward keeps each token's
-log-sum-exp ([N], fp32) and nothing of size N x V, and the backward forms each chunk's logits again, their softmax
-from the kept log-sum-exp, and from it the gradients of x, the weight and the bias. That is one product of the head
-more than the plain path (4 instead of 3). fla's and Liger-Kernel's fused linear cross-entropy form the gradients in
-the forward instead, which ties them to a scalar loss; recomputing keeps ``reduction="none"`` (per-token losses,
-masked or weighted afterwards) exact as well. It traces under ``torch.compile`` (``fullgraph=True`` too), so a
-compiled model's loss is part of its graph: the chunks' loop unrolled, their elementwise work fused.
+same size. :func:`linear_cross_entropy` never holds more than one slice of them, Vc vocabulary entries for every
+token: the forward keeps each token's log-sum-exp ([N], fp32, merged slice by slice) and nothing of size N x V, and
+the backward forms each slice's logits again, their softmax from the kept log-sum-exp, and from it the rows of the
+weight's (and bias') gradient that the slice owns, whole, and its share of x's gradient, summed over the slices in
+fp32. That is one product of the head more than the plain path (4 instead of 3). fla's and Liger-Kernel's fused
+linear cross-entropy form the gradients in the forward instead, which ties them to a scalar loss; recomputing keeps
+``reduction="none"`` (per-token losses, masked or weighted afterwards) exact as well.
 
-Precision: each chunk's product runs in the dtype ``F.linear`` would run it in (autocast's, bf16 under bf16
-autocast; else the inputs'), the softmax and the loss in fp32, and the weight's and bias' gradients are summed over
-the chunks in fp32.
+Why slices of the vocabulary and not chunks of tokens: a chunk of tokens adds its share to every entry of the
+weight's [V, D] gradient, so each chunk reads and writes all of it; a slice of the vocabulary owns its rows of that
+gradient and adds to x's [N, D] gradient instead, the smaller of the two while a batch has fewer tokens than the
+vocabulary has entries (the usual case: 8k-16k tokens, a 32k-150k vocabulary). A slice's logits hold up to 2^26
+entries by default on a GPU (``default_vocab_chunk_size``): 4 slices at 8,192 tokens and a 32,000 vocabulary, 0.5
+GiB at the loss' peak against the logits path's 3 GiB, and faster than it on an H200 (BENCHMARKS.md); 2^23 where
+the softmax is PyTorch's.
+
+On a CUDA device the softmax's statistics and gradient over each slice are two Triton kernels that read its logits
+once (``rankdecay.ops.triton.cross_entropy``); elsewhere, and under ``torch.compile`` (which fuses the same
+elementwise work itself), they are PyTorch. The function traces under ``torch.compile`` (``fullgraph=True``
+too), so a compiled model's loss is part of its graph.
+
+Precision: each slice's product runs in the dtype ``F.linear`` would run it in (autocast's, bf16 under bf16
+autocast; else the inputs'), the softmax and the loss in fp32 from the logits so rounded (as
+``F.cross_entropy(logits.float())``), and x's gradient is summed over the slices in fp32. On CUDA, bf16 and fp16
+products write fp32 themselves (``torch.mm``'s ``out_dtype``), so there x's gradient is summed inside its products
+and the weight's is not rounded to bf16 on the way (the plain path under autocast rounds it).
 
 ``RankDecayConfig(fuse_linear_cross_entropy=True)`` makes ``RankDecayForCausalLM`` take it in training (its output's
 logits are then None), and so ``rankdecay train --set fuse_linear_cross_entropy=true``.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 REDUCTIONS = ("mean", "sum", "none")
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def default_chunk_size(n: int, d: int, v: int) -> int:
-    """Tokens per chunk: as many as keep a chunk's logits (chunk x V) no larger than the hidden rows (N x D), at
-    least 256 (so that each product stays large) and at most N (Liger-Kernel's rule, in elements)."""
-    return max(1, min(n, max(256, n * d // max(v, 1))))
+SLICE_LOGITS = 1 << 26  # logits per slice by default with the Triton kernels: 128 MiB in bf16
+SLICE_LOGITS_PYTORCH = 1 << 23  # without them (the PyTorch softmax holds a few fp32 copies of the slice)
+
+
+def default_vocab_chunk_size(n: int, v: int, max_logits: int = SLICE_LOGITS) -> int:
+    """Vocabulary entries per slice for n tokens: as many as keep a slice's logits (n x width) within max_logits,
+    at least 256, evened out over the vocabulary (the same number of slices, each a multiple of 8 wide), at most
+    v. Few wide slices are faster (each slice costs its launches and adds to x's gradient once); on an H200 at
+    8,192 tokens and a 32,000 vocabulary, slices of 1,000 took 8.9 ms, of 4,000 4.9 ms and of 8,000 (this rule)
+    4.5 ms, against 5.6 ms for the logits path (BENCHMARKS.md). ``linear_cross_entropy`` passes
+    ``SLICE_LOGITS_PYTORCH`` (2^23) where the slices' softmax is PyTorch's (the CPU, ``torch.compile``)."""
+    width = max(256, max_logits // max(n, 1))
+    slices = -(-v // width)
+    each = -(-v // slices)
+    return max(1, min(v, -(-each // 8) * 8))
 
 
 def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -39,64 +68,116 @@ def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One chunk's logits in fp32 or wider (x and weight already in the products' dtype)."""
-    return F.linear(x, weight, None if bias is None else bias.to(x.dtype)).to(_wide(x.dtype))
-
-
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The softmax's and the loss' dtype: fp32, or the products' where wider (fp64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
+def _triton_kernels(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the slices' elementwise work runs in ``rankdecay.ops.triton.cross_entropy``: on CUDA, in eager mode,
+    for fp16, bf16 and fp32 products (the tests switch it on under the CPU interpreter)."""
+    return (_HAS_TRITON and x.is_cuda and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and not torch.compiler.is_compiling())
+
+
+def _slice_logits(xd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int
+                  ) -> torch.Tensor:
+    """Entries v0 .. v1 - 1 of every row's logits, [N, v1 - v0] in the products' dtype (xd's)."""
+    return F.linear(xd, weight[v0:v1].to(xd.dtype), None if bias is None else bias[v0:v1].to(xd.dtype))
+
+
+def _torch_slice_logsumexp(logits, lse, picked, target, valid, v0):
+    """The PyTorch form of ``slice_logsumexp_``, out of place: the merged (lse, picked)."""
+    lf = logits.to(lse.dtype)
+    idx = target - v0
+    inside = valid & (idx >= 0) & (idx < lf.shape[1])
+    chosen = lf.gather(1, torch.where(inside, idx, 0)[:, None])[:, 0]
+    return torch.logaddexp(lse, torch.logsumexp(lf, -1)), torch.where(inside, chosen, picked)
+
+
+def _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0):
+    """The PyTorch form of ``slice_softmax_grad_``: (softmax - onehot) * grad over the slice, in logits' dtype."""
+    p = torch.exp(logits.to(lse.dtype) - lse[:, None])
+    idx = target - v0
+    inside = valid & (idx >= 0) & (idx < p.shape[1])
+    p = p.scatter_add(1, torch.where(inside, idx, 0)[:, None], -inside[:, None].to(p.dtype))
+    return (p * torch.where(valid, grad.to(p.dtype), 0.0)[:, None]).to(logits.dtype)
+
+
+def _wide_products(a: torch.Tensor) -> bool:
+    """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``: CUDA, PyTorch
+    2.8 and later, eager): then x's gradient is summed over the slices inside the products, and the weight's comes
+    out of its product in fp32, not rounded to the operands' dtype first."""
+    global _OUT_DTYPE
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
+        return False
+    if _OUT_DTYPE is None:
+        try:
+            one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
+            _OUT_DTYPE = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError):
+            _OUT_DTYPE = False
+    return _OUT_DTYPE
+
+
+_OUT_DTYPE: bool | None = None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, weight, bias, ignore_index: int, chunk: int, dtype: torch.dtype):
+    def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype):
         # x [N, D], target [N]: per-token losses [N] fp32 (0 where ignored); keeps the log-sum-exp [N]
-        w = weight.to(dtype)
-        losses = torch.zeros(x.shape[0], dtype=_wide(dtype), device=x.device)
-        lse = torch.zeros_like(losses)
-        for s in range(0, x.shape[0], chunk):
-            logits = _logits(x[s:s + chunk].to(dtype), w, bias)
-            t = target[s:s + chunk]
-            valid = t != ignore_index
-            lse[s:s + chunk] = torch.logsumexp(logits, -1)
-            picked = logits.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
-            losses[s:s + chunk] = torch.where(valid, lse[s:s + chunk] - picked, 0.0)
+        kernels = _triton_kernels(x, dtype)
+        if kernels:
+            from ..ops.triton.cross_entropy import slice_logsumexp_
+        xd, V = x.to(dtype), weight.shape[0]
+        valid = target != ignore_index
+        lse = torch.full(target.shape, float("-inf"), dtype=_wide(dtype), device=x.device)
+        picked = torch.zeros_like(lse)
+        for v0 in range(0, V, width):
+            logits = _slice_logits(xd, weight, bias, v0, min(V, v0 + width))
+            if kernels:
+                slice_logsumexp_(logits, lse, picked, target, v0)
+            else:
+                lse, picked = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0)
         ctx.save_for_backward(x, target, weight, bias, lse)
-        ctx.ignore_index, ctx.chunk, ctx.dtype = ignore_index, chunk, dtype
-        return losses
+        ctx.ignore_index, ctx.width, ctx.dtype = ignore_index, width, dtype
+        return torch.where(valid, lse - picked, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
         x, target, weight, bias, lse = ctx.saved_tensors
-        dtype, chunk = ctx.dtype, ctx.chunk
+        dtype, width, V = ctx.dtype, ctx.width, weight.shape[0]
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
-        w = weight.to(dtype)
-        dx = torch.empty_like(x) if need_x else None
-        dw = torch.zeros(weight.shape, dtype=_wide(dtype), device=weight.device) if need_w else None
-        db = torch.zeros(bias.shape, dtype=_wide(dtype), device=bias.device) if need_b else None
-        for s in range(0, x.shape[0], chunk):
-            xc = x[s:s + chunk].to(dtype)
-            t = target[s:s + chunk]
-            valid = t != ctx.ignore_index
-            # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient (0 where ignored)
-            p = torch.exp(_logits(xc, w, bias) - lse[s:s + chunk, None])
-            p.scatter_add_(1, torch.where(valid, t, 0)[:, None], -valid[:, None].to(p.dtype))
-            p.mul_(torch.where(valid, grad[s:s + chunk].to(p.dtype), 0.0)[:, None])
+        kernels = _triton_kernels(x, dtype)
+        if kernels:
+            from ..ops.triton.cross_entropy import slice_softmax_grad_
+        xd = x.to(dtype)
+        valid = target != ctx.ignore_index
+        grad = grad.to(lse.dtype).contiguous()
+        dx = torch.zeros(x.shape, dtype=_wide(dtype), device=x.device) if need_x else None
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        for v0 in range(0, V, width):
+            v1 = min(V, v0 + width)
+            logits = _slice_logits(xd, weight, bias, v0, v1)
+            if kernels:  # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient
+                p = slice_softmax_grad_(logits, lse, target, grad, v0, ctx.ignore_index)
+            else:
+                p = _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0)
+            wide = _wide_products(p)
             if need_b:
-                db += p.sum(0)
-            p = p.to(dtype)
-            if need_x:
-                dx[s:s + chunk] = (p @ w).to(x.dtype)
+                db[v0:v1] = p.sum(0, dtype=lse.dtype).to(db.dtype)
             if need_w:
-                dw += (p.t() @ xc).to(dw.dtype)
-        return (dx, None, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None)
+                dw[v0:v1] = torch.mm(p.t(), xd, out_dtype=torch.float32) if wide else (p.t() @ xd).to(dw.dtype)
+            if need_x:
+                wj = weight[v0:v1].to(dtype)
+                dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
+        return (None if dx is None else dx.to(x.dtype), None, dw, db, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         ignore_index: int = -100, reduction: str = "mean", chunk_size: int | None = None
+                         ignore_index: int = -100, reduction: str = "mean", vocab_chunk_size: int | None = None
                          ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...)`` over the
     leading dimensions, without forming all the logits at once (the module docstring says how).
@@ -107,7 +188,8 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         weight: [V, D]; bias: [V] or None (an LM head's ``weight`` and ``bias``).
         reduction: ``"mean"`` over the rows not ignored (NaN where every row is, as ``F.cross_entropy``), ``"sum"``,
             or ``"none"``: [...], 0 at ignored rows.
-        chunk_size: rows per chunk; None: ``default_chunk_size`` (a chunk's logits no larger than x).
+        vocab_chunk_size: vocabulary entries per slice (each slice's logits are [N, vocab_chunk_size]); None:
+            ``default_vocab_chunk_size`` (a slice's logits within 2^26 entries on a GPU, 2^23 elsewhere).
     Returns a scalar (``"mean"``, ``"sum"``) or [...] (``"none"``), fp32 (fp64 for fp64 inputs), with autograd to
     x, weight and bias."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
@@ -126,24 +208,26 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
                          f"{list(getattr(target, 'shape', []))}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+    if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool)
+                                         or vocab_chunk_size < 1):
+        raise ValueError(f"vocab_chunk_size must be a positive int or None; got {vocab_chunk_size!r}")
     devices = {x.device, target.device, weight.device} | ({bias.device} if bias is not None else set())
     if len(devices) > 1:
         raise ValueError(f"x, target, weight and bias must be on one device; got {sorted(map(str, devices))}")
     shape = x.shape[:-1]
     xf, tf = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
-    # (not under torch.compile, where reading the check's result would break the graph: there an index out of range
-    # fails inside gather as it does in F.cross_entropy)
+    # (not under torch.compile, where reading the check's result would break the graph: there a class index out of
+    # range is not caught, and its row's loss is its log-sum-exp)
     valid = tf != ignore_index
     out_of_range = valid & ((tf < 0) | (tf >= V))
     if not torch.compiler.is_compiling() and bool(out_of_range.any()):
         raise ValueError(f"target holds class indices outside [0, {V}) that are not ignore_index = {ignore_index}: "
                          f"{tf[out_of_range][:5].tolist()}")
-    chunk = chunk_size or default_chunk_size(xf.shape[0], xf.shape[1], V)
     dtype = _product_dtype(x, weight)
+    width = vocab_chunk_size or default_vocab_chunk_size(
+        xf.shape[0], V, SLICE_LOGITS if _triton_kernels(xf, dtype) else SLICE_LOGITS_PYTORCH)
     with torch.autocast(x.device.type, enabled=False):
-        losses = _LinearCrossEntropy.apply(xf, tf, weight, bias, ignore_index, chunk, dtype)
+        losses = _LinearCrossEntropy.apply(xf, tf.contiguous(), weight, bias, ignore_index, width, dtype)
     if reduction == "none":
         return losses.view(shape)
     if reduction == "sum":

@@ -58,7 +58,7 @@ class RankDecayConfig(PretrainedConfig):
             memory a decode step moves (vLLM's ``mamba_ssm_cache_dtype``). The state is still
             updated in fp32 inside each step and rounded once per step when stored.
         fuse_linear_cross_entropy: in training, ``RankDecayForCausalLM`` forms the loss through the LM head in
-            chunks of tokens (``rankdecay.layers.linear_cross_entropy``) and returns no logits: none of the
+            slices of the vocabulary (``rankdecay.layers.linear_cross_entropy``) and returns no logits: none of the
             [B, T, vocab] logits or their gradient are held (fla's option of the same name).
     """
 

@@ -1,11 +1,15 @@
-"""The LM head's cross-entropy in chunks of tokens (``rankdecay.layers.linear_cross_entropy``) and the models' and
-trainer's use of it (``fuse_linear_cross_entropy``)."""
+"""The LM head's cross-entropy in slices of the vocabulary (``rankdecay.layers.linear_cross_entropy``), its Triton
+kernels, and the models' and trainer's use of it (``fuse_linear_cross_entropy``)."""
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankdecay.layers import linear_cross_entropy
-from rankdecay.layers.loss import default_chunk_size
+from rankdecay.layers import loss as loss_module
+from rankdecay.layers.loss import default_vocab_chunk_size
 from tests.conftest import NO_CPU_COMPILE, assert_matches, can_compile_on_cpu, rel_rms
 from tests.models.common import random_ids, tiny_model
 
@@ -17,7 +21,7 @@ def _inputs(shape=(3, 37), D=16, V=29, bias=True, dtype=torch.float64, seed=0):
     b = torch.randn(V, generator=gen, dtype=dtype, requires_grad=True) if bias else None
     t = torch.randint(0, V, shape, generator=gen)
     if t.numel() > 20:
-        t.view(-1)[:9] = -100  # the whole first chunk of 7 ignored, and two of the next
+        t.view(-1)[:9] = -100
         t.view(-1)[20] = -100
     return x, t, w, b
 
@@ -27,14 +31,14 @@ def _grads(loss, leaves, weights):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+@pytest.mark.parametrize("vocab_chunk_size", [1, 7, 64, None])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_matches_the_logits_path(reduction, chunk_size, bias):
+def test_matches_the_logits_path(reduction, vocab_chunk_size, bias):
     """Losses and the gradients of x, weight and bias equal F.cross_entropy over F.linear's logits (fp64, exact to
-    rounding), with ignored rows (a whole chunk of them), chunks that do not divide the 111 rows, one row a chunk,
-    one chunk for all, and per-row weights on the "none" losses."""
+    rounding), with ignored rows, slices that do not divide the 29 entries, one entry a slice, one slice for all,
+    and per-row weights on the "none" losses."""
     x, t, w, b = _inputs(bias=bias)
-    got = linear_cross_entropy(x, t, w, b, reduction=reduction, chunk_size=chunk_size)
+    got = linear_cross_entropy(x, t, w, b, reduction=reduction, vocab_chunk_size=vocab_chunk_size)
     ref = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), reduction=reduction)
     ref = ref.view(t.shape) if reduction == "none" else ref
     weights = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(1))
@@ -49,7 +53,8 @@ def test_matches_the_logits_path(reduction, chunk_size, bias):
 def test_gradcheck():
     x, t, w, b = _inputs(shape=(2, 5), D=4, V=6)
     t[0, 0] = -100
-    assert torch.autograd.gradcheck(lambda x, w, b: linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=3),
+    assert torch.autograd.gradcheck(lambda x, w, b: linear_cross_entropy(x, t, w, b, reduction="none",
+                                                                       vocab_chunk_size=4),
                                     (x, w, b))
 
 
@@ -66,11 +71,11 @@ def test_every_row_ignored():
 def test_bf16_autocast_rounds_as_the_logits_path():
     """Under bf16 autocast the products run in bf16, as the head's F.linear does there: the losses agree to the
     fp32 softmax's rounding (the products of a row are the same), the gradients to one unit of bf16's rounding,
-    2^-8 (the plain path rounds the weight's whole gradient to bf16 once; here each chunk's, summed in fp32)."""
+    2^-8 (both round the weight's gradient to bf16 once; x's is summed over the slices here in fp32)."""
     x, t, w, b = _inputs(shape=(300,), D=64, V=500, dtype=torch.float32, seed=3)
     weights = torch.rand(300, generator=torch.Generator().manual_seed(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=64)
+        got = linear_cross_entropy(x, t, w, b, reduction="none", vocab_chunk_size=64)
         ref = F.cross_entropy(F.linear(x, w, b).float(), t, reduction="none")
     assert got.dtype == torch.float32
     assert_matches(got, ref, 1e-5, "bf16 losses")
@@ -99,15 +104,59 @@ def test_keeps_no_logits_for_the_backward():
     x, t, w, b = _inputs(shape=(200,), D=16, V=300)
     N, V = 200, 300
     assert _saved_numel(lambda: F.cross_entropy(F.linear(x, w, b), t)) >= N * V
-    assert _saved_numel(lambda: linear_cross_entropy(x, t, w, b, chunk_size=50)) < N * V / 4
+    assert _saved_numel(lambda: linear_cross_entropy(x, t, w, b, vocab_chunk_size=50)) < N * V / 4
 
 
-def test_default_chunk_size():
-    """A chunk's logits no larger than x: N·D / V rows, at least 256, at most N."""
-    assert default_chunk_size(16384, 1024, 32000) == 524
-    assert default_chunk_size(16384, 64, 32000) == 256
-    assert default_chunk_size(100, 64, 32000) == 100
-    assert default_chunk_size(4096, 64, 264) == 992
+def test_default_vocab_chunk_size():
+    """A slice's logits within 2^26 entries (or the budget given), at least 256 wide, evened out over V in
+    multiples of 8, at most V."""
+    assert default_vocab_chunk_size(8192, 32000) == 8000  # 4 slices, not 3 of 8,192 and one of 7,424
+    assert default_vocab_chunk_size(16384, 32000) == 4000
+    assert default_vocab_chunk_size(16384, 128256) == 4008  # 32 slices, the last 3,976 wide
+    assert default_vocab_chunk_size(1 << 20, 32000) == 256
+    assert default_vocab_chunk_size(100, 32000) == 32000
+    assert default_vocab_chunk_size(4096, 5) == 5
+    assert default_vocab_chunk_size(8192, 32000, 1 << 23) == 1000
+    assert default_vocab_chunk_size(2048, 32000, 1 << 23) == 4000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocast):
+    """The slices' softmax statistics and gradient in Triton (on the CPU under the interpreter) against the same
+    function's PyTorch form and the logits path: losses and the gradients of x, weight and bias, fp32 and under bf16
+    autocast, slices that do not divide V = 45, rows narrower than a slice's width (the kernels' column loop, with
+    its block held to 8), targets on the slices' edges, and ``ignore_index = 3``, a class index, so that a row
+    holding it has no loss and no gradient while class 3 is an ordinary column elsewhere."""
+    from rankdecay.ops.triton import cross_entropy
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, t, w, b = _inputs(shape=(2, 19), D=16, V=45, dtype=torch.float32, seed=5)
+    t.view(-1)[:6] = torch.tensor([0, 19, 20, 39, 40, 44])  # first and last entries of the slices of 20
+    t[t == -100] = 3  # rows 6-8 and 20
+    x, t, w, b = (u.detach().to(device).requires_grad_(u.requires_grad) for u in (x, t, w, b))
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(6)).to(device)
+
+    def run(kernels):
+        monkeypatch.setattr(loss_module, "_triton_kernels", lambda x, dtype: kernels)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            got = linear_cross_entropy(x, t, w, b, ignore_index=3, reduction=reduction, vocab_chunk_size=20)
+        return got, _grads(got, (x, w, b), weights if reduction == "none" else 1.0)
+
+    monkeypatch.setattr(cross_entropy, "MAX_BLOCK", 8)
+    (got, grads), (ref, ref_grads) = run(True), run(False)
+    # bf16: the gradient over the logits, rounded to bf16, may differ by a unit of bf16's rounding: 2^-8 to nearest
+    # (a GPU's); Triton's interpreter rounds toward zero whatever the cast asks, a unit of 2^-7
+    tol = (2 ** -7 if os.environ.get("TRITON_INTERPRET") == "1" else 2 ** -8) if autocast else 1e-6
+    assert_matches(got, ref, 1e-6, "losses")
+    for name, g, r in zip("xwb", grads, ref_grads):
+        assert_matches(g, r, tol, f"d{name}")
+    if reduction == "none":
+        assert (got.view(-1)[[6, 7, 8, 20]] == 0).all() and (got.view(-1)[:6] > 0).all()
+    if not autocast:
+        plain = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), ignore_index=3, reduction=reduction)
+        assert_matches(got, plain.view(got.shape), 1e-6, "losses against the logits path")
 
 
 @pytest.mark.parametrize("call,error,match", [
@@ -116,7 +165,8 @@ def test_default_chunk_size():
     (lambda x, t, w, b: linear_cross_entropy(x, t.float(), w, b), ValueError, "target must be an integer tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t[:, :3], w, b), ValueError, "target must be an integer tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="avg"), ValueError, "reduction must be one of"),
-    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, chunk_size=0), ValueError, "chunk_size must be a positive"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, vocab_chunk_size=0), ValueError,
+     "vocab_chunk_size must be a positive"),
     (lambda x, t, w, b: linear_cross_entropy(x.long(), t, w, b), TypeError, "x must be a floating-point tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t.clamp_min(0) + 29, w, b), ValueError, "outside \\[0, 29\\)"),
 ])
@@ -194,7 +244,7 @@ def test_rankdecay_train_with_the_fused_loss(tmp_path):
             assert_matches(p, plain[name], 1e-5, f"{run}: {name}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory needs a CUDA GPU (run pending: BENCHMARKS.md)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory needs a CUDA GPU (its run: BENCHMARKS.md, session 69)")
 def test_gpu_bf16_values_and_peak_memory():
     """On a GPU under bf16 autocast, at a 340m model's head (8,192 tokens, D 1024, V 32,000): the losses as the
     logits path's to the fp32 softmax's rounding, the gradients to one unit of bf16's, 2^-8, and the peak memory
@@ -232,9 +282,9 @@ def test_traces_under_torch_compile_fullgraph():
 
     torch._dynamo.reset()
     x, t, w, b = _inputs(shape=(3, 37), dtype=torch.float32)
-    compiled = torch.compile(lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=16),
-                             fullgraph=True)
-    got, ref = compiled(x, t, w, b), linear_cross_entropy(x, t, w, b, reduction="none", chunk_size=16)
+    compiled = torch.compile(lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="none",
+                                                                   vocab_chunk_size=8), fullgraph=True)
+    got, ref = compiled(x, t, w, b), linear_cross_entropy(x, t, w, b, reduction="none", vocab_chunk_size=8)
     weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(4))
     assert_matches(got, ref, 1e-6, "compiled losses")
     for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):

@@ -20,6 +20,9 @@
   routes them to it on a GPU); traced into a compiled graph as the decode kernels are.
 - ``conv.short_conv_step``: a decode step of a mixer's three short convolutions in one launch, their states
   shifted in place (``rankdecay.layers.modules.conv_step`` routes a GPU decode step to it); traced likewise.
+- ``cross_entropy``: the softmax's statistics and gradient over one slice of the LM head's logits, each a read of
+  the slice (``rankdecay.layers.linear_cross_entropy`` on a GPU, eager; under ``torch.compile`` it takes its
+  PyTorch form, which inductor fuses).
 
 Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``, and
 ``factors.decay_rows_dtype``, which reads the matmul precision, a query Dynamo cannot trace) are opaque
