@@ -51,6 +51,9 @@ def _dtype(name: str | None):
                                       "float16": torch.float16}[name]
 
 
+_FLA_NAMES = {"gdn": "Gated DeltaNet", "deltanet": "DeltaNet", "gla": "GLA"}
+
+
 def _convert_fla(args) -> int:
     import shutil
 
@@ -65,7 +68,8 @@ def _convert_fla(args) -> int:
         if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
             shutil.copy2(f, Path(args.out, f.name))
             copied.append(f.name)
-    print(f"converted fla's Gated DeltaNet in {args.source} ({model.num_params() / 1e6:.2f}M parameters) to "
+    print(f"converted fla's {_FLA_NAMES[model.config.mixer]} in {args.source} ({model.num_params() / 1e6:.2f}M "
+          f"parameters) to "
           f"{args.out}" + (f", with {', '.join(copied)}" if copied else ""))
     return 0
 
@@ -282,8 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synth)
 
-    p = sub.add_parser("convert-fla", help="a flash-linear-attention Gated DeltaNet checkpoint as a rankdecay model")
-    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM was saved to (config.json + weights), "
+    p = sub.add_parser("convert-fla",
+                       help="a flash-linear-attention Gated DeltaNet, DeltaNet or GLA checkpoint as a rankdecay model")
+    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM or GLAForCausalLM was "
+                                  "saved to (config.json + weights), "
                                   "or a Hugging Face Hub repository of one (org/name)")
     p.add_argument("out", help="where to save the rankdecay model (save_pretrained; the tokenizer files are copied)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

@@ -59,6 +59,8 @@ class LinearMixer(nn.Module, abc.ABC):
         use_short_conv: short causal depthwise convolution + SiLU on q, k, v; without
             it q, k, v get only the SiLU.
         conv_size: its kernel size.
+        qkv_activation: that SiLU ("silu"), or None: q, k, v as the convolution (or the projections) leave
+            them (fla's GLA without a convolution).
         qk_norm: "l2" (q and k, the delta family), "k" (k only, HDLA) or None.
         output_norm: RMSNorm on each head's output before the gate.
         gate_act: activation of the output gate: "silu" or None (a linear gate).
@@ -93,6 +95,7 @@ class LinearMixer(nn.Module, abc.ABC):
         output_norm: bool = True,
         gate_act: str | None = "silu",
         use_output_gate: bool = True,
+        qkv_activation: str | None = "silu",
         chunk_size: int = 64,
         mode: str = "chunk",
         norm_eps: float = 1e-6,
@@ -119,6 +122,8 @@ class LinearMixer(nn.Module, abc.ABC):
             raise ValueError(f"qk_norm must be 'l2', 'k' or None, got {qk_norm!r}")
         if gate_act not in ("silu", None):
             raise ValueError(f"gate_act must be 'silu' or None, got {gate_act!r}")
+        if qkv_activation not in ("silu", None):
+            raise ValueError(f"qkv_activation must be 'silu' or None, got {qkv_activation!r}")
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -129,15 +134,18 @@ class LinearMixer(nn.Module, abc.ABC):
         self.state_dtype = _state_dtype(state_dtype)
         self.qk_hook = None  # called as qk_hook(self, q, k) with the op's q and k (calibration, diagnostics)
         self.use_short_conv, self.use_output_gate, self.output_norm = use_short_conv, use_output_gate, output_norm
+        self.qkv_activation = qkv_activation
         n = self.kv_per_token
         key_dim, value_dim = num_heads * head_k_dim, num_heads * head_v_dim
         self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, n * key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, n * value_dim, bias=False)
         if use_short_conv:
-            self.q_conv = ShortConvolution(key_dim, conv_size, groups=num_heads if shared_qk_conv else None)
-            self.k_conv = ShortConvolution(n * key_dim, conv_size, groups=n * num_heads if shared_qk_conv else None)
-            self.v_conv = ShortConvolution(n * value_dim, conv_size)
+            act = qkv_activation
+            self.q_conv = ShortConvolution(key_dim, conv_size, act, groups=num_heads if shared_qk_conv else None)
+            self.k_conv = ShortConvolution(n * key_dim, conv_size, act,
+                                           groups=n * num_heads if shared_qk_conv else None)
+            self.v_conv = ShortConvolution(n * value_dim, conv_size, act)
         if use_output_gate:
             self.g_proj = nn.Linear(hidden_size, value_dim, bias=False)
         if output_norm:
@@ -221,7 +229,8 @@ class LinearMixer(nn.Module, abc.ABC):
                 (q, cq), (k, ck), (v, cv) = (conv(y, s, starts) for conv, y, s in zip(convs, (q, k, v), conv_states))
                 new_conv = (cq, ck, cv)
         else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+            if self.qkv_activation == "silu":
+                q, k, v = F.silu(q), F.silu(k), F.silu(v)
             new_conv = (None, None, None)
         q = q.view(B, T, H, K)
         k = k.view(B, T, n, H, K).flatten(1, 2)  # row t * n + j: the j-th key of token t

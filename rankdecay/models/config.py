@@ -40,6 +40,10 @@ class RankDecayConfig(PretrainedConfig):
         num_heads: heads of the linear mixers; head_k_dim / head_v_dim default to
             hidden_size / num_heads (``expand_v = head_v_dim / head_k_dim``).
         use_short_conv, conv_size: the short causal convolution on q, k, v.
+        qkv_activation: "silu" (the shared block's SiLU on q, k, v after the short convolution, or on the
+            projections without one) or None (fla's GLA without a convolution: q, k, v as projected).
+        use_output_gate: the linear mixers' output gate (their output RMSNorm times SiLU of ``g_proj x``); False
+            leaves the RMSNorm alone (fla's DeltaNet default, ``use_gate=False``).
         allow_neg_eigval: β in [0, 2]; None keeps each mechanism's default (True for
             HDLA, as in its paper; False otherwise).
         num_householder: n_h of Gated DeltaProduct.
@@ -76,6 +80,8 @@ class RankDecayConfig(PretrainedConfig):
         head_v_dim: int | None = None,
         use_short_conv: bool = True,
         conv_size: int = 4,
+        use_output_gate: bool = True,
+        qkv_activation: str | None = "silu",
         allow_neg_eigval: bool | None = None,
         num_householder: int = 2,
         gate_logit_normalizer: float | None = None,
@@ -105,6 +111,7 @@ class RankDecayConfig(PretrainedConfig):
         self.mixer, self.layer_mixers = mixer, list(layer_mixers) if layer_mixers is not None else None
         self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
         self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
+        self.use_output_gate, self.qkv_activation = use_output_gate, qkv_activation
         self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
         self.gate_logit_normalizer = gate_logit_normalizer
         self.chunk_size, self.mixer_mode, self.attn_scale = chunk_size, mixer_mode, attn_scale

@@ -1,14 +1,21 @@
-"""Gated DeltaNet checkpoints of flash-linear-attention (fla) as rankdecay models.
+"""Gated DeltaNet, DeltaNet and GLA checkpoints of flash-linear-attention (fla) as rankdecay models.
 
 fla's ``GatedDeltaNetForCausalLM`` (``model_type = "gated_deltanet"``) is the same network as
 ``RankDecayForCausalLM`` with ``mixer="gdn"``: embeddings, N x [RMSNorm -> Gated DeltaNet -> + -> RMSNorm ->
 SwiGLU -> +], a final norm and the LM head; the mixer's q, k, v projections with SiLU short convolutions,
 L2-normalised q and k, the gate ``-exp(A_log) softplus(a_proj x + dt_bias)``, β = σ(b_proj x) (x 2 with
-``allow_neg_eigval``), the output RMSNorm times SiLU of ``g_proj x``, and ``o_proj``. So a checkpoint converts by
-renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``) and its config by
-mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the state-reduction paper
-prunes such checkpoints). Settings rankdecay has no counterpart for (grouped value heads, attention layers, a
-sigmoid output gate, convolution biases, ...) are refused by name rather than dropped.
+``allow_neg_eigval``), the output RMSNorm times SiLU of ``g_proj x`` (``use_gate``; without it the RMSNorm alone),
+and ``o_proj``. fla's ``DeltaNetForCausalLM`` (``"delta_net"``) is ``mixer="deltanet"`` the same way: no gate and
+no decay, head widths from ``expand_k`` and ``expand_v``, and by default no output gate (``use_gate=False``, rankdecay's
+``use_output_gate=False``). fla's ``GLAForCausalLM`` (``"gla"``) is ``mixer="gla"``: the gate ``logsigmoid(W2 W1
+x) / 16`` through the same low-rank ``gk_proj``, and, as fla makes it by default, no short convolution and no
+activation on q, k, v (``qkv_activation=None``; with fla's ``use_short_conv`` the SiLU convolutions). So a
+checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1,
+W]`` -> ``q_conv.weight [D, W]``) and its config by mapping fields; then rankdecay decodes it with its kernels and
+CUDA graphs, and prunes it (the state-reduction paper prunes such checkpoints). Settings rankdecay has no
+counterpart for (grouped value heads, attention layers, a sigmoid output gate, convolution biases, DeltaNet
+without β or with another feature map or q/k norm, GLA with grouped key/value heads, a feature map, a clamped
+gate or an output norm without weights, ...) are refused by name rather than dropped.
 
     from rankdecay.models import from_fla
     model = from_fla("path/to/fla-checkpoint")       # a folder fla saved, or an fla model in memory
@@ -25,43 +32,85 @@ import torch
 
 from .config import RankDecayConfig
 
-# fla GatedDeltaNetConfig fields that change the network, and the values rankdecay's GDN model has
-# (the first value is the default where the config does not name the field)
-_FIXED = {"use_gate": (True,), "output_gate_activation": ("swish", "silu"), "attn": (None,), "conv_bias": (False,),
-          "attnres_block_size": (None,), "use_l2warp": (False,), "hidden_act": ("swish", "silu")}
+# fla config fields that change the network, and the values rankdecay's models have (the first value is the default
+# where the config does not name the field): those every converted model shares, then each model type's own
+_SHARED = {"attn": (None,), "conv_bias": (False,), "attnres_block_size": (None,), "use_l2warp": (False,),
+           "hidden_act": ("swish", "silu")}
+_TYPES = {  # fla model_type: rankdecay's mixer, its fixed fields, the output gate's field and default, and the
+    # defaults of use_short_conv and expand_k (Gated DeltaNet's widths come from head_dim)
+    "gated_deltanet": dict(mixer="gdn", fixed={"output_gate_activation": ("swish", "silu")}, gate=("use_gate", True),
+                           conv=True, expand_k=None),
+    "delta_net": dict(mixer="deltanet", fixed={"use_beta": (True,), "qk_norm": ("l2",), "qk_activation": ("silu",)},
+                      gate=("use_gate", False), conv=True, expand_k=1.0),
+    "gla": dict(mixer="gla", fixed={"feature_map": (None,), "clamp_min": (None,), "elementwise_affine": (True,)},
+                gate=("use_output_gate", True), conv=False, expand_k=0.5),
+}
+
+
+def _head_dims(fla: dict) -> tuple[int, int]:
+    """(head_k_dim, head_v_dim) as fla's layer forms them."""
+    heads, kind = fla["num_heads"], _TYPES[fla["model_type"]]
+    if kind["expand_k"] is None:  # Gated DeltaNet: head_dim, and expand_v of it
+        head_k = fla["head_dim"]
+        return head_k, int(head_k * fla.get("expand_v", 2))
+    dims = []
+    for key, default in (("expand_k", kind["expand_k"]), ("expand_v", 1.0)):  # hidden_size * expand over the heads
+        width = fla["hidden_size"] * fla.get(key, default)
+        if width != int(width) or int(width) % heads:
+            raise ValueError(f"fla config hidden_size * {key} = {width} is not a whole number of {heads} heads")
+        dims.append(int(width) // heads)
+    return dims[0], dims[1]
+
+
+def _intermediate_size(fla: dict) -> int:
+    """fla's GatedMLP width: ``intermediate_size``, or 2/3 of hidden_size x hidden_ratio (4) rounded up to 256."""
+    if fla.get("intermediate_size") is not None:
+        return fla["intermediate_size"]
+    width = int(fla["hidden_size"] * (fla.get("hidden_ratio") or 4) * 2 / 3)
+    return 256 * -(-width // 256)
 
 
 def fla_config(fla: dict) -> RankDecayConfig:
-    """The ``RankDecayConfig`` of an fla Gated DeltaNet config (as a dict: ``config.json`` or ``to_dict()``)."""
-    if fla.get("model_type") != "gated_deltanet":
-        raise ValueError(f"only fla's Gated DeltaNet (model_type 'gated_deltanet') converts; got "
-                         f"{fla.get('model_type')!r}")
-    for key, allowed in _FIXED.items():
+    """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet or GLA config (as a dict: ``config.json`` or
+    ``to_dict()``)."""
+    name = fla.get("model_type")
+    if name not in _TYPES:
+        raise ValueError(f"only fla's Gated DeltaNet, DeltaNet and GLA (model_type {', '.join(map(repr, _TYPES))}) "
+                         f"convert; got {name!r}")
+    kind = _TYPES[name]
+    for key, allowed in {**_SHARED, **kind["fixed"]}.items():
         value = fla.get(key, allowed[0])
         if value not in allowed:
-            raise ValueError(f"fla config {key} = {value!r} has no rankdecay counterpart (rankdecay's Gated DeltaNet "
-                             f"takes {' or '.join(map(repr, allowed))}); not converted")
-    num_v = fla.get("num_v_heads")
-    if num_v not in (None, fla["num_heads"]):
-        raise ValueError(f"fla config num_v_heads = {num_v} (grouped value heads) has no rankdecay counterpart")
-    head_k = fla["head_dim"]
-    head_v = int(head_k * fla.get("expand_v", 2))
+            raise ValueError(f"fla config {key} = {value!r} has no rankdecay counterpart (rankdecay's "
+                             f"{kind['mixer']} takes {' or '.join(map(repr, allowed))}); not converted")
+    for key in ("num_v_heads", "num_kv_heads"):
+        if fla.get(key) not in (None, fla["num_heads"]):
+            raise ValueError(f"fla config {key} = {fla[key]} (grouped heads) has no rankdecay counterpart")
+    head_k, head_v = _head_dims(fla)
+    conv = fla.get("use_short_conv", kind["conv"])
     return RankDecayConfig(
         vocab_size=fla["vocab_size"], hidden_size=fla["hidden_size"], num_hidden_layers=fla["num_hidden_layers"],
-        mixer="gdn", num_heads=fla["num_heads"], head_k_dim=head_k, head_v_dim=head_v,
-        use_short_conv=fla.get("use_short_conv", True), conv_size=fla.get("conv_size", 4),
-        allow_neg_eigval=bool(fla.get("allow_neg_eigval", False)), intermediate_size=fla.get("intermediate_size"),
-        rms_norm_eps=fla.get("norm_eps", 1e-6), initializer_range=fla.get("initializer_range", 0.02),
-        tie_word_embeddings=fla.get("tie_word_embeddings", False), use_cache=fla.get("use_cache", True),
-        bos_token_id=fla.get("bos_token_id"), eos_token_id=fla.get("eos_token_id"),
-        pad_token_id=fla.get("pad_token_id"))
+        mixer=kind["mixer"], num_heads=fla["num_heads"], head_k_dim=head_k, head_v_dim=head_v,
+        use_short_conv=conv, conv_size=fla.get("conv_size", 4),
+        # GLA without a convolution takes q, k, v as projected; every other case has the SiLU
+        qkv_activation="silu" if conv or name != "gla" else None,
+        use_output_gate=bool(fla.get(*kind["gate"])),
+        allow_neg_eigval=bool(fla.get("allow_neg_eigval", False)) if name != "gla" else None,
+        intermediate_size=_intermediate_size(fla), rms_norm_eps=fla.get("norm_eps", 1e-6),
+        initializer_range=fla.get("initializer_range", 0.02), tie_word_embeddings=fla.get("tie_word_embeddings", False),
+        use_cache=fla.get("use_cache", True), bos_token_id=fla.get("bos_token_id"),
+        eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"))
 
 
 def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fla's Gated DeltaNet weights under rankdecay's names (the tensors themselves, reshaped where needed)."""
+    """fla's (Gated) DeltaNet and GLA weights under rankdecay's names (the tensors themselves, reshaped where
+    needed)."""
     out = {}
     for name, tensor in state.items():
         new = name.replace(".attn.", ".mixer.")
+        for norm in ("g_norm_swish_gate.weight", "g_norm.weight"):  # GLA's output norm
+            if new.endswith(f".mixer.{norm}"):
+                new = new.replace(norm, "o_norm.weight")
         for conv in ("q", "k", "v"):
             if new.endswith(f".mixer.{conv}_conv1d.weight"):
                 new = new.replace(f"{conv}_conv1d.weight", f"{conv}_conv.weight")
@@ -71,7 +120,8 @@ def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def from_fla(source, dtype: torch.dtype | None = None):
-    """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``.
+    """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``, ``DeltaNetForCausalLM`` or
+    ``GLAForCausalLM``.
 
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
         be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``
@@ -97,7 +147,7 @@ def from_fla(source, dtype: torch.dtype | None = None):
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"the fla checkpoint does not match a rankdecay Gated DeltaNet of its config: missing "
+        raise ValueError(f"the fla checkpoint does not match a rankdecay {config.mixer} model of its config: missing "
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
     return model.to(device=device, dtype=dtype).eval()
 

@@ -47,7 +47,9 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
     common = dict(use_short_conv=config.use_short_conv, conv_size=config.conv_size, chunk_size=config.chunk_size,
                   mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx,
                   scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv,
-                  state_dtype=getattr(config, "state_dtype", "float32"))
+                  state_dtype=getattr(config, "state_dtype", "float32"),
+                  use_output_gate=getattr(config, "use_output_gate", True),
+                  qkv_activation=getattr(config, "qkv_activation", "silu"))
     if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "kda", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
     if getattr(config, "gate_logit_normalizer", None) is not None and name in ("gla", "hdla"):

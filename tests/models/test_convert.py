@@ -1,5 +1,5 @@
-"""fla's Gated DeltaNet checkpoints as rankdecay models (``rankdecay.models.from_fla``, ``rankdecay convert-fla``),
-checked against fla itself (flash-linear-attention 0.6.0, in the test extra)."""
+"""fla's Gated DeltaNet, DeltaNet and GLA checkpoints as rankdecay models (``rankdecay.models.from_fla``,
+``rankdecay convert-fla``), checked against fla itself (flash-linear-attention 0.6.0, in the test extra)."""
 import json
 
 import pytest
@@ -24,16 +24,23 @@ def _fla_kernels_run_here(monkeypatch):
         monkeypatch.setattr(autotuner.Autotuner, "_bench", lambda self, *a, config, **k: [0.0, 0.0, 0.0])
 
 
-def _fla_model(seed=0, **overrides):
-    """A tiny fla Gated DeltaNet with its gates, decays and norms moved off their initial values."""
+def _fla_model(seed=0, kind="gated_deltanet", **overrides):
+    """A tiny fla Gated DeltaNet (or DeltaNet) with its gates, decays and norms moved off their initial values."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=2,
-              intermediate_size=192, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False,
-              initializer_range=0.2, bos_token_id=256, eos_token_id=257, pad_token_id=258)
-    model = fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**{**kw, **overrides}))
+    kw = dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_heads=2, fuse_norm=False, fuse_swiglu=False,
+              fuse_cross_entropy=False, initializer_range=0.2, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    if kind == "gated_deltanet":
+        kw.update(head_dim=32, expand_v=2, intermediate_size=192)
+        model = fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**{**kw, **overrides}))
+    elif kind == "delta_net":  # the MLP's width from fla's rule (hidden_ratio 4: 2/3 of 256, rounded up to 256)
+        kw.update(expand_k=1.0, expand_v=2.0)
+        model = fla_models.DeltaNetForCausalLM(fla_models.DeltaNetConfig(**{**kw, **overrides}))
+    else:
+        kw.update(expand_k=1.0, expand_v=2.0, hidden_ratio=3)
+        model = fla_models.GLAForCausalLM(fla_models.GLAConfig(**{**kw, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "A_log" in name or "dt_bias" in name or "norm" in name:
+            if "A_log" in name or "dt_bias" in name or "norm" in name or "gk_proj" in name:
                 p.add_(0.3 * torch.randn_like(p))
     return model.to(DEVICE).eval()
 
@@ -45,16 +52,29 @@ def _batch(T):
     return ids, mask
 
 
-@pytest.mark.parametrize("allow_neg_eigval,tie", [(False, False), (True, True)])
-def test_converted_model_gives_fla_logits(allow_neg_eigval, tie):
+@pytest.mark.parametrize("kind,gate,allow_neg_eigval,tie,conv", [
+    ("gated_deltanet", True, False, False, True), ("gated_deltanet", True, True, True, True),
+    ("gated_deltanet", False, False, True, True), ("delta_net", False, False, False, True),
+    ("delta_net", True, True, True, True), ("gla", True, False, False, False), ("gla", False, False, True, False),
+    ("gla", True, False, True, True),
+])
+def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, conv):
     """The converted model's logits are fla's, to fp32 rounding (relative RMS 1e-5; measured 1.4e-6 on the CPU),
-    for a left-padded batch: β in (0, 1) or (0, 2), the head tied or not. On the CPU fla runs its recurrent
-    kernel (T <= 64: 40); on a GPU also its chunked one (T = 100: its products may be TF32, so to 2^-8)."""
-    fla = _fla_model(allow_neg_eigval=allow_neg_eigval, tie_word_embeddings=tie)
+    for a left-padded batch: Gated DeltaNet, DeltaNet and GLA, with and without the output gate (fla's
+    ``use_gate``, GLA's ``use_output_gate``), β in (0, 1) or (0, 2), the head tied or not, GLA without a short
+    convolution (its default: q, k and v as projected) and with one (SiLU'd), and GLA's MLP at hidden_ratio 3. On
+    the CPU fla runs its recurrent kernels (T <= 64: 40); on a GPU also its chunked ones (T = 100: their products
+    may be TF32, so to 2^-8)."""
+    extra = dict(use_output_gate=gate, use_short_conv=conv) if kind == "gla" else dict(
+        use_gate=gate, allow_neg_eigval=allow_neg_eigval)
+    fla = _fla_model(kind=kind, tie_word_embeddings=tie, **extra)
     ours = from_fla(fla)
     assert next(ours.parameters()).device.type == DEVICE
-    assert ours.config.mixer == "gdn" and ours.config.tie_word_embeddings == tie
-    assert ours.config.allow_neg_eigval == allow_neg_eigval and ours.config.head_v_dim == 64
+    assert ours.config.mixer == {"gated_deltanet": "gdn", "delta_net": "deltanet", "gla": "gla"}[kind]
+    assert ours.config.use_short_conv == conv and (ours.config.qkv_activation is None) == (kind == "gla" and not conv)
+    assert ours.config.tie_word_embeddings == tie and ours.config.use_output_gate == gate
+    assert bool(ours.config.allow_neg_eigval) == allow_neg_eigval and ours.config.head_v_dim == 64
+    assert hasattr(ours.model.layers[0].mixer, "g_proj") == gate
     for T in (40,) if DEVICE == "cpu" else (40, 100):
         ids, mask = _batch(T)
         with torch.no_grad():
@@ -67,20 +87,24 @@ def test_converted_model_gives_fla_logits(allow_neg_eigval, tie):
         assert rel_rms(got[real], ref[real]) < tol, (T, rel_rms(got[real], ref[real]))
 
 
-def test_convert_fla_command_and_a_saved_folder(tmp_path):
+@pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla"])
+def test_convert_fla_command_and_a_saved_folder(tmp_path, kind, capsys):
     """``rankdecay convert-fla SRC OUT`` on a folder fla saved (fla not needed to read it): the model loads with
     ``from_pretrained``, gives fla's logits, and decodes (``generate(graph_decoder=True)``) the tokens of greedy
-    decoding by fla's full forward, token by token; the tokenizer files come along. (fla 0.6.0's own cached
+    decoding by fla's full forward, token by token; the tokenizer files come along. DeltaNet and GLA as fla makes
+    them by default (DeltaNet without the output gate, GLA without a short convolution). (fla 0.6.0's own cached
     ``generate`` under transformers 5.24 leaves that sequence at its second token, so it is not the reference.)"""
     from transformers import AutoModelForCausalLM
 
     from rankdecay.cli import main
 
-    fla = _fla_model(seed=1)
+    fla = _fla_model(seed=1, kind=kind)
     src = tmp_path / "fla"
     fla.save_pretrained(src)
     (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
     assert main(["convert-fla", str(src), str(tmp_path / "ours")]) == 0
+    names = {"gated_deltanet": "Gated DeltaNet", "delta_net": "DeltaNet", "gla": "GLA"}
+    assert f"fla's {names[kind]} in" in capsys.readouterr().out
     assert (tmp_path / "ours" / "tokenizer_config.json").exists()
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").to(DEVICE).eval()
     assert isinstance(ours, RankDecayForCausalLM)
@@ -114,15 +138,33 @@ def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
     assert local_folder(tmp_path / "snapshot") == tmp_path / "snapshot" and len(asked) == 1
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(num_v_heads=4), "num_v_heads = 4"),
-    (dict(use_gate=False), "use_gate = False"),
-    (dict(output_gate_activation="sigmoid"), "output_gate_activation = 'sigmoid'"),
-    (dict(conv_bias=True), "conv_bias = True"),
-    (dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
-    (dict(model_type="gla"), "only fla's Gated DeltaNet"),
+@pytest.mark.parametrize("kind,change,match", [
+    ("gated_deltanet", dict(num_v_heads=4), "num_v_heads = 4"),
+    ("gated_deltanet", dict(output_gate_activation="sigmoid"), "output_gate_activation = 'sigmoid'"),
+    ("gated_deltanet", dict(conv_bias=True), "conv_bias = True"),
+    ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
+    ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet and GLA"),
+    ("delta_net", dict(use_beta=False), "use_beta = False"),
+    ("delta_net", dict(qk_norm="sum"), "qk_norm = 'sum'"),
+    ("delta_net", dict(qk_activation="relu"), "qk_activation = 'relu'"),
+    ("delta_net", dict(expand_k=0.3), "hidden_size \\* expand_k = 19.2"),
+    ("gla", dict(num_kv_heads=1), "num_kv_heads = 1"),
+    ("gla", dict(feature_map="relu"), "feature_map = 'relu'"),
+    ("gla", dict(clamp_min=-1.0), "clamp_min = -1.0"),
+    ("gla", dict(elementwise_affine=False), "elementwise_affine = False"),
+    ("gla", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
 ])
-def test_what_has_no_counterpart_is_refused_by_name(change, match):
-    config = {**_fla_model().config.to_dict(), **change}
+def test_what_has_no_counterpart_is_refused_by_name(kind, change, match):
+    config = {**_fla_model(kind=kind).config.to_dict(), **change}
     with pytest.raises(ValueError, match=match):
         fla_config(config)
+
+
+def test_gla_output_norm_names():
+    """fla's GLA names its output norm ``g_norm_swish_gate`` when fused with the gate (its default) and ``g_norm``
+    otherwise; both are rankdecay's ``o_norm``."""
+    from rankdecay.models.convert import fla_state_dict
+
+    w = torch.ones(3)
+    for name in ("g_norm_swish_gate", "g_norm"):
+        assert list(fla_state_dict({f"model.layers.0.attn.{name}.weight": w})) == ["model.layers.0.mixer.o_norm.weight"]
