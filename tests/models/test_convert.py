@@ -64,7 +64,7 @@ def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, con
     ``use_gate``, GLA's ``use_output_gate``), β in (0, 1) or (0, 2), the head tied or not, GLA without a short
     convolution (its default: q, k and v as projected) and with one (SiLU'd), and GLA's MLP at hidden_ratio 3. On
     the CPU fla runs its recurrent kernels (T <= 64: 40); on a GPU also its chunked ones (T = 100: their products
-    may be TF32, so to 2^-8)."""
+    may be TF32, so to 2^-8), but for DeltaNet's, which takes no fp32."""
     extra = dict(use_output_gate=gate, use_short_conv=conv) if kind == "gla" else dict(
         use_gate=gate, allow_neg_eigval=allow_neg_eigval)
     fla = _fla_model(kind=kind, tie_word_embeddings=tie, **extra)
@@ -75,7 +75,8 @@ def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, con
     assert ours.config.tie_word_embeddings == tie and ours.config.use_output_gate == gate
     assert bool(ours.config.allow_neg_eigval) == allow_neg_eigval and ours.config.head_v_dim == 64
     assert hasattr(ours.model.layers[0].mixer, "g_proj") == gate
-    for T in (40,) if DEVICE == "cpu" else (40, 100):
+    # fla 0.6.0's chunked DeltaNet refuses fp32 inputs ("Please use bfloat16"), so DeltaNet stays at T = 40 there
+    for T in (40,) if DEVICE == "cpu" or kind == "delta_net" else (40, 100):
         ids, mask = _batch(T)
         with torch.no_grad():
             ref = fla(ids, attention_mask=mask).logits
