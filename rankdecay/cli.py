@@ -51,7 +51,7 @@ def _dtype(name: str | None):
                                       "float16": torch.float16}[name]
 
 
-_FLA_NAMES = {"gdn": "Gated DeltaNet", "deltanet": "DeltaNet", "gla": "GLA"}
+_FLA_NAMES = {"gdn": "Gated DeltaNet", "deltanet": "DeltaNet", "gla": "GLA", "gdp": "Gated DeltaProduct"}
 
 
 def _convert_fla(args) -> int:
@@ -287,9 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_synth)
 
     p = sub.add_parser("convert-fla",
-                       help="a flash-linear-attention Gated DeltaNet, DeltaNet or GLA checkpoint as a rankdecay model")
-    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM or GLAForCausalLM was "
-                                  "saved to (config.json + weights), "
+                       help="a flash-linear-attention Gated DeltaNet, DeltaNet, GLA or Gated DeltaProduct "
+                            "checkpoint as a rankdecay model")
+    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM, GLAForCausalLM or "
+                                  "GatedDeltaProductForCausalLM was saved to (config.json + weights), "
                                   "or a Hugging Face Hub repository of one (org/name)")
     p.add_argument("out", help="where to save the rankdecay model (save_pretrained; the tokenizer files are copied)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

@@ -379,7 +379,8 @@ class KDA(DeltaNet):
 
 
 class GatedDeltaProduct(GatedDeltaNet):
-    """Gated DeltaProduct: ``num_householder`` keys, values and betas per token (``use_forget_gate=False``: DeltaProduct)."""
+    """Gated DeltaProduct: ``num_householder`` keys, values and betas per token; ``use_forget_gate=False`` is
+    DeltaProduct (no decay, and none of its parameters: fla's default)."""
 
     decode_kernel = False  # n_h keys per token
 
@@ -388,15 +389,18 @@ class GatedDeltaProduct(GatedDeltaNet):
         if not isinstance(num_householder, int) or num_householder < 1:
             raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
         self.kv_per_token = num_householder
-        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
         self.use_forget_gate = use_forget_gate
+        super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        if not use_forget_gate:
+            del self.a_proj, self.A_log, self.dt_bias
+
+    def gate_projections(self):
+        return super().gate_projections() if self.use_forget_gate else DeltaNet.gate_projections(self)
 
     def gates(self, x, mask, p=None):
-        gates = super().gates(x, mask, p)
+        gates = super().gates(x, mask, p) if self.use_forget_gate else {**DeltaNet.gates(self, x, mask, p), "g": None}
         B, T = x.shape[:2]
         gates["beta"] = gates["beta"].view(B, T, self.kv_per_token, self.num_heads).flatten(1, 2)
-        if not self.use_forget_gate:
-            gates["g"] = None
         return gates
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):

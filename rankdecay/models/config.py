@@ -47,6 +47,7 @@ class RankDecayConfig(PretrainedConfig):
         allow_neg_eigval: β in [0, 2]; None keeps each mechanism's default (True for
             HDLA, as in its paper; False otherwise).
         num_householder: n_h of Gated DeltaProduct.
+        use_forget_gate: Gated DeltaProduct's decay; False is DeltaProduct (fla's default).
         gate_logit_normalizer: τ of the per-channel decays sigmoid(W x)^(1/τ) of GLA and HDLA;
             None keeps each one's default (16 for both, GLA's; 1 is HDLA's eq. 6 as written).
         hh_rank, hh_mask: Head-in-Head groups per head r and "static" / "data" masks.
@@ -84,6 +85,7 @@ class RankDecayConfig(PretrainedConfig):
         qkv_activation: str | None = "silu",
         allow_neg_eigval: bool | None = None,
         num_householder: int = 2,
+        use_forget_gate: bool = True,
         gate_logit_normalizer: float | None = None,
         hh_rank: int = 4,
         hh_mask: str = "static",
@@ -113,6 +115,7 @@ class RankDecayConfig(PretrainedConfig):
         self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
         self.use_output_gate, self.qkv_activation = use_output_gate, qkv_activation
         self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
+        self.use_forget_gate = use_forget_gate
         self.gate_logit_normalizer = gate_logit_normalizer
         self.chunk_size, self.mixer_mode, self.attn_scale = chunk_size, mixer_mode, attn_scale
         self.shared_qk_conv = shared_qk_conv

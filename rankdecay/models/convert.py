@@ -1,4 +1,5 @@
-"""Gated DeltaNet, DeltaNet and GLA checkpoints of flash-linear-attention (fla) as rankdecay models.
+"""Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct checkpoints of flash-linear-attention (fla) as rankdecay
+models.
 
 fla's ``GatedDeltaNetForCausalLM`` (``model_type = "gated_deltanet"``) is the same network as
 ``RankDecayForCausalLM`` with ``mixer="gdn"``: embeddings, N x [RMSNorm -> Gated DeltaNet -> + -> RMSNorm ->
@@ -9,7 +10,9 @@ and ``o_proj``. fla's ``DeltaNetForCausalLM`` (``"delta_net"``) is ``mixer="delt
 no decay, head widths from ``expand_k`` and ``expand_v``, and by default no output gate (``use_gate=False``, rankdecay's
 ``use_output_gate=False``). fla's ``GLAForCausalLM`` (``"gla"``) is ``mixer="gla"``: the gate ``logsigmoid(W2 W1
 x) / 16`` through the same low-rank ``gk_proj``, and, as fla makes it by default, no short convolution and no
-activation on q, k, v (``qkv_activation=None``; with fla's ``use_short_conv`` the SiLU convolutions). So a
+activation on q, k, v (``qkv_activation=None``; with fla's ``use_short_conv`` the SiLU convolutions). fla's
+``GatedDeltaProductForCausalLM`` (``"gated_deltaproduct"``) is ``mixer="gdp"``: ``num_householder`` keys, values
+and βs per token in fla's layout, and by default no forget gate (DeltaProduct, ``use_forget_gate=False``). So a
 checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1,
 W]`` -> ``q_conv.weight [D, W]``) and its config by mapping fields; then rankdecay decodes it with its kernels and
 CUDA graphs, and prunes it (the state-reduction paper prunes such checkpoints). Settings rankdecay has no
@@ -44,13 +47,14 @@ _TYPES = {  # fla model_type: rankdecay's mixer, its fixed fields, the output ga
                       gate=("use_gate", False), conv=True, expand_k=1.0),
     "gla": dict(mixer="gla", fixed={"feature_map": (None,), "clamp_min": (None,), "elementwise_affine": (True,)},
                 gate=("use_output_gate", True), conv=False, expand_k=0.5),
+    "gated_deltaproduct": dict(mixer="gdp", fixed={}, gate=("use_output_gate", True), conv=True, expand_k=None),
 }
 
 
 def _head_dims(fla: dict) -> tuple[int, int]:
     """(head_k_dim, head_v_dim) as fla's layer forms them."""
     heads, kind = fla["num_heads"], _TYPES[fla["model_type"]]
-    if kind["expand_k"] is None:  # Gated DeltaNet: head_dim, and expand_v of it
+    if kind["expand_k"] is None:  # Gated DeltaNet and DeltaProduct: head_dim, and expand_v of it
         head_k = fla["head_dim"]
         return head_k, int(head_k * fla.get("expand_v", 2))
     dims = []
@@ -71,12 +75,12 @@ def _intermediate_size(fla: dict) -> int:
 
 
 def fla_config(fla: dict) -> RankDecayConfig:
-    """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet or GLA config (as a dict: ``config.json`` or
-    ``to_dict()``)."""
+    """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet, GLA or Gated DeltaProduct config (as a dict:
+    ``config.json`` or ``to_dict()``)."""
     name = fla.get("model_type")
     if name not in _TYPES:
-        raise ValueError(f"only fla's Gated DeltaNet, DeltaNet and GLA (model_type {', '.join(map(repr, _TYPES))}) "
-                         f"convert; got {name!r}")
+        raise ValueError(f"only fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct (model_type "
+                         f"{', '.join(map(repr, _TYPES))}) convert; got {name!r}")
     kind = _TYPES[name]
     for key, allowed in {**_SHARED, **kind["fixed"]}.items():
         value = fla.get(key, allowed[0])
@@ -88,7 +92,9 @@ def fla_config(fla: dict) -> RankDecayConfig:
             raise ValueError(f"fla config {key} = {fla[key]} (grouped heads) has no rankdecay counterpart")
     head_k, head_v = _head_dims(fla)
     conv = fla.get("use_short_conv", kind["conv"])
-    return RankDecayConfig(
+    product = dict(num_householder=fla.get("num_householder", 1),
+                   use_forget_gate=bool(fla.get("use_forget_gate", False))) if name == "gated_deltaproduct" else {}
+    return RankDecayConfig(**product,
         vocab_size=fla["vocab_size"], hidden_size=fla["hidden_size"], num_hidden_layers=fla["num_hidden_layers"],
         mixer=kind["mixer"], num_heads=fla["num_heads"], head_k_dim=head_k, head_v_dim=head_v,
         use_short_conv=conv, conv_size=fla.get("conv_size", 4),
@@ -120,8 +126,8 @@ def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def from_fla(source, dtype: torch.dtype | None = None):
-    """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``, ``DeltaNetForCausalLM`` or
-    ``GLAForCausalLM``.
+    """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``, ``DeltaNetForCausalLM``,
+    ``GLAForCausalLM`` or ``GatedDeltaProductForCausalLM``.
 
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
         be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``

@@ -57,7 +57,8 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
     cls, extra = {
         "gdn": (GatedDeltaNet, {}),
         "deltanet": (DeltaNet, {}),
-        "gdp": (GatedDeltaProduct, {"num_householder": config.num_householder}),
+        "gdp": (GatedDeltaProduct, {"num_householder": config.num_householder,
+                                    "use_forget_gate": getattr(config, "use_forget_gate", True)}),
         "kda": (KDA, {}),
         "gla": (GLA, {}),
         "simple_gla": (SimpleGLA, {}),

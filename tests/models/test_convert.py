@@ -1,5 +1,6 @@
-"""fla's Gated DeltaNet, DeltaNet and GLA checkpoints as rankdecay models (``rankdecay.models.from_fla``,
-``rankdecay convert-fla``), checked against fla itself (flash-linear-attention 0.6.0, in the test extra)."""
+"""fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct checkpoints as rankdecay models
+(``rankdecay.models.from_fla``, ``rankdecay convert-fla``), checked against fla itself (flash-linear-attention 0.6.0,
+in the test extra)."""
 import json
 
 import pytest
@@ -32,6 +33,9 @@ def _fla_model(seed=0, kind="gated_deltanet", **overrides):
     if kind == "gated_deltanet":
         kw.update(head_dim=32, expand_v=2, intermediate_size=192)
         model = fla_models.GatedDeltaNetForCausalLM(fla_models.GatedDeltaNetConfig(**{**kw, **overrides}))
+    elif kind == "gated_deltaproduct":
+        kw.update(head_dim=32, expand_v=2, intermediate_size=192)
+        model = fla_models.GatedDeltaProductForCausalLM(fla_models.GatedDeltaProductConfig(**{**kw, **overrides}))
     elif kind == "delta_net":  # the MLP's width from fla's rule (hidden_ratio 4: 2/3 of 256, rounded up to 256)
         kw.update(expand_k=1.0, expand_v=2.0)
         model = fla_models.DeltaNetForCausalLM(fla_models.DeltaNetConfig(**{**kw, **overrides}))
@@ -75,6 +79,10 @@ def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, con
     assert ours.config.tie_word_embeddings == tie and ours.config.use_output_gate == gate
     assert bool(ours.config.allow_neg_eigval) == allow_neg_eigval and ours.config.head_v_dim == 64
     assert hasattr(ours.model.layers[0].mixer, "g_proj") == gate
+    _assert_same_logits(fla, ours, kind)
+
+
+def _assert_same_logits(fla, ours, kind):
     # fla 0.6.0's chunked DeltaNet refuses fp32 inputs ("Please use bfloat16"), so DeltaNet stays at T = 40 there
     for T in (40,) if DEVICE == "cpu" or kind == "delta_net" else (40, 100):
         ids, mask = _batch(T)
@@ -86,6 +94,19 @@ def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, con
         # test_gpu_bf16_reduced_matmul_precision bounds "high"
         tol = 1e-5 if T <= 64 else 2 ** -8
         assert rel_rms(got[real], ref[real]) < tol, (T, rel_rms(got[real], ref[real]))
+
+
+@pytest.mark.parametrize("num_householder,forget,tie", [(2, True, False), (3, False, True)])
+def test_gated_deltaproduct_gives_fla_logits(num_householder, forget, tie):
+    """fla's Gated DeltaProduct: n_h keys, values and βs per token in fla's layout, the forget gate on each token's
+    first sub-step (or none: DeltaProduct, fla's default, which then has no decay parameters here either), β in
+    (0, 2); logits as in ``test_converted_model_gives_fla_logits``."""
+    fla = _fla_model(kind="gated_deltaproduct", num_householder=num_householder, use_forget_gate=forget,
+                     allow_neg_eigval=True, tie_word_embeddings=tie)
+    ours = from_fla(fla)
+    assert ours.config.mixer == "gdp" and ours.config.num_householder == num_householder
+    assert ours.config.use_forget_gate == forget and hasattr(ours.model.layers[0].mixer, "A_log") == forget
+    _assert_same_logits(fla, ours, "gated_deltaproduct")
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla"])
@@ -144,7 +165,7 @@ def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
     ("gated_deltanet", dict(output_gate_activation="sigmoid"), "output_gate_activation = 'sigmoid'"),
     ("gated_deltanet", dict(conv_bias=True), "conv_bias = True"),
     ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
-    ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet and GLA"),
+    ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct"),
     ("delta_net", dict(use_beta=False), "use_beta = False"),
     ("delta_net", dict(qk_norm="sum"), "qk_norm = 'sum'"),
     ("delta_net", dict(qk_activation="relu"), "qk_activation = 'relu'"),
