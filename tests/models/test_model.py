@@ -93,10 +93,15 @@ def test_generate_greedy_equals_manual_loop(mixer):
     assert len(set(got[0, 9:].tolist())) > 1, "the test model should not emit a constant"
 
 
-@pytest.mark.parametrize("mixer", ["gdn", "hh-gdn", "swa"])
-def test_generate_sampling_uses_the_cache_correctly(mixer):
+@pytest.mark.parametrize("mixer,overrides", [
+    ("gdn", {}), ("hh-gdn", {}), ("swa", {}),
+    # the settings fla's checkpoints convert with (rankdecay.models.convert)
+    ("deltanet", {"use_output_gate": False}), ("gdp", {"use_forget_gate": False, "num_householder": 3}),
+    ("gla", {"use_short_conv": False, "qkv_activation": None}),
+])
+def test_generate_sampling_uses_the_cache_correctly(mixer, overrides):
     """With sampling, each step's logits equal a full forward over the sampled sequence."""
-    model = tiny_model(mixer)
+    model = tiny_model(mixer, **overrides)
     ids = random_ids(2, 7)
     with torch.no_grad():
         torch.manual_seed(3)
