@@ -105,9 +105,9 @@ def _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0):
 
 
 def _wide_products(a: torch.Tensor) -> bool:
-    """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``: CUDA, PyTorch
-    2.8 and later, eager): then x's gradient is summed over the slices inside the products, and the weight's comes
-    out of its product in fp32, not rounded to the operands' dtype first."""
+    """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``, on CUDA in eager
+    mode where this PyTorch has it: tried once): then x's gradient is summed over the slices inside the products,
+    and the weight's comes out of its product in fp32, not rounded to the operands' dtype first."""
     global _OUT_DTYPE
     if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
         return False

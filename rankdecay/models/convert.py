@@ -2,23 +2,23 @@
 models.
 
 fla's ``GatedDeltaNetForCausalLM`` (``model_type = "gated_deltanet"``) is the same network as
-``RankDecayForCausalLM`` with ``mixer="gdn"``: embeddings, N x [RMSNorm -> Gated DeltaNet -> + -> RMSNorm ->
-SwiGLU -> +], a final norm and the LM head; the mixer's q, k, v projections with SiLU short convolutions,
-L2-normalised q and k, the gate ``-exp(A_log) softplus(a_proj x + dt_bias)``, β = σ(b_proj x) (x 2 with
-``allow_neg_eigval``), the output RMSNorm times SiLU of ``g_proj x`` (``use_gate``; without it the RMSNorm alone),
-and ``o_proj``. fla's ``DeltaNetForCausalLM`` (``"delta_net"``) is ``mixer="deltanet"`` the same way: no gate and
-no decay, head widths from ``expand_k`` and ``expand_v``, and by default no output gate (``use_gate=False``, rankdecay's
-``use_output_gate=False``). fla's ``GLAForCausalLM`` (``"gla"``) is ``mixer="gla"``: the gate ``logsigmoid(W2 W1
-x) / 16`` through the same low-rank ``gk_proj``, and, as fla makes it by default, no short convolution and no
+``RankDecayForCausalLM`` with ``mixer="gdn"``: embeddings, N x [RMSNorm -> Gated DeltaNet -> + -> RMSNorm -> SwiGLU
+-> +], a final norm and the LM head; the mixer's q, k, v projections with SiLU short convolutions, L2-normalised q
+and k, the gate ``-exp(A_log) softplus(a_proj x + dt_bias)``, β = σ(b_proj x) (x 2 with ``allow_neg_eigval``), the
+output RMSNorm times SiLU of ``g_proj x`` (``use_gate``; without it the RMSNorm alone), and ``o_proj``. fla's
+``DeltaNetForCausalLM`` (``"delta_net"``) is ``mixer="deltanet"`` the same way: no gate and no decay, head widths
+from ``expand_k`` and ``expand_v``, and by default no output gate (``use_gate=False``, rankdecay's
+``use_output_gate=False``). fla's ``GLAForCausalLM`` (``"gla"``) is ``mixer="gla"``: the gate ``logsigmoid(W2 W1 x)
+/ 16`` through the same low-rank ``gk_proj``, and, as fla makes it by default, no short convolution and no
 activation on q, k, v (``qkv_activation=None``; with fla's ``use_short_conv`` the SiLU convolutions). fla's
-``GatedDeltaProductForCausalLM`` (``"gated_deltaproduct"``) is ``mixer="gdp"``: ``num_householder`` keys, values
-and βs per token in fla's layout, and by default no forget gate (DeltaProduct, ``use_forget_gate=False``). So a
-checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1,
-W]`` -> ``q_conv.weight [D, W]``) and its config by mapping fields; then rankdecay decodes it with its kernels and
-CUDA graphs, and prunes it (the state-reduction paper prunes such checkpoints). Settings rankdecay has no
-counterpart for (grouped value heads, attention layers, a sigmoid output gate, convolution biases, DeltaNet
-without β or with another feature map or q/k norm, GLA with grouped key/value heads, a feature map, a clamped
-gate or an output norm without weights, ...) are refused by name rather than dropped.
+``GatedDeltaProductForCausalLM`` (``"gated_deltaproduct"``) is ``mixer="gdp"``: ``num_householder`` keys, values and
+βs per token in fla's layout, and by default no forget gate (DeltaProduct, ``use_forget_gate=False``). So a
+checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``)
+and its config by mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the
+state-reduction paper prunes such checkpoints). Settings rankdecay has no counterpart for (grouped value heads,
+attention layers, a sigmoid output gate, convolution biases, DeltaNet without β or with another feature map or q/k
+norm, GLA with grouped key/value heads, a feature map, a clamped gate or an output norm without weights, ...) are
+refused by name rather than dropped.
 
     from rankdecay.models import from_fla
     model = from_fla("path/to/fla-checkpoint")       # a folder fla saved, or an fla model in memory
@@ -109,8 +109,7 @@ def fla_config(fla: dict) -> RankDecayConfig:
 
 
 def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fla's (Gated) DeltaNet and GLA weights under rankdecay's names (the tensors themselves, reshaped where
-    needed)."""
+    """fla's weights under rankdecay's names (the tensors themselves, reshaped where needed)."""
     out = {}
     for name, tensor in state.items():
         new = name.replace(".attn.", ".mixer.")
