@@ -108,19 +108,18 @@ def _wide_products(a: torch.Tensor) -> bool:
     """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``, on CUDA in eager
     mode where this PyTorch has it: tried once): then x's gradient is summed over the slices inside the products,
     and the weight's comes out of its product in fp32, not rounded to the operands' dtype first."""
-    global _OUT_DTYPE
     if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
         return False
-    if _OUT_DTYPE is None:
+    if a.dtype not in _OUT_DTYPE:
         try:
             one = torch.ones(1, 1, dtype=a.dtype, device=a.device)
-            _OUT_DTYPE = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+            _OUT_DTYPE[a.dtype] = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
         except (TypeError, RuntimeError):
-            _OUT_DTYPE = False
-    return _OUT_DTYPE
+            _OUT_DTYPE[a.dtype] = False
+    return _OUT_DTYPE[a.dtype]
 
 
-_OUT_DTYPE: bool | None = None
+_OUT_DTYPE: dict[torch.dtype, bool] = {}  # per operand dtype: whether torch.mm's out_dtype=fp32 works on CUDA
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
