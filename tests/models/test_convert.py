@@ -82,9 +82,9 @@ def test_converted_model_gives_fla_logits(kind, gate, allow_neg_eigval, tie, con
     _assert_same_logits(fla, ours, kind)
 
 
-def _assert_same_logits(fla, ours, kind):
+def _assert_same_logits(fla, ours, kind, short=40):
     # fla 0.6.0's chunked DeltaNet refuses fp32 inputs ("Please use bfloat16"), so DeltaNet stays at T = 40 there
-    for T in (40,) if DEVICE == "cpu" or kind == "delta_net" else (40, 100):
+    for T in (short,) if DEVICE == "cpu" or kind == "delta_net" else (short, 100):
         ids, mask = _batch(T)
         with torch.no_grad():
             ref = fla(ids, attention_mask=mask).logits
@@ -106,7 +106,7 @@ def test_gated_deltaproduct_gives_fla_logits(num_householder, forget, tie):
     ours = from_fla(fla)
     assert ours.config.mixer == "gdp" and ours.config.num_householder == num_householder
     assert ours.config.use_forget_gate == forget and hasattr(ours.model.layers[0].mixer, "A_log") == forget
-    _assert_same_logits(fla, ours, "gated_deltaproduct")
+    _assert_same_logits(fla, ours, "gated_deltaproduct", short=20)  # (n_h sub-steps a token under the interpreter)
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla"])
