@@ -1,7 +1,7 @@
 """Switching from fla: each of the README's "Switching from fla" rows against flash-linear-attention's own reference
-(its ``naive`` recurrences, plain PyTorch: fla 0.6.0, in the test extra), outputs and final states, so that the
-table's mapping (names, argument order, layouts, the sign of fla's DPLR term, fla's retention decays) is what a
-user gets."""
+(its ``naive`` recurrences, plain PyTorch: fla 0.6.0, in the test extra): outputs, final states and the gradients of
+every input, so that the table's mapping (names, argument order, layouts, the sign of fla's DPLR term, fla's
+retention decays) is what a user gets, in training too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,70 +24,86 @@ def _qkv():
     return q, k, v, _rand(B, H, K, V, seed=4)
 
 
-def _same(ours, ref, what):
-    (o, s), (o_ref, s_ref) = ours, ref
-    assert rel_rms(o, o_ref) < 1e-5, (what, "o", rel_rms(o, o_ref))
-    if s_ref is not None:
-        assert rel_rms(s, s_ref) < 1e-5, (what, "final state", rel_rms(s, s_ref))
+def _check(ours, ref, inputs, what):
+    """ours(*inputs) and ref(*inputs) return (o [B, T, H, V], final state or None): equal outputs and final states,
+    and equal gradients of every input under one random weighting of both."""
+    results = []
+    for fn in (ours, ref):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        o, s = fn(*leaves)
+        loss = (o * _rand(*o.shape, seed=20)).sum() + (0 if s is None else (s * _rand(*s.shape, seed=21)).sum())
+        results.append([o, s] + list(torch.autograd.grad(loss, leaves)))
+    names = ["o", "final state"] + [f"d input {i}" for i in range(len(inputs))]
+    for name, got, exp in zip(names, *results):
+        if exp is not None:
+            assert rel_rms(got, exp) < 1e-5, (what, name, rel_rms(got, exp))
 
 
 def _head_first(*xs):
-    return [x.transpose(1, 2).contiguous() for x in xs]
+    return [x.transpose(1, 2) for x in xs]
 
 
 def test_linear_attn_is_fla_without_its_normaliser():
     from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
 
-    q, k, v, h0 = _qkv()
-    ref = naive_recurrent_linear_attn(q, k, v, initial_state=h0, output_final_state=True, normalize=False)
-    _same(ops.linear_attn(q, k, v, initial_state=h0, output_final_state=True), ref, "linear_attn")
+    _check(lambda q, k, v, h0: ops.linear_attn(q, k, v, initial_state=h0, output_final_state=True),
+           lambda q, k, v, h0: naive_recurrent_linear_attn(q, k, v, initial_state=h0, output_final_state=True,
+                                                          normalize=False),
+           _qkv(), "linear_attn")
 
 
 def test_simple_gla_and_gla():
     from fla.ops.gla.naive import naive_recurrent_gla
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
-    q, k, v, h0 = _qkv()
     g = F.logsigmoid(_rand(B, T, H, seed=5) + 2)
-    ref = naive_recurrent_simple_gla(q, k, v, g, initial_state=h0.clone(), output_final_state=True)
-    _same(ops.simple_gla(q, k, v, g, initial_state=h0, output_final_state=True), ref, "simple_gla")
+    _check(lambda q, k, v, h0, g: ops.simple_gla(q, k, v, g, initial_state=h0, output_final_state=True),
+           lambda q, k, v, h0, g: naive_recurrent_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True),
+           [*_qkv(), g], "simple_gla")
     gk = F.logsigmoid(_rand(B, T, H, K, seed=6) + 2)
-    ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
-    _same(ops.gla(q, k, v, gk, initial_state=h0, output_final_state=True), ref, "gla")
+    _check(lambda q, k, v, h0, g: ops.gla(q, k, v, g, initial_state=h0, output_final_state=True),
+           lambda q, k, v, h0, g: naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True),
+           [*_qkv(), gk], "gla")
 
 
 def test_retention_with_fla_decays():
     """fla's retention forms each head's decay from its index, γ_h = 1 - 2^(-5-h); ours takes log γ."""
     from fla.ops.retention.naive import naive_retention
 
-    q, k, v, _ = _qkv()
     log_gamma = torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32, device=DEVICE)))
-    o_ref = naive_retention(*_head_first(q, k, v)).transpose(1, 2)
-    o, _ = ops.retention(q, k, v, log_gamma)
-    assert rel_rms(o, o_ref) < 1e-5
+    _check(lambda q, k, v: (ops.retention(q, k, v, log_gamma)[0], None),
+           lambda q, k, v: (naive_retention(*_head_first(q, k, v)).transpose(1, 2), None),
+           _qkv()[:3], "retention")
 
 
 def test_delta_rule_and_gated_delta_rule():
     from fla.ops.delta_rule.naive import delta_rule_recurrence
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-    q, k, v, h0 = _qkv()
     beta = torch.sigmoid(_rand(B, T, H, seed=7))
-    o_ref, s_ref = delta_rule_recurrence(*_head_first(q, k, v, beta), initial_state=h0.clone())
-    _same(ops.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True), (o_ref.transpose(1, 2), s_ref),
-          "delta_rule")
+
+    def fla_delta(q, k, v, h0, beta):
+        o, s = delta_rule_recurrence(*_head_first(q, k, v, beta), initial_state=h0)
+        return o.transpose(1, 2), s
+
+    _check(lambda q, k, v, h0, beta: ops.delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True),
+           fla_delta, [*_qkv(), beta], "delta_rule")
     g = F.logsigmoid(_rand(B, T, H, seed=8) + 2)
-    ref = naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0.clone(), output_final_state=True)
-    _same(ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True), ref, "gated_delta_rule")
+    _check(lambda q, k, v, h0, beta, g: ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                             output_final_state=True),
+           lambda q, k, v, h0, beta, g: naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0,
+                                                                         output_final_state=True),
+           [*_qkv(), beta, g], "gated_delta_rule")
 
 
 def test_kda():
     from fla.ops.kda.naive import naive_recurrent_kda
 
-    q, k, v, h0 = _qkv()
     g, beta = F.logsigmoid(_rand(B, T, H, K, seed=9) + 2), torch.sigmoid(_rand(B, T, H, seed=10))
-    ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True)
-    _same(ops.kda(q, k, v, g, beta, initial_state=h0, output_final_state=True), ref, "kda")
+    _check(lambda q, k, v, h0, g, beta: ops.kda(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+           lambda q, k, v, h0, g, beta: naive_recurrent_kda(q, k, v, g, beta, initial_state=h0,
+                                                            output_final_state=True),
+           [*_qkv(), g, beta], "kda")
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -98,23 +114,31 @@ def test_gated_delta_product(gated):
     n = 2
     k = F.normalize(_rand(B, T * n, H, K, seed=11), dim=-1)
     v, beta = _rand(B, T * n, H, V, seed=12), torch.sigmoid(_rand(B, T * n, H, seed=13))
-    g = F.logsigmoid(_rand(B, T, H, seed=14) + 2) if gated else None
-    ref = naive_recurrent_gated_delta_product(q, k, v, g, beta, K ** -0.5, initial_state=h0.clone(),
-                                              output_final_state=True, num_householder=n)
-    _same(ops.gated_delta_product(q, k, v, g, beta, n, initial_state=h0, output_final_state=True), ref, "gdp")
+    inputs = [q, k, v, h0, beta] + ([F.logsigmoid(_rand(B, T, H, seed=14) + 2)] if gated else [])
+    _check(lambda q, k, v, h0, beta, g=None: ops.gated_delta_product(q, k, v, g, beta, n, initial_state=h0,
+                                                                    output_final_state=True),
+           lambda q, k, v, h0, beta, g=None: naive_recurrent_gated_delta_product(
+               q, k, v, g, beta, K ** -0.5, initial_state=h0, output_final_state=True, num_householder=n),
+           inputs, "gated_delta_product")
 
 
 def test_dplr_with_fla_sign_and_roles():
     """fla's DPLR is S_t = (Diag(e^gk) + b aᵀ) S_{t-1} + k vᵀ (its ``a`` read against the state, ``b`` written
     back, a plus sign); ours is (Diag(e^g) - a bᵀ) S_{t-1} + k vᵀ with a rank dimension: so fla's (a, b) is ours
-    (a=-b, b=a). Here the delta rule written both ways (fla's a = k, b = -βk)."""
+    (a=-b, b=a). Here with the delta rule's vectors (fla's a = k, b = -βk) perturbed apart, so that the roles of a
+    and b are told apart."""
     from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
 
     q, k, v, h0 = _qkv()
     beta = torch.sigmoid(_rand(B, T, H, seed=15))[..., None]
-    a_fla, b_fla = k, -beta * k
+    a_fla = F.normalize(k + 0.3 * _rand(B, T, H, K, seed=17), dim=-1)
+    b_fla = -beta * k
     gk = F.logsigmoid(_rand(B, T, H, K, seed=16) + 2)
-    o_ref, s_ref = dplr_recurrence(*_head_first(q, k, v, a_fla, b_fla, gk), initial_state=h0.clone())
-    ours = ops.dplr(q, k, v, a=-b_fla[..., None, :], b=a_fla[..., None, :], g=gk, initial_state=h0,
-                    output_final_state=True)
-    _same(ours, (o_ref.transpose(1, 2), s_ref), "dplr")
+
+    def fla_dplr(q, k, v, h0, a, b, gk):
+        o, s = dplr_recurrence(*_head_first(q, k, v, a, b, gk), initial_state=h0)
+        return o.transpose(1, 2), s
+
+    _check(lambda q, k, v, h0, a, b, gk: ops.dplr(q, k, v, a=-b[..., None, :], b=a[..., None, :], g=gk,
+                                                   initial_state=h0, output_final_state=True),
+           fla_dplr, [q, k, v, h0, a_fla, b_fla, gk], "dplr")
