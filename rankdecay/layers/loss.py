@@ -29,6 +29,9 @@ autocast; else the inputs'), the softmax and the loss in fp32 from the logits so
 products write fp32 themselves (``torch.mm``'s ``out_dtype``), so there x's gradient is summed inside its products
 and the weight's is not rounded to bf16 on the way (the plain path under autocast rounds it).
 
+``label_smoothing`` is ``F.cross_entropy``'s: its term needs only each row's sum of logits (x · Σ_j w_j) and adds to
+the gradients in closed form, O(N·D + V·D), outside the slices and their kernels.
+
 ``RankDecayConfig(fuse_linear_cross_entropy=True)`` makes ``RankDecayForCausalLM`` take it in training (its output's
 logits are then None), and so ``rankdecay train --set fuse_linear_cross_entropy=true``.
 """
@@ -122,9 +125,33 @@ def _wide_products(a: torch.Tensor) -> bool:
 _OUT_DTYPE: dict[torch.dtype, bool] = {}  # per operand dtype: whether torch.mm's out_dtype=fp32 works on CUDA
 
 
+def _logit_sums(xd, weight, bias, wide):
+    """Σ_j z_ij for every row i, [N] in ``wide``: x_i · Σ_j w_j (+ Σ_j b_j), no logits formed."""
+    sums = xd.to(wide) @ weight.to(xd.dtype).sum(0, dtype=wide)
+    return sums if bias is None else sums + bias.to(xd.dtype).sum(dtype=wide)
+
+
+def _smoothing_grads(gs, target, valid, xd, weight, dx, dw, db):
+    """Adds label smoothing's term to the gradients in place: d loss_i / d z_ij gains gs_i (onehot(t_i)_j - 1 / V)
+    (gs_i = ε times the token's incoming gradient, 0 where ignored), so dx_i gains gs_i (w_{t_i} - mean_j w_j), the
+    weight's row j gains Σ_{i: t_i = j} gs_i x_i - Σ_i gs_i x_i / V, and the bias likewise. O(N·D + V·D): once, not
+    per slice."""
+    V, t = weight.shape[0], torch.where(valid, target, 0)
+    w = weight.to(xd.dtype)
+    if dx is not None:
+        dx += gs[:, None] * (w[t].to(dx.dtype) - w.sum(0, dtype=dx.dtype) / V)
+    if dw is not None:
+        xs = gs[:, None] * xd.to(gs.dtype)
+        dw.index_add_(0, t, xs.to(dw.dtype))
+        dw -= (xs.sum(0) / V).to(dw.dtype)
+    if db is not None:
+        db.index_add_(0, t, gs.to(db.dtype))
+        db -= (gs.sum() / V).to(db.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype):
+    def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype, smoothing: float):
         # x [N, D], target [N]: per-token losses [N] fp32 (0 where ignored); keeps the log-sum-exp [N]
         kernels = _triton_kernels(x, dtype)
         if kernels:
@@ -140,8 +167,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 lse, picked = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0)
         ctx.save_for_backward(x, target, weight, bias, lse)
-        ctx.ignore_index, ctx.width, ctx.dtype = ignore_index, width, dtype
-        return torch.where(valid, lse - picked, 0.0)
+        ctx.ignore_index, ctx.width, ctx.dtype, ctx.smoothing = ignore_index, width, dtype, smoothing
+        loss = lse - picked
+        if smoothing:  # (1 - ε) of the target's term and ε of the mean logit's: ε (lse - Σ_j z_j / V) more
+            loss = loss + smoothing * (picked - _logit_sums(xd, weight, bias, lse.dtype) / V)
+        return torch.where(valid, loss, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
@@ -172,14 +202,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_x:
                 wj = weight[v0:v1].to(dtype)
                 dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
-        return (None if dx is None else dx.to(x.dtype), None, dw, db, None, None, None)
+        if ctx.smoothing:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V) per token, in closed form
+            _smoothing_grads(ctx.smoothing * torch.where(valid, grad, 0.0), target, valid, xd, weight, dx, dw, db)
+        return (None if dx is None else dx.to(x.dtype), None, dw, db, None, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         ignore_index: int = -100, reduction: str = "mean", vocab_chunk_size: int | None = None
-                         ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...)`` over the
-    leading dimensions, without forming all the logits at once (the module docstring says how).
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         vocab_chunk_size: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...,
+    label_smoothing=...)`` over the leading dimensions, without forming all the logits at once (the module docstring
+    says how).
 
     Args:
         x: [..., D] hidden rows (any floating dtype; under autocast the products take autocast's).
@@ -187,6 +220,9 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         weight: [V, D]; bias: [V] or None (an LM head's ``weight`` and ``bias``).
         reduction: ``"mean"`` over the rows not ignored (NaN where every row is, as ``F.cross_entropy``), ``"sum"``,
             or ``"none"``: [...], 0 at ignored rows.
+        label_smoothing: ε in [0, 1]: the target is (1 - ε) onehot + ε / V, as ``F.cross_entropy``'s (and fla's
+            ``FusedLinearCrossEntropyLoss``'s). Its term needs each row's sum of logits, x · Σ_j w_j, and adds to the
+            gradients in closed form: the slices are untouched.
         vocab_chunk_size: vocabulary entries per slice (each slice's logits are [N, vocab_chunk_size]); None:
             ``default_vocab_chunk_size`` (a slice's logits within 2^26 entries on a GPU, 2^23 elsewhere).
     Returns a scalar (``"mean"``, ``"sum"``) or [...] (``"none"``), fp32 (fp64 for fp64 inputs), with autograd to
@@ -207,6 +243,9 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
                          f"{list(getattr(target, 'shape', []))}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1]; got {label_smoothing!r}")
     if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool)
                                          or vocab_chunk_size < 1):
         raise ValueError(f"vocab_chunk_size must be a positive int or None; got {vocab_chunk_size!r}")
@@ -226,7 +265,8 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
     width = vocab_chunk_size or default_vocab_chunk_size(
         xf.shape[0], V, SLICE_LOGITS if _triton_kernels(xf, dtype) else SLICE_LOGITS_PYTORCH)
     with torch.autocast(x.device.type, enabled=False):
-        losses = _LinearCrossEntropy.apply(xf, tf.contiguous(), weight, bias, ignore_index, width, dtype)
+        losses = _LinearCrossEntropy.apply(xf, tf.contiguous(), weight, bias, ignore_index, width, dtype,
+                                           float(label_smoothing))
     if reduction == "none":
         return losses.view(shape)
     if reduction == "sum":

@@ -50,6 +50,23 @@ def test_matches_the_logits_path(reduction, vocab_chunk_size, bias):
         assert (got[t == -100] == 0).all()
 
 
+@pytest.mark.parametrize("smoothing", [0.1, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_smoothing_matches_f_cross_entropy(reduction, smoothing):
+    """``label_smoothing`` as ``F.cross_entropy``'s: losses and the gradients of x, weight and bias (fp64, exact to
+    rounding), with ignored rows and slices that do not divide V; its term is formed in closed form, outside the
+    slices."""
+    x, t, w, b = _inputs()
+    got = linear_cross_entropy(x, t, w, b, reduction=reduction, label_smoothing=smoothing, vocab_chunk_size=7)
+    ref = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), reduction=reduction,
+                          label_smoothing=smoothing)
+    ref = ref.view(t.shape) if reduction == "none" else ref
+    weights = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(1))
+    assert_matches(got, ref, 1e-12, f"{reduction} loss")
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert_matches(g, r, 1e-12, f"{reduction} d{name}")
+
+
 def test_gradcheck():
     x, t, w, b = _inputs(shape=(2, 5), D=4, V=6)
     t[0, 0] = -100
@@ -121,14 +138,16 @@ def test_default_vocab_chunk_size():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocast):
+def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocast, smoothing):
     """The slices' softmax statistics and gradient in Triton (on the CPU under the interpreter) against the same
     function's PyTorch form and the logits path: losses and the gradients of x, weight and bias, fp32 and under bf16
     autocast, slices that do not divide V = 45, rows narrower than a slice's width (the kernels' column loop, with
     its block held to 8), targets on the slices' edges, and ``ignore_index = 3``, a class index, so that a row
-    holding it has no loss and no gradient while class 3 is an ordinary column elsewhere."""
+    holding it has no loss and no gradient while class 3 is an ordinary column elsewhere; with and without label
+    smoothing (its term is outside the kernels, so both paths take it the same way)."""
     from rankdecay.ops.triton import cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +160,8 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
     def run(kernels):
         monkeypatch.setattr(loss_module, "_triton_kernels", lambda x, dtype: kernels)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            got = linear_cross_entropy(x, t, w, b, ignore_index=3, reduction=reduction, vocab_chunk_size=20)
+            got = linear_cross_entropy(x, t, w, b, ignore_index=3, reduction=reduction, vocab_chunk_size=20,
+                                       label_smoothing=smoothing)
         return got, _grads(got, (x, w, b), weights if reduction == "none" else 1.0)
 
     monkeypatch.setattr(cross_entropy, "MAX_BLOCK", 8)
@@ -155,7 +175,8 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
     if reduction == "none":
         assert (got.view(-1)[[6, 7, 8, 20]] == 0).all() and (got.view(-1)[:6] > 0).all()
     if not autocast:
-        plain = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), ignore_index=3, reduction=reduction)
+        plain = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), ignore_index=3, reduction=reduction,
+                                label_smoothing=smoothing)
         assert_matches(got, plain.view(got.shape), 1e-6, "losses against the logits path")
 
 
@@ -165,6 +186,8 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
     (lambda x, t, w, b: linear_cross_entropy(x, t.float(), w, b), ValueError, "target must be an integer tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t[:, :3], w, b), ValueError, "target must be an integer tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="avg"), ValueError, "reduction must be one of"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, label_smoothing=1.5), ValueError,
+     "label_smoothing must be a number in \\[0, 1\\]"),
     (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, vocab_chunk_size=0), ValueError,
      "vocab_chunk_size must be a positive"),
     (lambda x, t, w, b: linear_cross_entropy(x.long(), t, w, b), TypeError, "x must be a floating-point tensor"),
