@@ -69,8 +69,7 @@ def _convert_fla(args) -> int:
             shutil.copy2(f, Path(args.out, f.name))
             copied.append(f.name)
     print(f"converted fla's {_FLA_NAMES[model.config.mixer]} in {args.source} ({model.num_params() / 1e6:.2f}M "
-          f"parameters) to "
-          f"{args.out}" + (f", with {', '.join(copied)}" if copied else ""))
+          f"parameters) to {args.out}" + (f", with {', '.join(copied)}" if copied else ""))
     return 0
 
 

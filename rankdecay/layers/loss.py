@@ -83,10 +83,10 @@ def _triton_kernels(x: torch.Tensor, dtype: torch.dtype) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _slice_logits(xd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int
-                  ) -> torch.Tensor:
-    """Entries v0 .. v1 - 1 of every row's logits, [N, v1 - v0] in the products' dtype (xd's)."""
-    return F.linear(xd, weight[v0:v1].to(xd.dtype), None if bias is None else bias[v0:v1].to(xd.dtype))
+def _slice_logits(xd: torch.Tensor, wj: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int) -> torch.Tensor:
+    """Entries v0 .. v1 - 1 of every row's logits, [N, v1 - v0] in the products' dtype (xd's); wj is the weight's
+    rows v0 .. v1 - 1 in that dtype (the backward's product for x's gradient reads them too)."""
+    return F.linear(xd, wj, None if bias is None else bias[v0:v1].to(xd.dtype))
 
 
 def _torch_slice_logsumexp(logits, lse, picked, target, valid, v0):
@@ -161,7 +161,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse = torch.full(target.shape, float("-inf"), dtype=_wide(dtype), device=x.device)
         picked = torch.zeros_like(lse)
         for v0 in range(0, V, width):
-            logits = _slice_logits(xd, weight, bias, v0, min(V, v0 + width))
+            v1 = min(V, v0 + width)
+            logits = _slice_logits(xd, weight[v0:v1].to(dtype), bias, v0, v1)
             if kernels:
                 slice_logsumexp_(logits, lse, picked, target, v0)
             else:
@@ -189,7 +190,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         db = torch.empty_like(bias) if need_b else None
         for v0 in range(0, V, width):
             v1 = min(V, v0 + width)
-            logits = _slice_logits(xd, weight, bias, v0, v1)
+            wj = weight[v0:v1].to(dtype)
+            logits = _slice_logits(xd, wj, bias, v0, v1)
             if kernels:  # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient
                 p = slice_softmax_grad_(logits, lse, target, grad, v0, ctx.ignore_index)
             else:
@@ -200,7 +202,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_w:
                 dw[v0:v1] = torch.mm(p.t(), xd, out_dtype=torch.float32) if wide else (p.t() @ xd).to(dw.dtype)
             if need_x:
-                wj = weight[v0:v1].to(dtype)
                 dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
         if ctx.smoothing:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V) per token, in closed form
             _smoothing_grads(ctx.smoothing * torch.where(valid, grad, 0.0), target, valid, xd, weight, dx, dw, db)

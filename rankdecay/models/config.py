@@ -26,6 +26,11 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def swiglu_width(hidden_size: int, hidden_ratio: float = 4) -> int:
+    """fla's SwiGLU width rule: 2/3 of hidden_size x hidden_ratio, rounded up to a multiple of 256."""
+    return 256 * -(-int(hidden_size * hidden_ratio * 2 / 3) // 256)
+
+
 class RankDecayConfig(PretrainedConfig):
     """Configuration of a rankdecay language model.
 
@@ -122,7 +127,7 @@ class RankDecayConfig(PretrainedConfig):
         self.swa_window, self.swa_num_heads, self.swa_head_dim, self.rope_theta = (
             swa_window, swa_num_heads, swa_head_dim, rope_theta)
         if intermediate_size is None:
-            intermediate_size = 256 * -(-int(hidden_size * 8 / 3) // 256)
+            intermediate_size = swiglu_width(hidden_size)
         self.intermediate_size, self.rms_norm_eps, self.initializer_range = (
             intermediate_size, rms_norm_eps, initializer_range)
         self.use_cache, self.state_dtype = use_cache, state_dtype

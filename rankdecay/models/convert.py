@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .config import RankDecayConfig
+from .config import RankDecayConfig, swiglu_width
 
 # fla config fields that change the network, and the values rankdecay's models have (the first value is the default
 # where the config does not name the field): those every converted model shares, then each model type's own
@@ -66,14 +66,6 @@ def _head_dims(fla: dict) -> tuple[int, int]:
     return dims[0], dims[1]
 
 
-def _intermediate_size(fla: dict) -> int:
-    """fla's GatedMLP width: ``intermediate_size``, or 2/3 of hidden_size x hidden_ratio (4) rounded up to 256."""
-    if fla.get("intermediate_size") is not None:
-        return fla["intermediate_size"]
-    width = int(fla["hidden_size"] * (fla.get("hidden_ratio") or 4) * 2 / 3)
-    return 256 * -(-width // 256)
-
-
 def fla_config(fla: dict) -> RankDecayConfig:
     """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet, GLA or Gated DeltaProduct config (as a dict:
     ``config.json`` or ``to_dict()``)."""
@@ -94,7 +86,8 @@ def fla_config(fla: dict) -> RankDecayConfig:
     conv = fla.get("use_short_conv", kind["conv"])
     product = dict(num_householder=fla.get("num_householder", 1),
                    use_forget_gate=bool(fla.get("use_forget_gate", False))) if name == "gated_deltaproduct" else {}
-    return RankDecayConfig(**product,
+    mlp = fla.get("intermediate_size") or swiglu_width(fla["hidden_size"], fla.get("hidden_ratio") or 4)
+    return RankDecayConfig(
         vocab_size=fla["vocab_size"], hidden_size=fla["hidden_size"], num_hidden_layers=fla["num_hidden_layers"],
         mixer=kind["mixer"], num_heads=fla["num_heads"], head_k_dim=head_k, head_v_dim=head_v,
         use_short_conv=conv, conv_size=fla.get("conv_size", 4),
@@ -102,10 +95,10 @@ def fla_config(fla: dict) -> RankDecayConfig:
         qkv_activation="silu" if conv or name != "gla" else None,
         use_output_gate=bool(fla.get(*kind["gate"])),
         allow_neg_eigval=bool(fla.get("allow_neg_eigval", False)) if name != "gla" else None,
-        intermediate_size=_intermediate_size(fla), rms_norm_eps=fla.get("norm_eps", 1e-6),
+        intermediate_size=mlp, rms_norm_eps=fla.get("norm_eps", 1e-6),
         initializer_range=fla.get("initializer_range", 0.02), tie_word_embeddings=fla.get("tie_word_embeddings", False),
         use_cache=fla.get("use_cache", True), bos_token_id=fla.get("bos_token_id"),
-        eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"))
+        eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"), **product)
 
 
 def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
