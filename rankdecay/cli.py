@@ -51,14 +51,11 @@ def _dtype(name: str | None):
                                       "float16": torch.float16}[name]
 
 
-_FLA_NAMES = {"gdn": "Gated DeltaNet", "deltanet": "DeltaNet", "gla": "GLA", "gdp": "Gated DeltaProduct"}
-
-
 def _convert_fla(args) -> int:
     import shutil
 
     from .models import from_fla
-    from .models.convert import local_folder
+    from .models.convert import FLA_NAMES, local_folder
 
     source = local_folder(args.source)
     model = from_fla(source, dtype=_dtype(args.dtype))
@@ -68,7 +65,7 @@ def _convert_fla(args) -> int:
         if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
             shutil.copy2(f, Path(args.out, f.name))
             copied.append(f.name)
-    print(f"converted fla's {_FLA_NAMES[model.config.mixer]} in {args.source} ({model.num_params() / 1e6:.2f}M "
+    print(f"converted fla's {FLA_NAMES[model.config.mixer]} in {args.source} ({model.num_params() / 1e6:.2f}M "
           f"parameters) to {args.out}" + (f", with {', '.join(copied)}" if copied else ""))
     return 0
 
@@ -286,10 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_synth)
 
     p = sub.add_parser("convert-fla",
-                       help="a flash-linear-attention Gated DeltaNet, DeltaNet, GLA or Gated DeltaProduct "
+                       help="a flash-linear-attention Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct or KDA "
                             "checkpoint as a rankdecay model")
-    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM, GLAForCausalLM or "
-                                  "GatedDeltaProductForCausalLM was saved to (config.json + weights), "
+    p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM, GLAForCausalLM, "
+                                  "GatedDeltaProductForCausalLM or KDAForCausalLM was saved to (config.json + "
+                                  "weights), "
                                   "or a Hugging Face Hub repository of one (org/name)")
     p.add_argument("out", help="where to save the rankdecay model (save_pretrained; the tokenizer files are copied)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

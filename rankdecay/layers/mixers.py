@@ -29,7 +29,8 @@ from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path 
 from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
-from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, sequence_starts
+from .modules import (GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation,
+                      sequence_starts)
 from .packing import fused_output_linear as _fused_output_linear
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
@@ -63,8 +64,10 @@ class LinearMixer(nn.Module, abc.ABC):
             them (fla's GLA without a convolution).
         qk_norm: "l2" (q and k, the delta family), "k" (k only, HDLA) or None.
         output_norm: RMSNorm on each head's output before the gate.
-        gate_act: activation of the output gate: "silu" or None (a linear gate).
+        gate_act: activation of the output gate: "silu", "sigmoid" (Kimi Linear's) or None (a linear gate).
         use_output_gate: whether there is an output gate at all.
+        output_gate_rank: None: the output gate is one linear map of x (``g_proj``); an int r: a low-rank one,
+            ``Linear(D, r) -> Linear(r, H V)`` with a bias on the second (fla's ``KimiDeltaAttention``, r = V).
         chunk_size: chunk size of the chunked path.
         mode: "chunk" (training and prefill) or "recurrent" (always the per-token path).
             With a cache, inputs of <= 64 tokens use the recurrent path either way.
@@ -95,6 +98,7 @@ class LinearMixer(nn.Module, abc.ABC):
         output_norm: bool = True,
         gate_act: str | None = "silu",
         use_output_gate: bool = True,
+        output_gate_rank: int | None = None,
         qkv_activation: str | None = "silu",
         chunk_size: int = 64,
         mode: str = "chunk",
@@ -120,8 +124,10 @@ class LinearMixer(nn.Module, abc.ABC):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if qk_norm not in ("l2", "k", None):
             raise ValueError(f"qk_norm must be 'l2', 'k' or None, got {qk_norm!r}")
-        if gate_act not in ("silu", None):
-            raise ValueError(f"gate_act must be 'silu' or None, got {gate_act!r}")
+        if gate_act not in GATE_ACTIVATIONS:
+            raise ValueError(f"gate_act must be 'silu', 'sigmoid' or None, got {gate_act!r}")
+        if output_gate_rank is not None and (not isinstance(output_gate_rank, int) or output_gate_rank < 1):
+            raise ValueError(f"output_gate_rank must be None or a positive int, got {output_gate_rank!r}")
         if qkv_activation not in ("silu", None):
             raise ValueError(f"qkv_activation must be 'silu' or None, got {qkv_activation!r}")
         if mode not in ("chunk", "recurrent"):
@@ -146,8 +152,12 @@ class LinearMixer(nn.Module, abc.ABC):
             self.k_conv = ShortConvolution(n * key_dim, conv_size, act,
                                            groups=n * num_heads if shared_qk_conv else None)
             self.v_conv = ShortConvolution(n * value_dim, conv_size, act)
-        if use_output_gate:
+        self.output_gate_rank = output_gate_rank if use_output_gate else None
+        if use_output_gate and output_gate_rank is None:
             self.g_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        elif use_output_gate:
+            self.g_proj = nn.Sequential(nn.Linear(hidden_size, output_gate_rank, bias=False),
+                                        nn.Linear(output_gate_rank, value_dim, bias=True))
         if output_norm:
             self.o_norm = GatedRMSNorm(head_v_dim, norm_eps, gate_act) if use_output_gate else RMSNorm(head_v_dim, norm_eps)
         self.gate_act = gate_act
@@ -164,11 +174,19 @@ class LinearMixer(nn.Module, abc.ABC):
     def input_projections(self) -> tuple[str, ...]:
         """Every linear map of the mixer's input x: q, k, v, the output gate and the gates' own. A decode step
         takes them as one packed product (``rankdecay.layers.packing``)."""
-        return ("q_proj", "k_proj", "v_proj") + (("g_proj",) if self.use_output_gate else ()) + self.gate_projections()
+        gate = () if not self.use_output_gate else ("g_proj",) if self.output_gate_rank is None else ("g_proj.0",)
+        return ("q_proj", "k_proj", "v_proj") + gate + self.gate_projections()
 
     def projected(self, name: str, x: torch.Tensor, p: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The map ``name`` of x: taken from ``p`` (a packed product's outputs) where given, else applied."""
         return p[name] if p is not None else self.get_submodule(name)(x)
+
+    def output_gate(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The output gate's pre-activation [..., H V]: ``g_proj x`` (a low-rank gate's second map applied to its
+        first's output, which ``p`` may hold)."""
+        if self.output_gate_rank is None:
+            return self.projected("g_proj", x, p)
+        return self.g_proj[1](self.projected("g_proj.0", x, p))
 
     def decode_gates(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The gate projections of x for ``ops.gated_delta_rule_decode`` (``a``, ``b``, ``A_log``, ``dt_bias``,
@@ -257,7 +275,7 @@ class LinearMixer(nn.Module, abc.ABC):
                 self.qk_hook(self, q, k)
             o, final_state = self.mix(q, k, v, self.gates(x, mask, p), initial_state=initial_state,
                                       cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
-        gate = self.projected("g_proj", x, p).view(B, T, H, V) if self.use_output_gate else None
+        gate = self.output_gate(x, p).view(B, T, H, V) if self.use_output_gate else None
         fused = None
         if packed is not None:  # a B = 1 decode step on a GPU: the norm and the gate inside the output map's kernel
             act = (self.o_norm.activation if self.output_norm else self.gate_act) if gate is not None else None
@@ -270,7 +288,7 @@ class LinearMixer(nn.Module, abc.ABC):
             if gate is not None and self.output_norm:
                 o = self.o_norm(o, gate)
             elif gate is not None:
-                o = o * (F.silu(gate) if self.gate_act == "silu" else gate)
+                o = o * gate_activation(gate, self.gate_act)
             elif self.output_norm:
                 o = self.o_norm(o)
             o = _output_linear(self.o_proj, o.reshape(B, T, H * V), packed)
@@ -352,13 +370,18 @@ class KDA(DeltaNet):
     """Kimi Delta Attention (``ops.kda``): S_t = (I - β k kᵀ) Diag(α_t) S_{t-1} + β k vᵀ, β = sigmoid(W_β x), with
     Kimi Linear's per-channel decay log α = -exp(A_log) softplus(W_up W_down x + dt_bias): ``A_log`` per head,
     ``dt_bias`` per key channel, W_down of rank ``head_v_dim`` (as fla's ``KimiDeltaAttention``, so that pruning
-    key channels leaves it whole). The block around it is the shared one (SiLU output gate, as every linear mixer
-    here; Kimi Linear's is a sigmoid)."""
+    key channels leaves it whole). With ``gate_lower_bound`` b < 0 (fla's ``lower_bound``) the decay is bounded
+    instead: log α = b sigmoid(exp(A_log) (W_up W_down x + dt_bias)), in (b, 0). The block around it is the shared
+    one, by default with a SiLU output gate; Kimi Linear's, a sigmoid through a low-rank map, is
+    ``gate_act="sigmoid", output_gate_rank=head_v_dim`` (``rankdecay.models.from_fla`` sets them)."""
 
     decode_kernel = False  # the decode kernel takes one gate per head: decoding runs ops.kda's recurrence
 
-    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, **kwargs):
+    def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, gate_lower_bound=None, **kwargs):
+        if gate_lower_bound is not None and not (isinstance(gate_lower_bound, (int, float)) and gate_lower_bound < 0):
+            raise ValueError(f"gate_lower_bound must be None or a negative number, got {gate_lower_bound!r}")
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
+        self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
         self.f_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False),
                                     nn.Linear(self.head_v_dim, num_heads * self.head_k_dim, bias=False))
         _mamba2_decay_params(self, num_heads)
@@ -371,7 +394,11 @@ class KDA(DeltaNet):
     def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
         f = _up(self.f_proj[1](self.projected("f_proj.0", x, p))).view(B, T, self.num_heads, self.head_k_dim)
-        g = -_up(self.A_log).exp()[:, None] * F.softplus(f + _up(self.dt_bias).view(self.num_heads, -1))
+        f = f + _up(self.dt_bias).view(self.num_heads, -1)
+        if self.gate_lower_bound is None:
+            g = -_up(self.A_log).exp()[:, None] * F.softplus(f)
+        else:
+            g = self.gate_lower_bound * torch.sigmoid(_up(self.A_log).exp()[:, None] * f)
         return {**super().gates(x, mask, p), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):

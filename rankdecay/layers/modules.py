@@ -27,15 +27,28 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
+GATE_ACTIVATIONS = ("silu", "sigmoid", None)  # an output gate's activation (None: the gate as it is)
+
+
+def gate_activation(gate: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``silu(gate)``, ``sigmoid(gate)`` or the gate itself (activation None): an output gate's activation."""
+    if activation == "silu":
+        return F.silu(gate)
+    return gate.sigmoid() if activation == "sigmoid" else gate
+
+
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(o) * act(gate)``: the output norm and gate of GDN Fig. 1 (act = SiLU), per head."""
+    """``RMSNorm(o) * act(gate)``: the output norm and gate of GDN Fig. 1 (act = SiLU; Kimi Linear's: sigmoid), per
+    head."""
 
     def __init__(self, dim: int, eps: float = 1e-6, activation: str | None = "silu"):
         super().__init__(dim, eps)
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"activation must be 'silu', 'sigmoid' or None, got {activation!r}")
         self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * (F.silu(gate) if self.activation == "silu" else gate)
+        return super().forward(x) * gate_activation(gate, self.activation)
 
 
 def sequence_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -151,8 +151,8 @@ def fused_output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinear
 
     ``pre(x)``: ``norm(x)`` over each group of ``norm``'s width (an ``RMSNorm`` per head: its weight and eps; the
     group a power of two), ``silu(x)`` (``x_act="silu"``), or x. ``post(u)``: ``silu(u)`` (``u_act="silu"``),
-    u, or 1 without u. So a mixer's output norm and gate (``GatedRMSNorm``), or a SwiGLU's ``silu(gate) * up``,
-    are read by the output map's kernel instead of taking kernels of their own."""
+    ``sigmoid(u)`` (``"sigmoid"``), u, or 1 without u. So a mixer's output norm and gate (``GatedRMSNorm``), or a
+    SwiGLU's ``silu(gate) * up``, are read by the output map's kernel instead of taking kernels of their own."""
     if packed is None or not _plain_linear(linear) or not _one_row(x, linear.weight, linear.bias):
         return None
     if u is not None and (u.shape != x.shape or u.dtype != x.dtype):

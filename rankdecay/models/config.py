@@ -49,10 +49,16 @@ class RankDecayConfig(PretrainedConfig):
             projections without one) or None (fla's GLA without a convolution: q, k, v as projected).
         use_output_gate: the linear mixers' output gate (their output RMSNorm times SiLU of ``g_proj x``); False
             leaves the RMSNorm alone (fla's DeltaNet default, ``use_gate=False``).
+        output_gate_act: the output gate's activation, "silu" or "sigmoid" (Kimi Linear's); None keeps each
+            mechanism's (SiLU; HDLA's gate is linear, its paper's eq. 30).
+        output_gate_rank: None: ``g_proj`` is one linear map; an int r: a low-rank one, D -> r -> H V with a bias on
+            the second map (fla's KDA, r = head_v_dim).
         allow_neg_eigval: β in [0, 2]; None keeps each mechanism's default (True for
             HDLA, as in its paper; False otherwise).
         num_householder: n_h of Gated DeltaProduct.
         use_forget_gate: Gated DeltaProduct's decay; False is DeltaProduct (fla's default).
+        gate_lower_bound: KDA's decay bounded to (b, 0) for a negative b: log α = b sigmoid(exp(A_log) (f +
+            dt_bias)) (fla's ``lower_bound``); None is Kimi Linear's -exp(A_log) softplus(f + dt_bias).
         gate_logit_normalizer: τ of the per-channel decays sigmoid(W x)^(1/τ) of GLA and HDLA;
             None keeps each one's default (16 for both, GLA's; 1 is HDLA's eq. 6 as written).
         hh_rank, hh_mask: Head-in-Head groups per head r and "static" / "data" masks.
@@ -87,10 +93,13 @@ class RankDecayConfig(PretrainedConfig):
         use_short_conv: bool = True,
         conv_size: int = 4,
         use_output_gate: bool = True,
+        output_gate_act: str | None = None,
+        output_gate_rank: int | None = None,
         qkv_activation: str | None = "silu",
         allow_neg_eigval: bool | None = None,
         num_householder: int = 2,
         use_forget_gate: bool = True,
+        gate_lower_bound: float | None = None,
         gate_logit_normalizer: float | None = None,
         hh_rank: int = 4,
         hh_mask: str = "static",
@@ -119,8 +128,9 @@ class RankDecayConfig(PretrainedConfig):
         self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
         self.use_short_conv, self.conv_size, self.allow_neg_eigval = use_short_conv, conv_size, allow_neg_eigval
         self.use_output_gate, self.qkv_activation = use_output_gate, qkv_activation
+        self.output_gate_act, self.output_gate_rank = output_gate_act, output_gate_rank
         self.num_householder, self.hh_rank, self.hh_mask = num_householder, hh_rank, hh_mask
-        self.use_forget_gate = use_forget_gate
+        self.use_forget_gate, self.gate_lower_bound = use_forget_gate, gate_lower_bound
         self.gate_logit_normalizer = gate_logit_normalizer
         self.chunk_size, self.mixer_mode, self.attn_scale = chunk_size, mixer_mode, attn_scale
         self.shared_qk_conv = shared_qk_conv
@@ -157,6 +167,9 @@ class RankDecayConfig(PretrainedConfig):
             raise ValueError(f"hh_rank {self.hh_rank} must divide head_k_dim {head_k}")
         if self.hh_mask not in ("static", "data"):
             raise ValueError(f"hh_mask must be 'static' or 'data', got {self.hh_mask!r}")
+        if getattr(self, "output_gate_act", None) not in (None, "silu", "sigmoid"):
+            raise ValueError(f"output_gate_act must be None (each mechanism's), 'silu' or 'sigmoid', got "
+                             f"{self.output_gate_act!r}")
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
 

@@ -1,22 +1,27 @@
-"""Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct checkpoints of flash-linear-attention (fla) as rankdecay
-models.
+"""Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct and KDA checkpoints of flash-linear-attention (fla) as
+rankdecay models.
 
 fla's ``GatedDeltaNetForCausalLM`` (``model_type = "gated_deltanet"``) is the same network as
 ``RankDecayForCausalLM`` with ``mixer="gdn"``: embeddings, N x [RMSNorm -> Gated DeltaNet -> + -> RMSNorm -> SwiGLU
 -> +], a final norm and the LM head; the mixer's q, k, v projections with SiLU short convolutions, L2-normalised q
 and k, the gate ``-exp(A_log) softplus(a_proj x + dt_bias)``, β = σ(b_proj x) (x 2 with ``allow_neg_eigval``), the
-output RMSNorm times SiLU of ``g_proj x`` (``use_gate``; without it the RMSNorm alone), and ``o_proj``. fla's
+output RMSNorm times SiLU (or sigmoid: ``output_gate_activation``) of ``g_proj x`` (``use_gate``; without it the
+RMSNorm alone), and ``o_proj``. fla's
 ``DeltaNetForCausalLM`` (``"delta_net"``) is ``mixer="deltanet"`` the same way: no gate and no decay, head widths
 from ``expand_k`` and ``expand_v``, and by default no output gate (``use_gate=False``, rankdecay's
 ``use_output_gate=False``). fla's ``GLAForCausalLM`` (``"gla"``) is ``mixer="gla"``: the gate ``logsigmoid(W2 W1 x)
 / 16`` through the same low-rank ``gk_proj``, and, as fla makes it by default, no short convolution and no
 activation on q, k, v (``qkv_activation=None``; with fla's ``use_short_conv`` the SiLU convolutions). fla's
 ``GatedDeltaProductForCausalLM`` (``"gated_deltaproduct"``) is ``mixer="gdp"``: ``num_householder`` keys, values and
-βs per token in fla's layout, and by default no forget gate (DeltaProduct, ``use_forget_gate=False``). So a
+βs per token in fla's layout, and by default no forget gate (DeltaProduct, ``use_forget_gate=False``). fla's
+``KDAForCausalLM`` (``"kda"``, Kimi Linear's mixer) is ``mixer="kda"``: the per-channel gate ``-exp(A_log)
+softplus(f_proj x + dt_bias)`` through fla's low-rank ``f_proj`` (or, with fla's ``lower_bound`` b,
+``b sigmoid(exp(A_log) (f_proj x + dt_bias))``: rankdecay's ``gate_lower_bound``), and its output gate, a sigmoid of
+a low-rank ``g_proj`` with a bias (``output_gate_act="sigmoid"``, ``output_gate_rank=head_v_dim``). So a
 checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``)
 and its config by mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the
 state-reduction paper prunes such checkpoints). Settings rankdecay has no counterpart for (grouped value heads,
-attention layers, a sigmoid output gate, convolution biases, DeltaNet without β or with another feature map or q/k
+attention layers, convolution biases, DeltaNet without β or with another feature map or q/k
 norm, GLA with grouped key/value heads, a feature map, a clamped gate or an output norm without weights, ...) are
 refused by name rather than dropped.
 
@@ -39,16 +44,22 @@ from .config import RankDecayConfig, swiglu_width
 # where the config does not name the field): those every converted model shares, then each model type's own
 _SHARED = {"attn": (None,), "conv_bias": (False,), "attnres_block_size": (None,), "use_l2warp": (False,),
            "hidden_act": ("swish", "silu")}
-_TYPES = {  # fla model_type: rankdecay's mixer, its fixed fields, the output gate's field and default, and the
-    # defaults of use_short_conv and expand_k (Gated DeltaNet's widths come from head_dim)
-    "gated_deltanet": dict(mixer="gdn", fixed={"output_gate_activation": ("swish", "silu")}, gate=("use_gate", True),
-                           conv=True, expand_k=None),
-    "delta_net": dict(mixer="deltanet", fixed={"use_beta": (True,), "qk_norm": ("l2",), "qk_activation": ("silu",)},
-                      gate=("use_gate", False), conv=True, expand_k=1.0),
-    "gla": dict(mixer="gla", fixed={"feature_map": (None,), "clamp_min": (None,), "elementwise_affine": (True,)},
-                gate=("use_output_gate", True), conv=False, expand_k=0.5),
-    "gated_deltaproduct": dict(mixer="gdp", fixed={}, gate=("use_output_gate", True), conv=True, expand_k=None),
+_TYPES = {  # fla model_type: its name, rankdecay's mixer, its fixed fields, the output gate's field and default
+    # (None: always one), and the defaults of use_short_conv, expand_k (None: widths from head_dim) and expand_v
+    "gated_deltanet": dict(name="Gated DeltaNet", mixer="gdn",
+                           fixed={"output_gate_activation": ("swish", "silu", "sigmoid")},
+                           gate=("use_gate", True), conv=True, expand_k=None, expand_v=2),
+    "delta_net": dict(name="DeltaNet", mixer="deltanet",
+                      fixed={"use_beta": (True,), "qk_norm": ("l2",), "qk_activation": ("silu",)},
+                      gate=("use_gate", False), conv=True, expand_k=1.0, expand_v=1.0),
+    "gla": dict(name="GLA", mixer="gla",
+                fixed={"feature_map": (None,), "clamp_min": (None,), "elementwise_affine": (True,)},
+                gate=("use_output_gate", True), conv=False, expand_k=0.5, expand_v=1.0),
+    "gated_deltaproduct": dict(name="Gated DeltaProduct", mixer="gdp", fixed={}, gate=("use_output_gate", True),
+                               conv=True, expand_k=None, expand_v=2),
+    "kda": dict(name="KDA", mixer="kda", fixed={}, gate=None, conv=True, expand_k=None, expand_v=1.0),
 }
+FLA_NAMES = {kind["mixer"]: kind["name"] for kind in _TYPES.values()}  # rankdecay's mixer: the fla model's name
 
 
 def _head_dims(fla: dict) -> tuple[int, int]:
@@ -56,9 +67,9 @@ def _head_dims(fla: dict) -> tuple[int, int]:
     heads, kind = fla["num_heads"], _TYPES[fla["model_type"]]
     if kind["expand_k"] is None:  # Gated DeltaNet and DeltaProduct: head_dim, and expand_v of it
         head_k = fla["head_dim"]
-        return head_k, int(head_k * fla.get("expand_v", 2))
+        return head_k, int(head_k * fla.get("expand_v", kind["expand_v"]))
     dims = []
-    for key, default in (("expand_k", kind["expand_k"]), ("expand_v", 1.0)):  # hidden_size * expand over the heads
+    for key, default in (("expand_k", kind["expand_k"]), ("expand_v", kind["expand_v"])):  # hidden_size * expand
         width = fla["hidden_size"] * fla.get(key, default)
         if width != int(width) or int(width) % heads:
             raise ValueError(f"fla config hidden_size * {key} = {width} is not a whole number of {heads} heads")
@@ -67,12 +78,13 @@ def _head_dims(fla: dict) -> tuple[int, int]:
 
 
 def fla_config(fla: dict) -> RankDecayConfig:
-    """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet, GLA or Gated DeltaProduct config (as a dict:
+    """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct or KDA config (as a dict:
     ``config.json`` or ``to_dict()``)."""
     name = fla.get("model_type")
     if name not in _TYPES:
-        raise ValueError(f"only fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct (model_type "
-                         f"{', '.join(map(repr, _TYPES))}) convert; got {name!r}")
+        *most, last = FLA_NAMES.values()
+        raise ValueError(f"only fla's {', '.join(most)} and {last} (model_type {', '.join(map(repr, _TYPES))}) "
+                         f"convert; got {name!r}")
     kind = _TYPES[name]
     for key, allowed in {**_SHARED, **kind["fixed"]}.items():
         value = fla.get(key, allowed[0])
@@ -87,13 +99,16 @@ def fla_config(fla: dict) -> RankDecayConfig:
     product = dict(num_householder=fla.get("num_householder", 1),
                    use_forget_gate=bool(fla.get("use_forget_gate", False))) if name == "gated_deltaproduct" else {}
     mlp = fla.get("intermediate_size") or swiglu_width(fla["hidden_size"], fla.get("hidden_ratio") or 4)
+    gate = dict(output_gate_act="sigmoid" if fla.get("output_gate_activation") == "sigmoid" else None)
+    if name == "kda":  # Kimi Linear's output gate, and its bounded decay where fla's config sets one
+        gate = dict(output_gate_act="sigmoid", output_gate_rank=head_v, gate_lower_bound=fla.get("lower_bound"))
     return RankDecayConfig(
         vocab_size=fla["vocab_size"], hidden_size=fla["hidden_size"], num_hidden_layers=fla["num_hidden_layers"],
         mixer=kind["mixer"], num_heads=fla["num_heads"], head_k_dim=head_k, head_v_dim=head_v,
         use_short_conv=conv, conv_size=fla.get("conv_size", 4),
         # GLA without a convolution takes q, k, v as projected; every other case has the SiLU
         qkv_activation="silu" if conv or name != "gla" else None,
-        use_output_gate=bool(fla.get(*kind["gate"])),
+        use_output_gate=kind["gate"] is None or bool(fla.get(*kind["gate"])), **gate,
         allow_neg_eigval=bool(fla.get("allow_neg_eigval", False)) if name != "gla" else None,
         intermediate_size=mlp, rms_norm_eps=fla.get("norm_eps", 1e-6),
         initializer_range=fla.get("initializer_range", 0.02), tie_word_embeddings=fla.get("tie_word_embeddings", False),
@@ -119,7 +134,7 @@ def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def from_fla(source, dtype: torch.dtype | None = None):
     """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``, ``DeltaNetForCausalLM``,
-    ``GLAForCausalLM`` or ``GatedDeltaProductForCausalLM``.
+    ``GLAForCausalLM``, ``GatedDeltaProductForCausalLM`` or ``KDAForCausalLM``.
 
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
         be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``

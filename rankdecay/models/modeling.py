@@ -49,11 +49,16 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
                   scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv,
                   state_dtype=getattr(config, "state_dtype", "float32"),
                   use_output_gate=getattr(config, "use_output_gate", True),
+                  output_gate_rank=getattr(config, "output_gate_rank", None),
                   qkv_activation=getattr(config, "qkv_activation", "silu"))
     if config.allow_neg_eigval is not None and name in ("gdn", "deltanet", "gdp", "kda", "hdla", "hh-gdn", "hh-dn"):
         common["allow_neg_eigval"] = config.allow_neg_eigval
     if getattr(config, "gate_logit_normalizer", None) is not None and name in ("gla", "hdla"):
         common["gate_logit_normalizer"] = config.gate_logit_normalizer
+    if getattr(config, "output_gate_act", None) is not None:
+        common["gate_act"] = config.output_gate_act
+    if getattr(config, "gate_lower_bound", None) is not None and name == "kda":
+        common["gate_lower_bound"] = config.gate_lower_bound
     cls, extra = {
         "gdn": (GatedDeltaNet, {}),
         "deltanet": (DeltaNet, {}),

@@ -1,4 +1,4 @@
-"""fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct checkpoints as rankdecay models
+"""fla's Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct and KDA checkpoints as rankdecay models
 (``rankdecay.models.from_fla``, ``rankdecay convert-fla``), checked against fla itself (flash-linear-attention 0.6.0,
 in the test extra)."""
 import json
@@ -26,7 +26,7 @@ def _fla_kernels_run_here(monkeypatch):
 
 
 def _fla_model(seed=0, kind="gated_deltanet", **overrides):
-    """A tiny fla Gated DeltaNet (or DeltaNet) with its gates, decays and norms moved off their initial values."""
+    """A tiny fla model of type ``kind`` with its gates, decays and norms moved off their initial values."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_heads=2, fuse_norm=False, fuse_swiglu=False,
               fuse_cross_entropy=False, initializer_range=0.2, bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -36,6 +36,9 @@ def _fla_model(seed=0, kind="gated_deltanet", **overrides):
     elif kind == "gated_deltaproduct":
         kw.update(head_dim=32, expand_v=2, intermediate_size=192)
         model = fla_models.GatedDeltaProductForCausalLM(fla_models.GatedDeltaProductConfig(**{**kw, **overrides}))
+    elif kind == "kda":  # (expand_v 1 by default)
+        kw.update(head_dim=32, intermediate_size=192)
+        model = fla_models.KDAForCausalLM(fla_models.KDAConfig(**{**kw, **overrides}))
     elif kind == "delta_net":  # the MLP's width from fla's rule (hidden_ratio 4: 2/3 of 256, rounded up to 256)
         kw.update(expand_k=1.0, expand_v=2.0)
         model = fla_models.DeltaNetForCausalLM(fla_models.DeltaNetConfig(**{**kw, **overrides}))
@@ -44,7 +47,7 @@ def _fla_model(seed=0, kind="gated_deltanet", **overrides):
         model = fla_models.GLAForCausalLM(fla_models.GLAConfig(**{**kw, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "A_log" in name or "dt_bias" in name or "norm" in name or "gk_proj" in name:
+            if any(part in name for part in ("A_log", "dt_bias", "norm", "gk_proj", "g_proj.1.bias")):
                 p.add_(0.3 * torch.randn_like(p))
     return model.to(DEVICE).eval()
 
@@ -109,7 +112,29 @@ def test_gated_deltaproduct_gives_fla_logits(num_householder, forget, tie):
     _assert_same_logits(fla, ours, "gated_deltaproduct", short=20)  # (n_h sub-steps a token under the interpreter)
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla"])
+@pytest.mark.parametrize("kind,change", [
+    ("kda", {}), ("kda", dict(safe_gate=True, lower_bound=-5.0, allow_neg_eigval=True, tie_word_embeddings=True)),
+    ("kda", dict(use_short_conv=False, expand_v=2.0)), ("gated_deltanet", dict(output_gate_activation="sigmoid")),
+])
+def test_sigmoid_output_gates_give_fla_logits(kind, change):
+    """fla's KDA (Kimi Linear's mixer): its per-channel gate through the low-rank ``f_proj`` (Kimi Linear's
+    ``-exp(A_log) softplus(f + dt_bias)``, or with ``lower_bound`` the bounded ``b sigmoid(exp(A_log) (f +
+    dt_bias))``), β in (0, 1) or (0, 2), with and without the short convolution, values twice the keys' width, and
+    its output gate, a sigmoid of a low-rank ``g_proj`` with a bias; and Gated DeltaNet with fla's sigmoid output
+    gate. Logits as in ``test_converted_model_gives_fla_logits``."""
+    fla = _fla_model(kind=kind, **change)
+    ours = from_fla(fla)
+    mixer = ours.model.layers[0].mixer
+    assert ours.config.output_gate_act == "sigmoid" and mixer.o_norm.activation == "sigmoid"
+    if kind == "kda":
+        assert ours.config.mixer == "kda" and ours.config.gate_lower_bound == change.get("lower_bound")
+        assert mixer.g_proj[1].bias is not None and mixer.output_gate_rank == ours.config.head_v_dim
+        assert ours.config.head_v_dim == 32 * change.get("expand_v", 1) and ours.config.use_short_conv == change.get(
+            "use_short_conv", True)
+    _assert_same_logits(fla, ours, kind, short=20)
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla", "kda"])
 def test_convert_fla_command_and_a_saved_folder(tmp_path, kind, capsys):
     """``rankdecay convert-fla SRC OUT`` on a folder fla saved (fla not needed to read it): the model loads with
     ``from_pretrained``, gives fla's logits, and decodes (``generate(graph_decoder=True)``) the tokens of greedy
@@ -125,7 +150,7 @@ def test_convert_fla_command_and_a_saved_folder(tmp_path, kind, capsys):
     fla.save_pretrained(src)
     (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
     assert main(["convert-fla", str(src), str(tmp_path / "ours")]) == 0
-    names = {"gated_deltanet": "Gated DeltaNet", "delta_net": "DeltaNet", "gla": "GLA"}
+    names = {"gated_deltanet": "Gated DeltaNet", "delta_net": "DeltaNet", "gla": "GLA", "kda": "KDA"}
     assert f"fla's {names[kind]} in" in capsys.readouterr().out
     assert (tmp_path / "ours" / "tokenizer_config.json").exists()
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").to(DEVICE).eval()
@@ -162,10 +187,11 @@ def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind,change,match", [
     ("gated_deltanet", dict(num_v_heads=4), "num_v_heads = 4"),
-    ("gated_deltanet", dict(output_gate_activation="sigmoid"), "output_gate_activation = 'sigmoid'"),
+    ("gated_deltanet", dict(output_gate_activation="relu"), "output_gate_activation = 'relu'"),
+    ("kda", dict(num_v_heads=4), "num_v_heads = 4"), ("kda", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
     ("gated_deltanet", dict(conv_bias=True), "conv_bias = True"),
     ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
-    ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet, GLA and Gated DeltaProduct"),
+    ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct and KDA"),
     ("delta_net", dict(use_beta=False), "use_beta = False"),
     ("delta_net", dict(qk_norm="sum"), "qk_norm = 'sum'"),
     ("delta_net", dict(qk_activation="relu"), "qk_activation = 'relu'"),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rankdecay.layers import DeltaNet, GatedDeltaNet, HeadInHead, SlidingWindowAttention
+from rankdecay.layers import KDA, DeltaNet, GatedDeltaNet, HeadInHead, SlidingWindowAttention
 from rankdecay.layers.modules import GatedRMSNorm, RMSNorm, ShortConvolution
 
 from ..conftest import assert_matches
@@ -77,6 +77,9 @@ def test_padding_positions_are_identity_steps():
     (lambda: GatedDeltaNet(50, 3), "hidden_size 50 is not divisible by num_heads 3"),
     (lambda: GatedDeltaNet(D, H, mode="parallel"), "mode must be 'chunk' or 'recurrent'"),
     (lambda: GatedDeltaNet(D, 0), "num_heads must be a positive int"),
+    (lambda: GatedDeltaNet(D, H, gate_act="tanh"), "gate_act must be 'silu', 'sigmoid' or None, got 'tanh'"),
+    (lambda: GatedDeltaNet(D, H, output_gate_rank=0), "output_gate_rank must be None or a positive int, got 0"),
+    (lambda: KDA(D, H, gate_lower_bound=0.5), "gate_lower_bound must be None or a negative number, got 0.5"),
     (lambda: SlidingWindowAttention(D, H, window_size=0), "window_size must be a positive int"),
     (lambda: SlidingWindowAttention(D, 16), "head_dim must be even"),
 ])

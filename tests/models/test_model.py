@@ -97,7 +97,8 @@ def test_generate_greedy_equals_manual_loop(mixer):
     ("gdn", {}), ("hh-gdn", {}), ("swa", {}),
     # the settings fla's checkpoints convert with (rankdecay.models.convert)
     ("deltanet", {"use_output_gate": False}), ("gdp", {"use_forget_gate": False, "num_householder": 3}),
-    ("gla", {"use_short_conv": False, "qkv_activation": None}),
+    ("gla", {"use_short_conv": False, "qkv_activation": None}), ("gdn", {"output_gate_act": "sigmoid"}),
+    ("kda", {"output_gate_act": "sigmoid", "output_gate_rank": 16, "gate_lower_bound": -5.0}),
 ])
 def test_generate_sampling_uses_the_cache_correctly(mixer, overrides):
     """With sampling, each step's logits equal a full forward over the sampled sequence."""
@@ -173,6 +174,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     (dict(hidden_size=100, num_heads=3), "hidden_size 100 is not divisible by num_heads 3"),
     (dict(layer_mixers=["gdn"], num_hidden_layers=2), "layer_mixers has 1 entries"),
     (dict(mixer="hh-dn", hh_mask="dynamic"), "hh_mask must be 'static' or 'data'"),
+    (dict(output_gate_act="gelu"), "output_gate_act must be None \\(each mechanism's\\), 'silu' or 'sigmoid'"),
 ])
 def test_bad_configs_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -20,6 +20,11 @@ def _model(kind: str) -> RankDecayForCausalLM:
                                                                 initializer_range=0.2)).eval()
     if kind == "hh-gdn-data":
         return tiny_model("hh-gdn", hh_mask="data")
+    if kind == "kda-kimi":  # fla's KDA: a sigmoid output gate through a low-rank map with a bias, a bounded decay
+        model = tiny_model("kda", output_gate_act="sigmoid", output_gate_rank=16, gate_lower_bound=-5.0)
+        for layer in model.model.layers:
+            nn.init.normal_(layer.mixer.g_proj[1].bias, 0, 0.5)
+        return model
     if kind == "gla-bias":  # a pack with a bias (the gate's low-rank first map gets one here)
         model = tiny_model("gla")
         for layer in model.model.layers:
@@ -248,11 +253,12 @@ def test_decode_linear_takes_the_kernel_for_one_row_on_a_gpu(monkeypatch):
 @TRITON
 @pytest.mark.parametrize("K, G", [(64, 32), (96, 32), (2048, 256)])
 @pytest.mark.parametrize("x_act, u_act, norm", [(None, None, False), (None, "silu", False), ("silu", None, False),
-                                                 (None, "silu", True), (None, None, True)])
+                                                 (None, "silu", True), (None, None, True), (None, "sigmoid", True),
+                                                 (None, "sigmoid", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_prologue_matches_its_pytorch_form(K, G, x_act, u_act, norm, dtype):
     """The kernel's prologue, W (pre(x) * post(u)) + b, against fp64 PyTorch: a mixer's output norm per head with
-    its gate, the gate alone (silu or linear), a SwiGLU's silu(gate) * up. K = 96 leaves a slice with a group wholly
+    its gate (silu, or Kimi Linear's sigmoid), the gate alone (silu, sigmoid or linear), a SwiGLU's silu(gate) * up. K = 96 leaves a slice with a group wholly
     past K (masked, its statistic 0, its share 0); 2048 takes two slices of whole groups."""
     from rankdecay.ops.triton.gemv import gemv
 
@@ -267,7 +273,7 @@ def test_gemv_prologue_matches_its_pytorch_form(K, G, x_act, u_act, norm, dtype)
     xd, ud = x.to(dtype).double(), u.to(dtype).double()
     pre = (F.rms_norm(xd.view(-1, G), (G,), nw.double(), 1e-6).view(-1) if norm
            else F.silu(xd) if x_act == "silu" else xd)
-    post = (F.silu(ud) if u_act == "silu" else ud) if with_u else 1.0
+    post = ({"silu": F.silu, "sigmoid": torch.sigmoid}.get(u_act, lambda t: t)(ud)) if with_u else 1.0
     want = F.linear(pre * post, w.to(dtype).double(), b.to(dtype).double())
     assert got.dtype == dtype
     assert_matches(got.double().cpu(), want, 1e-5 if dtype == torch.float32 else 8e-3, f"{K} {G} {x_act} {u_act} {norm}")
@@ -323,7 +329,7 @@ def test_gemv_prologue_refuses_what_it_cannot_take():
 
 
 @TRITON
-@pytest.mark.parametrize("kind", ["gdn", "hdla", "hh-gdn", "gla", "kda", "gdn+swa"])
+@pytest.mark.parametrize("kind", ["gdn", "hdla", "hh-gdn", "gla", "kda", "kda-kimi", "gdn+swa"])
 def test_one_row_steps_take_norms_and_gates_inside_the_products(kind, monkeypatch):
     """A B = 1 packed step on the GPU's route (on a GPU, or forced on the CPU with the kernels interpreted): each
     block's residual adds and input norms go into its packed products (the add written out as the residual stream,

@@ -36,10 +36,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, u_ptr, nw_ptr, r_ptr, s_ptr, N, K, 
                  HAS_BIAS: tl.constexpr, X_ACT: tl.constexpr, U_ACT: tl.constexpr, G: tl.constexpr,
                  ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y = W (pre(x) * post(u)) + b. pre: x (X_ACT 0), silu(x) (1), RMSNorm over groups of G channels times nw
-    # (2), or over the whole row times nw (3); post: 1 (U_ACT 0), u (1), silu(u) (2). A group's statistic scales
-    # its share of the sum, so each slice of BLOCK_K channels (whole groups) is summed per group first; the row's
-    # scales the whole sum at the end. ADD: x is x + r, rounded to x's dtype as PyTorch's sum would be, and the
-    # first program writes it to s (a block's residual stream).
+    # (2), or over the whole row times nw (3); post: 1 (U_ACT 0), u (1), silu(u) (2), sigmoid(u) (3). A group's
+    # statistic scales its share of the sum, so each slice of BLOCK_K channels (whole groups) is summed per group
+    # first; the row's scales the whole sum at the end. ADD: x is x + r, rounded to x's dtype as PyTorch's sum would
+    # be, and the first program writes it to s (a block's residual stream).
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -66,6 +66,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, u_ptr, nw_ptr, r_ptr, s_ptr, N, K, 
             u = tl.load(u_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             if U_ACT == 2:
                 u = u * tl.sigmoid(u)
+            if U_ACT == 3:
+                u = tl.sigmoid(u)
             xs = xs * u
         prod = w.to(tl.float32) * xs[None, :]
         if X_ACT == 2:
@@ -95,7 +97,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Args:
         x: [K], contiguous, one row.
         weight: [N, K], rows contiguous. bias: [N] or None.
-        u: [K] or None: a second row, multiplied in after ``u_act`` (None: identity, or ``"silu"``).
+        u: [K] or None: a second row, multiplied in after ``u_act`` (None: identity, ``"silu"`` or ``"sigmoid"``).
         x_act: None (x itself), ``"silu"``, or ``"rms_norm"``: x scaled by ``rsqrt(mean(x²) + eps)`` over each
             group of ``norm_weight.numel()`` channels (a head), times ``norm_weight`` ([G], G a power of two
             dividing K and the kernel's slice, ``block_k(K)``); or ``"rms_norm_row"``: the same over the whole
@@ -111,9 +113,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{list(x.shape)}, weight {list(weight.shape)} with strides {weight.stride()}")
     if u is not None and (u.numel() != K or not u.is_contiguous()):
         raise ValueError(f"u must be one contiguous row of K = {K}, like x; got {list(u.shape)}")
-    if x_act not in (None, "silu", "rms_norm", "rms_norm_row") or u_act not in (None, "silu"):
-        raise ValueError(f"x_act must be None, 'silu', 'rms_norm' or 'rms_norm_row' and u_act None or 'silu'; got "
-                         f"{x_act!r}, {u_act!r}")
+    if x_act not in (None, "silu", "rms_norm", "rms_norm_row") or u_act not in (None, "silu", "sigmoid"):
+        raise ValueError(f"x_act must be None, 'silu', 'rms_norm' or 'rms_norm_row' and u_act None, 'silu' or "
+                         f"'sigmoid'; got {x_act!r}, {u_act!r}")
     if residual is not None and (residual.numel() != K or not residual.is_contiguous() or residual.dtype != x.dtype
                                  or out_sum is None or out_sum.numel() != K or not out_sum.is_contiguous()
                                  or out_sum.dtype != x.dtype):
@@ -139,6 +141,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         norm_weight if norm_weight is not None else weight, residual if residual is not None else x,
         out_sum if residual is not None else x, N, K, weight.stride(0), float(eps),
         HAS_BIAS=bias is not None, X_ACT={None: 0, "silu": 1, "rms_norm": 2, "rms_norm_row": 3}[x_act],
-        U_ACT=0 if u is None else 2 if u_act == "silu" else 1, G=G, ADD=residual is not None, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k(K), num_warps=WARPS, num_stages=STAGES)
+        U_ACT=0 if u is None else {None: 1, "silu": 2, "sigmoid": 3}[u_act], G=G, ADD=residual is not None,
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k(K), num_warps=WARPS, num_stages=STAGES)
     return y
