@@ -8,7 +8,9 @@
 Each (path, N) runs in a process of its own. The memory is what the loss adds to the inputs at its peak: on a
 GPU ``torch.cuda.max_memory_allocated`` less what the inputs hold, on the CPU the process's peak resident set
 (``ru_maxrss``) after the pass less before it. The time is the median of ``--repeats`` passes after one untimed.
-"bfloat16" runs the products under bf16 autocast with fp32 inputs, as a training step does.
+"bfloat16" runs the products under bf16 autocast with fp32 inputs, as a training step does. The paths ending in
+"-compile" are the same functions through ``torch.compile`` (as in a compiled training step; the first, untimed pass
+compiles).
 """
 from __future__ import annotations
 
@@ -46,9 +48,19 @@ def _run(path: str, N: int, D: int, V: int, dtype: str, device: str, repeats: in
 
         fla_loss = FusedLinearCrossEntropyLoss()
 
+    def loss_fn(x, t, w):
+        if path.startswith("logits"):
+            return F.cross_entropy(F.linear(x, w).float(), t)
+        return linear_cross_entropy(x, t, w, vocab_chunk_size=vocab_chunk_size)
+
+    if path.endswith("-compile"):
+        loss_fn = torch.compile(loss_fn)
+
     def step():
         with amp:
-            if path == "logits":
+            if path.endswith("-compile"):
+                loss = loss_fn(x, t, w)
+            elif path == "logits":
                 loss = F.cross_entropy(F.linear(x, w).float(), t)
             elif path == "fla":
                 loss = fla_loss(x, t, w)
@@ -95,10 +107,11 @@ def main() -> None:
     p.add_argument("--vocab-chunk-size", type=int, default=None,
                    help="linear_cross_entropy's vocab_chunk_size (default: its default_vocab_chunk_size)")
     p.add_argument("--paths", nargs="+", default=["logits", "chunked"],
-                   choices=["logits", "chunked", "chunked-torch", "fla"],
+                   choices=["logits", "chunked", "chunked-torch", "fla", "logits-compile", "chunked-compile"],
                    help="chunked: rankdecay.layers.linear_cross_entropy; chunked-torch: the same with its slices' "
                         "elementwise work in PyTorch (on a GPU: without its Triton kernels); fla: flash-linear-"
-                        "attention's FusedLinearCrossEntropyLoss (installed separately)")
+                        "attention's FusedLinearCrossEntropyLoss (installed separately); logits-compile, "
+                        "chunked-compile: logits and chunked through torch.compile")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     ctx = mp.get_context("spawn")
@@ -121,6 +134,7 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|")
     for r in rows:
         ref = next((a for a in rows if a["tokens"] == r["tokens"] and a["path"] == "logits"), None)
+        ref = ref or next((a for a in rows if a["tokens"] == r["tokens"] and a["path"] == "logits-compile"), None)
         diff = "" if ref is None else f"{abs(r['loss'] - ref['loss']):.1e}"
         print(f"| {r['tokens']} | {r['path']} | {r['extra_mib']:.0f} | {r['ms']:.1f} | {diff} |")
     if args.json:
