@@ -125,6 +125,24 @@ def make_decode_raw(B, T, H, K, V, device, dtype, state_dtype=torch.float32):
     return x
 
 
+def make_kda_decode_raw(B, T, H, K, V, device, dtype):
+    """KDA's decode step (``ops.kda_decode``): projections in (a per channel, dt_bias [H * K]), gates formed in the
+    kernel, the fp32 state updated in place."""
+    x = make_decode_raw(B, T, H, K, V, device, dtype)
+    x.update(a=torch.randn(B, 1, H, K, device=device, dtype=dtype), dt_bias=torch.randn(H * K, device=device))
+    return x
+
+
+def _fla_kda_decode(x):
+    """fla's ``fused_recurrent_kda`` on the same projections, its gate and β formed in its kernel (its public
+    function writes a new final state: it has no in-place argument)."""
+    from fla.ops.kda import fused_recurrent_kda
+
+    return fused_recurrent_kda(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
+                               initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+
+
 def _fla(path, fn):
     def call(x, **kw):
         import importlib
@@ -173,6 +191,9 @@ CASES = {
                             lambda *a: make_decode_raw(*a, state_dtype=torch.bfloat16),
                             lambda x: ops.gated_delta_rule_decode(**x, inplace_final_state=True)[0],
                             lambda K, V, C: 4.0 * K * V + 4 * K * V, {}, decode=True),
+    "kda-decode": Case("KDA decode step, state in place", make_kda_decode_raw,
+                       lambda x: ops.kda_decode(**x, inplace_final_state=True)[0],
+                       lambda K, V, C: 4.0 * K * V + 4 * K * V, {"fla": _fla_kda_decode}, decode=True),
 }
 
 

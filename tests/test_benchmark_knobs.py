@@ -6,6 +6,8 @@ import torch
 from benchmarks.kernels import apply_knobs
 from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state
 
+from .conftest import assert_matches
+
 
 @pytest.fixture
 def tables(monkeypatch):
@@ -132,3 +134,24 @@ def test_each_chunked_case_runs(name):
     grads = [v.grad for v in leaves.values() if v.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert case.flops_per_token_head(16, 8, 16) > 0
+
+
+@pytest.mark.parametrize("name", ["gdn-decode", "gdn-decode-inplace", "gdn-decode-bf16", "kda-decode"])
+def test_each_decode_case_runs_and_matches_its_peer(name):
+    """Every decode case of ``kernels.py`` builds inputs its op accepts (one token, on the CPU's PyTorch form of the
+    step): finite [B, 1, H, V] outputs; and where the case names fla's kernel as its peer (interpreted on the CPU),
+    the same outputs from the same inputs, so that the benchmark's ratio compares the same step."""
+    from benchmarks.kernels import CASES
+
+    case = CASES[name]
+    make = lambda: case.make(3, 1, 2, 16, 8, torch.device("cpu"), torch.float32)  # noqa: E731
+    torch.manual_seed(0)
+    x = make()
+    with torch.no_grad():
+        o = case.ours(x)
+        assert o.shape == (3, 1, 2, 8) and torch.isfinite(o).all()
+        if "fla" in case.peers:
+            pytest.importorskip("fla.ops", reason="flash-linear-attention is in the test extra")
+            torch.manual_seed(0)
+            ref = case.peers["fla"](make())
+            assert_matches(o, ref.to(o.dtype), 1e-5, name)

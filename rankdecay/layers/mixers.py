@@ -165,7 +165,11 @@ class LinearMixer(nn.Module, abc.ABC):
 
     # --- what a mechanism provides -------------------------------------------------
 
-    decode_kernel = False  # decode_gates() feeds ops.gated_delta_rule_decode (the delta rule, one key per token)
+    decode_kernel = False  # decode_gates() feeds decode_op() (the delta rule, one key per token)
+
+    def decode_op(self):
+        """The one-kernel decode step that ``decode_gates`` feeds: ``ops.gated_delta_rule_decode``."""
+        return ops.gated_delta_rule_decode
 
     def gate_projections(self) -> tuple[str, ...]:
         """The names of the linear maps (submodules) that ``gates`` applies to x itself."""
@@ -189,8 +193,8 @@ class LinearMixer(nn.Module, abc.ABC):
         return self.g_proj[1](self.projected("g_proj.0", x, p))
 
     def decode_gates(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The gate projections of x for ``ops.gated_delta_rule_decode`` (``a``, ``b``, ``A_log``, ``dt_bias``,
-        ``beta_max``): the same gates as ``gates(x, None)``, formed inside its kernel. ``p``: as in ``gates``."""
+        """The gate projections of x for ``decode_op()`` (``a``, ``b``, ``A_log``, ``dt_bias``, ``beta_max``, ...):
+        the same gates as ``gates(x, None)``, formed inside its kernel. ``p``: as in ``gates``."""
         raise NotImplementedError
 
     def gates(self, x: torch.Tensor, mask: torch.Tensor | None,
@@ -263,9 +267,9 @@ class LinearMixer(nn.Module, abc.ABC):
         if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
                 and self.qk_norm == "l2" and self.qk_hook is None):
             # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
-            o, final_state = ops.gated_delta_rule_decode(q, k, v, **self.decode_gates(x, p), scale=self.scale,
-                                                         initial_state=initial_state, output_final_state=True,
-                                                         inplace_final_state=inplace, mode=mode)
+            o, final_state = self.decode_op()(q, k, v, **self.decode_gates(x, p), scale=self.scale,
+                                              initial_state=initial_state, output_final_state=True,
+                                              inplace_final_state=inplace, mode=mode)
         else:
             if self.qk_norm == "l2":
                 q = l2norm(q)
@@ -375,7 +379,7 @@ class KDA(DeltaNet):
     one, by default with a SiLU output gate; Kimi Linear's, a sigmoid through a low-rank map, is
     ``gate_act="sigmoid", output_gate_rank=head_v_dim`` (``rankdecay.models.from_fla`` sets them)."""
 
-    decode_kernel = False  # the decode kernel takes one gate per head: decoding runs ops.kda's recurrence
+    decode_kernel = True  # ops.kda_decode: the gate, β, the norms and the step in one kernel
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, gate_lower_bound=None, **kwargs):
         if gate_lower_bound is not None and not (isinstance(gate_lower_bound, (int, float)) and gate_lower_bound < 0):
@@ -390,6 +394,15 @@ class KDA(DeltaNet):
 
     def gate_projections(self):
         return super().gate_projections() + ("f_proj.0",)
+
+    def decode_op(self):
+        return ops.kda_decode
+
+    def decode_gates(self, x, p=None):
+        B, T = x.shape[:2]
+        f = self.f_proj[1](self.projected("f_proj.0", x, p)).view(B, T, self.num_heads, self.head_k_dim)
+        return {**super().decode_gates(x, p), "a": f, "A_log": self.A_log, "dt_bias": self.dt_bias,
+                "lower_bound": self.gate_lower_bound}
 
     def gates(self, x, mask, p=None):
         B, T = x.shape[:2]

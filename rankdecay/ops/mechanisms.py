@@ -221,6 +221,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 mode=mode, inplace_final_state=inplace_final_state,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if mode == "fused_recurrent" and cu_seqlens is None:  # the delta rule's decode kernel, decaying first
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state,
+                                    decay_first=True)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
@@ -454,11 +458,11 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
-                         raw_gates=None, inplace_final_state=False):
-    """(Gated) DeltaNet's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
+                         raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None):
+    """(Gated) DeltaNet's and KDA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
-    second pass over what was (a decode step's host time is its cost). ``raw_gates``: see
-    ``gated_delta_rule_decode``."""
+    second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
+    ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -471,7 +475,8 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
     o, state = fused_recurrent_gated_delta_rule(
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
         c(beta), scale, initial_state if inplace_final_state else c(initial_state),
-        inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates)
+        inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+        decay_first=decay_first, lower_bound=lower_bound)
     return o, (state if output_final_state else None)
 
 
@@ -520,3 +525,49 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, mode="naive",
                             inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0, scale=None, initial_state=None,
+               output_final_state=False, use_qk_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
+    r"""Kimi Delta Attention's decode step with its gates formed in the kernel from the layer's projections (fla's
+    ``fused_recurrent_kda`` with ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``): one kernel for the L2
+    norms, the gates and the recurrence of :func:`kda`, on a GPU, without autograd; elsewhere the same computation in
+    PyTorch.
+
+    q, k: ``[B, T, H, K]`` (before the L2 norm with ``use_qk_l2norm_in_kernel``); v: ``[B, T, H, V]``;
+    a: ``[B, T, H, K]``, the decay's projection, with ``A_log`` ``[H]`` and ``dt_bias`` ``[H * K]`` (fla's shapes):
+    :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, or with ``lower_bound`` b < 0 (fla's)
+    :math:`g = b\,\sigma(e^{A_{log}} (a + dt_{bias}))`; b: ``[B, T, H]``, β's logits: :math:`\beta = \beta_{max}
+    \sigma(b)`. Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as :func:`kda`.
+    ``inplace_final_state`` and ``mode``: as in :func:`gated_delta_rule_decode`.
+    """
+    _check_qkv(q, k, v)
+    check_float(b, "b")
+    check_shape(b, "b", q.shape[:3], "[B, T, H]")
+    check_float(a, "a")
+    check_shape(a, "a", tuple(q.shape), "[B, T, H, K]")
+    H, K = q.shape[2:]
+    for name, x, dims, n in (("A_log", A_log, "H", H), ("dt_bias", dt_bias, "H * K", H * K)):
+        if not isinstance(x, torch.Tensor) or x.shape != (n,):
+            raise ValueError(f"{name} must be [{dims}] = [{n}], got "
+                             f"{list(x.shape) if isinstance(x, torch.Tensor) else x!r}")
+    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
+        raise ValueError(f"lower_bound must be None or a negative number, got {lower_bound!r}")
+    if mode not in ("auto", "fused_recurrent", "naive"):
+        raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
+    if mode == "auto":
+        mode = recurrent_mode(q)
+    if mode == "fused_recurrent":
+        return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel,
+                                    raw_gates=(A_log.contiguous(), dt_bias.contiguous(), beta_max),
+                                    inplace_final_state=inplace_final_state, decay_first=True,
+                                    lower_bound=None if lower_bound is None else float(lower_bound))
+    f = _up(a) + _up(dt_bias).view(H, K)
+    if lower_bound is None:
+        g = -_up(A_log).exp()[:, None] * F.softplus(f)
+    else:
+        g = lower_bound * torch.sigmoid(_up(A_log).exp()[:, None] * f)
+    return kda(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
+               output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

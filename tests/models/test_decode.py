@@ -49,19 +49,21 @@ def test_prefill_then_decode_matches_full(mixer):
     assert_matches(split, full, 1e-5, mixer)
 
 
-@pytest.mark.parametrize("mixer,overrides", [("gdn", {}), ("deltanet", {"allow_neg_eigval": True}),
-                                              ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {})])
+@pytest.mark.parametrize("mixer,overrides", [
+    ("gdn", {}), ("deltanet", {"allow_neg_eigval": True}), ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {}),
+    ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}),
+])
 def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
-    ops.gated_delta_rule_decode, which forms the L2 norms and the gates inside one kernel, and
-    match the full forward; Head-in-Head, whose decay is not the delta rule's, keeps its own route."""
+    ops.gated_delta_rule_decode and KDA ops.kda_decode, which form the L2 norms and the gates inside one kernel,
+    and match the full forward; Head-in-Head, whose decay is not the delta rule's, keeps its own route."""
     import rankdecay.layers.mixers as mixers
 
     calls = []
-    decode = mixers.ops.gated_delta_rule_decode
+    name = "kda_decode" if mixer == "kda" else "gated_delta_rule_decode"
+    decode = getattr(mixers.ops, name)
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
-    monkeypatch.setattr(mixers.ops, "gated_delta_rule_decode",
-                        lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
+    monkeypatch.setattr(mixers.ops, name, lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs on a GPU, or interpreted on the CPU
     model = tiny_model(mixer, **overrides).to(device)
     ids = random_ids(2, 24).to(device)
@@ -74,9 +76,9 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
 
 
 @pytest.mark.parametrize("state_dtype,tol", [("float32", 1e-5), ("float16", 1e-4)])
-@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla"])
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla", "kda"])
 def test_decode_kernel_updates_the_cache_in_place(mixer, state_dtype, tol, monkeypatch):
-    """On the GPU's per-token route (GDN's decode kernel; the DPLR kernel for the others) the kernel
+    """On the GPU's per-token route (GDN's and KDA's decode kernel; the DPLR kernel for the others) the kernel
     writes each layer's state back into the cache (one tensor for every step, so a CUDA graph copies
     nothing), in the cache's dtype, and the logits are the PyTorch route's with the same cache dtype.
     (fp16 rather than bf16 here: Triton's interpreter converts to bf16 by truncation; the GPU rounds.

@@ -142,3 +142,24 @@ def test_dplr_with_fla_sign_and_roles():
     _check(lambda q, k, v, h0, a, b, gk: ops.dplr(q, k, v, a=-b[..., None, :], b=a[..., None, :], g=gk,
                                                    initial_state=h0, output_final_state=True),
            fla_dplr, [q, k, v, h0, a_fla, b_fla, gk], "dplr")
+
+
+@pytest.mark.parametrize("lower_bound,neg", [(None, False), (-5.0, True)])
+@pytest.mark.parametrize("mode", ["fused_recurrent", "naive"])
+def test_kda_decode_is_fla_fused_recurrent_kda(lower_bound, neg, mode):
+    """``ops.kda_decode`` against fla's ``fused_recurrent_kda`` with its gate, β's sigmoid and the L2 norms in the
+    kernel (its decode step, a Triton kernel: interpreted on the CPU), fla's ``allow_neg_eigval`` as our
+    ``beta_max=2``: outputs and final states (no autograd: a decode step), on our kernel and our PyTorch form."""
+    from fla.ops.kda import fused_recurrent_kda
+
+    q, k, v, h0 = _qkv()
+    a, b = 3 * _rand(B, T, H, K, seed=30), 2 * _rand(B, T, H, seed=31)
+    A_log, dt_bias = _rand(H, seed=32), _rand(H * K, seed=33)
+    with torch.no_grad():
+        ours = ops.kda_decode(q, k, v, a, b, A_log, dt_bias, lower_bound=lower_bound, beta_max=2.0 if neg else 1.0,
+                              initial_state=h0, output_final_state=True, mode=mode)
+        ref = fused_recurrent_kda(q, k, v, a, b, A_log, dt_bias, initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, lower_bound=lower_bound)
+    for name, got, exp in zip(["o", "final state"], ours, ref):
+        assert rel_rms(got, exp.to(got.dtype)) < 1e-5, (name, rel_rms(got, exp.to(got.dtype)))

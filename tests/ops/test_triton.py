@@ -2541,6 +2541,76 @@ def test_gated_delta_rule_decode_forms_the_gates(gated, beta_max):
         assert_matches(y, z, 1e-6, f"naive: {name}")
 
 
+def test_kda_decode_kernel_matches_the_recurrence():
+    """kda(mode="fused_recurrent") takes the delta rule's decode kernel with the per-channel decay before the
+    reflection (Kimi Delta Attention's order, not gated_delta_rule's after it): outputs and final state against the
+    naive recurrence, strong decays (log-gates to -30) and β up to 2 among them; and the two orders differ here."""
+    B, T, H, K, V = 2, 9, 3, 20, 24
+    gen = torch.Generator().manual_seed(6)
+    q, v = torch.randn(B, T, H, K, generator=gen).to(DEVICE), torch.randn(B, T, H, V, generator=gen).to(DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE)
+    beta = (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
+    g = (-30 * torch.rand(B, T, H, K, generator=gen) ** 4).to(DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    kw = dict(initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        got = ops.kda(q, k, v, g, beta, mode="fused_recurrent", **kw)
+        ref = ops.kda(q, k, v, g, beta, mode="naive", **kw)
+        other = ops.gated_delta_rule(q, k, v, g, beta, mode="naive", **kw)
+    for name, x, y in zip(["o", "final state"], got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-5, name)
+    assert rel_rms(other[0], ref[0]) > 1e-2, "the test cannot tell the two orders apart"
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("beta_max", [1.0, 2.0])
+def test_kda_decode_forms_the_gates(lower_bound, beta_max):
+    """kda_decode's kernel forms β = beta_max σ(b) and the per-channel g = -e^{A_log} softplus(a + dt_bias), or
+    fla's bounded lower_bound σ(e^{A_log} (a + dt_bias)), with dt_bias per channel ([H * K], fla's shape) and a from
+    -60 to 60, as the KDA layer does in PyTorch; its naive mode forms them in PyTorch; the state updated in place
+    is the state returned."""
+    B, T, H, K, V = 2, 5, 3, 20, 24
+    gen = torch.Generator().manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
+    b = 4 * rnd(B, T, H)
+    a = torch.linspace(-60, 60, B * T * H * K)[torch.randperm(B * T * H * K, generator=gen)].view(B, T, H, K)
+    a = a.to(DEVICE)
+    A_log, dt_bias = rnd(H), rnd(H * K)
+    f = a + dt_bias.view(H, K)
+    g = (-A_log.exp()[:, None] * F.softplus(f) if lower_bound is None
+         else lower_bound * torch.sigmoid(A_log.exp()[:, None] * f))
+    kw = dict(lower_bound=lower_bound, beta_max=beta_max, output_final_state=True)
+    with torch.no_grad():
+        h = rnd(B, H, K, V)
+        start = h.clone()
+        got = ops.kda_decode(q, k, v, a, b, A_log, dt_bias, mode="fused_recurrent", initial_state=h,
+                             inplace_final_state=True, **kw)
+        naive = ops.kda_decode(q, k, v, a, b, A_log, dt_bias, mode="naive", initial_state=start, **kw)
+        ref = ops.kda(F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v, g,
+                      beta_max * b.sigmoid(), mode="naive", initial_state=start, output_final_state=True)
+    assert got[1] is h, "inplace_final_state: the state returned is initial_state itself"
+    for name, x, y, z in zip(["o", "final state"], got, naive, ref):
+        assert_matches(x, z, 1e-5, f"kernel: {name}")
+        assert_matches(y, z, 1e-6, f"naive: {name}")
+
+
+def test_kda_decode_errors():
+    q, b = torch.randn(1, 1, 2, 16, device=DEVICE), torch.randn(1, 1, 2, device=DEVICE)
+    A, bias = torch.zeros(2, device=DEVICE), torch.zeros(32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"a must have shape \[B, T, H, K\]"):
+        ops.kda_decode(q, q, q, b, b, A, bias)
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H \* K\] = \[32\], got \[2\]"):
+        ops.kda_decode(q, q, q, q, b, A, A)
+    with pytest.raises(ValueError, match=r"A_log must be \[H\] = \[2\], got None"):
+        ops.kda_decode(q, q, q, q, b, None, bias)
+    with pytest.raises(ValueError, match="lower_bound must be None or a negative number, got 5"):
+        ops.kda_decode(q, q, q, q, b, A, bias, lower_bound=5)
+    with pytest.raises(ValueError, match="mode must be 'auto', 'fused_recurrent' or 'naive'"):
+        ops.kda_decode(q, q, q, q, b, A, bias, mode="chunk")
+
+
 def _rounding(x: torch.Tensor, dtype: torch.dtype, ulps: float) -> torch.Tensor:
     """``ulps`` units in the last place of ``dtype`` at each entry of x (fp32): half an ulp is one
     round-to-nearest; at the smallest exponents, the spacing of the subnormals."""

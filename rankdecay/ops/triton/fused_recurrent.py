@@ -127,15 +127,19 @@ def _softplus(x):
 
 @triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max,
+    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+    DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
-    # a per-channel α applies after the reflection, as in ops.gated_delta_rule).
+    # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
+    # before it, Kimi Delta Attention's order, ops.kda).
     # QK_L2NORM: q and k are L2-normalised here (fla's use_qk_l2norm_in_kernel). RAW_GATES: beta
-    # and g hold the layer's projections: β = beta_max sigmoid(beta), and (scalar gate)
-    # g = -exp(A_log) softplus(g + dt_bias) per head (Mamba2's α, as the GatedDeltaNet layer forms it).
+    # and g hold the layer's projections: β = beta_max sigmoid(beta), and g = -exp(A_log)
+    # softplus(g + dt_bias), per head (a scalar gate: Mamba2's α, as the GatedDeltaNet layer forms it)
+    # or per channel (dt_bias [H, K]: the KDA layer's), or with BOUNDED (per channel)
+    # g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (fla's KDA with a lower_bound).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -151,6 +155,9 @@ def _fused_recurrent_gdn_kernel(
     if RAW_GATES and GATE == 1:
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h).to(tl.float32)
+    if RAW_GATES and GATE == 2:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias_k = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(T):
         tok = (i_n * T + t) * H + i_h
         k_t = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -163,10 +170,20 @@ def _fused_recurrent_gdn_kernel(
         b_t = tl.load(beta + tok).to(tl.float32)
         if RAW_GATES:
             b_t = beta_max * tl.sigmoid(b_t)
-        if GATE == 2:  # Diag(α)(I - β k kᵀ) S + β k vᵀ: the per-channel decay acts after the reflection
+        if GATE == 2:
+            g_k = tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if RAW_GATES:
+                if BOUNDED:
+                    g_k = tl.cast(lower_bound, tl.float32) * tl.sigmoid(a_h * (g_k + bias_k))
+                else:
+                    g_k = -a_h * _softplus(g_k + bias_k)
+        if GATE == 2 and DECAY_FIRST:  # (I - β k kᵀ) Diag(α) S + β k vᵀ
+            S = S * tl.exp(g_k)[:, None]
+            u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
+            S += k_t[:, None] * u[None, :]
+        elif GATE == 2:  # Diag(α)(I - β k kᵀ) S + β k vᵀ: the per-channel decay acts after the reflection
             kS = tl.sum(k_t[:, None] * S, axis=0)
-            S = (S - b_t * k_t[:, None] * kS[None, :]) * tl.exp(
-                tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+            S = (S - b_t * k_t[:, None] * kS[None, :]) * tl.exp(g_k)[:, None]
             S += b_t * k_t[:, None] * v_t[None, :]
         else:
             if GATE == 1:
@@ -182,7 +199,8 @@ def _fused_recurrent_gdn_kernel(
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None,
                                      inplace_final_state: bool = False, use_qk_l2norm: bool = False,
-                                     raw_gates: tuple | None = None):
+                                     raw_gates: tuple | None = None, decay_first: bool = False,
+                                     lower_bound: float | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -191,8 +209,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     (fp32, bf16 or fp16, contiguous; ``fused_recurrent_dplr``).
 
     ``use_qk_l2norm``: q and k are L2-normalised in the kernel. ``raw_gates = (A_log [H],
-    dt_bias [H] or None when g is None, beta_max)``: beta and g are the layer's projections, and
-    the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias)."""
+    dt_bias [H] (a per-channel g: [H * K]) or None when g is None, beta_max)``: beta and g are the layer's
+    projections, and the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias), or
+    with ``lower_bound`` (a per-channel g) g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias)).
+    ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
@@ -204,7 +224,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
         scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
+        float(lower_bound or 0.0),
         H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
-        RAW_GATES=raw_gates is not None, num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
+        RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
+        num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
