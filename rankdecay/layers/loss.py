@@ -16,12 +16,14 @@ gradient and adds to x's [N, D] gradient instead, the smaller of the two while a
 vocabulary has entries (the usual case: 8k-16k tokens, a 32k-150k vocabulary). A slice's logits hold up to 2^26
 entries by default on a GPU (``default_vocab_chunk_size``): 4 slices at 8,192 tokens and a 32,000 vocabulary, 0.5
 GiB at the loss' peak against the logits path's 3 GiB, and faster than it on an H200 (BENCHMARKS.md); 2^23 where
-the softmax is PyTorch's.
+the softmax is PyTorch's (the CPU).
 
 On a CUDA device the softmax's statistics and gradient over each slice are two Triton kernels that read its logits
-once (``rankdecay.ops.triton.cross_entropy``); elsewhere, and under ``torch.compile`` (which fuses the same
-elementwise work itself), they are PyTorch. The function traces under ``torch.compile`` (``fullgraph=True``
-too), so a compiled model's loss is part of its graph.
+once (``rankdecay.ops.triton.cross_entropy``); elsewhere they are PyTorch. Under ``torch.compile`` (``fullgraph=True``
+too) the forward and the backward are each one opaque operator (``torch.ops.rankdecay.linear_cross_entropy_forward``
+and ``..._backward``, ``torch.library`` custom ops), so a compiled model runs the same slices, kernels and products as
+eager mode: traced through instead, inductor's fusion of the slices took 7.7 ms and 1,220 MiB at 8,192 tokens on an
+H200 against eager mode's 4.9 ms and 521 MiB (BENCHMARKS.md, session 70).
 
 Precision: each slice's product runs in the dtype ``F.linear`` would run it in (autocast's, bf16 under bf16
 autocast; else the inputs'), the softmax and the loss in fp32 from the logits so rounded (as
@@ -56,7 +58,7 @@ def default_vocab_chunk_size(n: int, v: int, max_logits: int = SLICE_LOGITS) -> 
     v. Few wide slices are faster (each slice costs its launches and adds to x's gradient once); on an H200 at
     8,192 tokens and a 32,000 vocabulary, slices of 1,000 took 8.9 ms, of 4,000 4.9 ms and of 8,000 (this rule)
     4.5 ms, against 5.6 ms for the logits path (BENCHMARKS.md). ``linear_cross_entropy`` passes
-    ``SLICE_LOGITS_PYTORCH`` (2^23) where the slices' softmax is PyTorch's (the CPU, ``torch.compile``)."""
+    ``SLICE_LOGITS_PYTORCH`` (2^23) where the slices' softmax is PyTorch's (the CPU)."""
     width = max(256, max_logits // max(n, 1))
     slices = -(-v // width)
     each = -(-v // slices)
@@ -77,10 +79,10 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def _triton_kernels(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the slices' elementwise work runs in ``rankdecay.ops.triton.cross_entropy``: on CUDA, in eager mode,
-    for fp16, bf16 and fp32 products (the tests switch it on under the CPU interpreter)."""
-    return (_HAS_TRITON and x.is_cuda and dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and not torch.compiler.is_compiling())
+    """Whether the slices' elementwise work runs in ``rankdecay.ops.triton.cross_entropy``: on CUDA, for fp16, bf16
+    and fp32 products (the tests switch it on under the CPU interpreter). (Under ``torch.compile`` too: the slices
+    run inside the opaque operators.)"""
+    return _HAS_TRITON and x.is_cuda and dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _slice_logits(xd: torch.Tensor, wj: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int) -> torch.Tensor:
@@ -111,7 +113,7 @@ def _wide_products(a: torch.Tensor) -> bool:
     """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``, on CUDA in eager
     mode where this PyTorch has it: tried once): then x's gradient is summed over the slices inside the products,
     and the weight's comes out of its product in fp32, not rounded to the operands' dtype first."""
-    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16):
         return False
     if a.dtype not in _OUT_DTYPE:
         try:
@@ -149,63 +151,96 @@ def _smoothing_grads(gs, target, valid, xd, weight, dx, dw, db):
         db -= (gs.sum() / V).to(db.dtype)
 
 
+# The two operators' schemas are written out: inferring them from annotations under ``from __future__ import
+# annotations`` needs a newer PyTorch than this package's oldest
+@torch.library.custom_op("rankdecay::linear_cross_entropy_forward", mutates_args=(), schema=(
+    "(Tensor x, Tensor target, Tensor weight, Tensor? bias, int ignore_index, int width, ScalarType dtype, "
+    "float smoothing) -> (Tensor, Tensor)"))
+def _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing):
+    """x [N, D], target [N] -> (per-token losses [N] fp32, 0 where ignored; the log-sum-exp [N], for the backward)."""
+    kernels = _triton_kernels(x, dtype)
+    if kernels:
+        from ..ops.triton.cross_entropy import slice_logsumexp_
+    xd, V = x.to(dtype), weight.shape[0]
+    valid = target != ignore_index
+    lse = torch.full(target.shape, float("-inf"), dtype=_wide(dtype), device=x.device)
+    picked = torch.zeros_like(lse)
+    for v0 in range(0, V, width):
+        v1 = min(V, v0 + width)
+        logits = _slice_logits(xd, weight[v0:v1].to(dtype), bias, v0, v1)
+        if kernels:
+            slice_logsumexp_(logits, lse, picked, target, v0)
+        else:
+            lse, picked = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0)
+    loss = lse - picked
+    if smoothing:  # (1 - ε) of the target's term and ε of the mean logit's: ε (lse - Σ_j z_j / V) more
+        loss = loss + smoothing * (picked - _logit_sums(xd, weight, bias, lse.dtype) / V)
+    return torch.where(valid, loss, 0.0), lse
+
+
+@_forward.register_fake
+def _(x, target, weight, bias, ignore_index, width, dtype, smoothing):
+    return x.new_empty(target.shape, dtype=_wide(dtype)), x.new_empty(target.shape, dtype=_wide(dtype))
+
+
+@torch.library.custom_op("rankdecay::linear_cross_entropy_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor lse, int ignore_index, int width, "
+    "ScalarType dtype, float smoothing, bool need_x, bool need_w, bool need_b) -> (Tensor, Tensor, Tensor)"))
+def _backward(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, need_x, need_w, need_b):
+    """The gradients of x, weight and bias (each empty where not needed) from the losses' gradient grad [N]."""
+    kernels = _triton_kernels(x, dtype)
+    if kernels:
+        from ..ops.triton.cross_entropy import slice_softmax_grad_
+    V = weight.shape[0]
+    xd = x.to(dtype)
+    valid = target != ignore_index
+    grad = grad.to(lse.dtype).contiguous()
+    dx = torch.zeros(x.shape, dtype=_wide(dtype), device=x.device) if need_x else None
+    dw = torch.empty_like(weight) if need_w else None
+    db = torch.empty_like(bias) if need_b else None
+    for v0 in range(0, V, width):
+        v1 = min(V, v0 + width)
+        wj = weight[v0:v1].to(dtype)
+        logits = _slice_logits(xd, wj, bias, v0, v1)
+        if kernels:  # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient
+            p = slice_softmax_grad_(logits, lse, target, grad, v0, ignore_index)
+        else:
+            p = _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0)
+        wide = _wide_products(p)
+        if need_b:
+            db[v0:v1] = p.sum(0, dtype=lse.dtype).to(db.dtype)
+        if need_w:
+            dw[v0:v1] = torch.mm(p.t(), xd, out_dtype=torch.float32) if wide else (p.t() @ xd).to(dw.dtype)
+        if need_x:
+            dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
+    if smoothing:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V) per token, in closed form
+        _smoothing_grads(smoothing * torch.where(valid, grad, 0.0), target, valid, xd, weight, dx, dw, db)
+    empty = x.new_empty(0)
+    return (empty if dx is None else dx.to(x.dtype)), (empty if dw is None else dw), (empty if db is None else db)
+
+
+@_backward.register_fake
+def _(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, need_x, need_w, need_b):
+    return (x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_w else (0,)),
+            bias.new_empty(bias.shape) if need_b else x.new_empty(0))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype, smoothing: float):
-        # x [N, D], target [N]: per-token losses [N] fp32 (0 where ignored); keeps the log-sum-exp [N]
-        kernels = _triton_kernels(x, dtype)
-        if kernels:
-            from ..ops.triton.cross_entropy import slice_logsumexp_
-        xd, V = x.to(dtype), weight.shape[0]
-        valid = target != ignore_index
-        lse = torch.full(target.shape, float("-inf"), dtype=_wide(dtype), device=x.device)
-        picked = torch.zeros_like(lse)
-        for v0 in range(0, V, width):
-            v1 = min(V, v0 + width)
-            logits = _slice_logits(xd, weight[v0:v1].to(dtype), bias, v0, v1)
-            if kernels:
-                slice_logsumexp_(logits, lse, picked, target, v0)
-            else:
-                lse, picked = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0)
+        losses, lse = _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing)
         ctx.save_for_backward(x, target, weight, bias, lse)
         ctx.ignore_index, ctx.width, ctx.dtype, ctx.smoothing = ignore_index, width, dtype, smoothing
-        loss = lse - picked
-        if smoothing:  # (1 - ε) of the target's term and ε of the mean logit's: ε (lse - Σ_j z_j / V) more
-            loss = loss + smoothing * (picked - _logit_sums(xd, weight, bias, lse.dtype) / V)
-        return torch.where(valid, loss, 0.0)
+        return losses
 
     @staticmethod
     def backward(ctx, grad):
         x, target, weight, bias, lse = ctx.saved_tensors
-        dtype, width, V = ctx.dtype, ctx.width, weight.shape[0]
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
-        kernels = _triton_kernels(x, dtype)
-        if kernels:
-            from ..ops.triton.cross_entropy import slice_softmax_grad_
-        xd = x.to(dtype)
-        valid = target != ctx.ignore_index
-        grad = grad.to(lse.dtype).contiguous()
-        dx = torch.zeros(x.shape, dtype=_wide(dtype), device=x.device) if need_x else None
-        dw = torch.empty_like(weight) if need_w else None
-        db = torch.empty_like(bias) if need_b else None
-        for v0 in range(0, V, width):
-            v1 = min(V, v0 + width)
-            wj = weight[v0:v1].to(dtype)
-            logits = _slice_logits(xd, wj, bias, v0, v1)
-            if kernels:  # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient
-                p = slice_softmax_grad_(logits, lse, target, grad, v0, ctx.ignore_index)
-            else:
-                p = _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0)
-            wide = _wide_products(p)
-            if need_b:
-                db[v0:v1] = p.sum(0, dtype=lse.dtype).to(db.dtype)
-            if need_w:
-                dw[v0:v1] = torch.mm(p.t(), xd, out_dtype=torch.float32) if wide else (p.t() @ xd).to(dw.dtype)
-            if need_x:
-                dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
-        if ctx.smoothing:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V) per token, in closed form
-            _smoothing_grads(ctx.smoothing * torch.where(valid, grad, 0.0), target, valid, xd, weight, dx, dw, db)
-        return (None if dx is None else dx.to(x.dtype), None, dw, db, None, None, None, None)
+        dx, dw, db = _backward(grad, x, target, weight, bias, lse, ctx.ignore_index, ctx.width, ctx.dtype,
+                               ctx.smoothing, need_x, need_w, need_b and bias is not None)
+        return (dx if need_x else None, None, dw if need_w else None, db if need_b and bias is not None else None,
+                None, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

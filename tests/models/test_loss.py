@@ -298,16 +298,26 @@ def test_gpu_bf16_values_and_peak_memory():
 
 
 @pytest.mark.skipif(not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
-def test_traces_under_torch_compile_fullgraph():
-    """``torch.compile(fullgraph=True)`` takes it whole (no graph break), with the losses and gradients of the eager
-    call; and a compiled model's fused loss (fullgraph: the model's PyTorch path on the CPU) equals the eager one."""
+def test_traces_under_torch_compile_fullgraph(monkeypatch):
+    """``torch.compile(fullgraph=True)`` takes it whole (no graph break) as two opaque operators, which run the eager
+    slices at every call (so on a GPU its kernels, not inductor's fusion of a traced softmax), with the losses and
+    gradients of the eager call; and a compiled model's fused loss (fullgraph) equals the eager one."""
     import torch._dynamo
 
+    from rankdecay.layers import loss as loss_module
+
     torch._dynamo.reset()
+    calls = []
+    slices = loss_module._slice_logits
+    monkeypatch.setattr(loss_module, "_slice_logits", lambda *a: calls.append(a[-2]) or slices(*a))
     x, t, w, b = _inputs(shape=(3, 37), dtype=torch.float32)
     compiled = torch.compile(lambda x, t, w, b: linear_cross_entropy(x, t, w, b, reduction="none",
                                                                    vocab_chunk_size=8), fullgraph=True)
+    compiled(x, t, w, b)  # (compiles: the operators' fake forms run, not the slices)
+    calls.clear()
     got, ref = compiled(x, t, w, b), linear_cross_entropy(x, t, w, b, reduction="none", vocab_chunk_size=8)
+    V = w.shape[0]
+    assert calls == 2 * list(range(0, V, 8)), "the compiled call did not run the eager slices"
     weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(4))
     assert_matches(got, ref, 1e-6, "compiled losses")
     for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
