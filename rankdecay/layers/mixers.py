@@ -185,12 +185,12 @@ class LinearMixer(nn.Module, abc.ABC):
         """The map ``name`` of x: taken from ``p`` (a packed product's outputs) where given, else applied."""
         return p[name] if p is not None else self.get_submodule(name)(x)
 
-    def output_gate(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def output_gate(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None, packed=None) -> torch.Tensor:
         """The output gate's pre-activation [..., H V]: ``g_proj x`` (a low-rank gate's second map applied to its
-        first's output, which ``p`` may hold)."""
+        first's output, which ``p`` may hold; in a step that decodes with packs, through the one-row kernel)."""
         if self.output_gate_rank is None:
             return self.projected("g_proj", x, p)
-        return self.g_proj[1](self.projected("g_proj.0", x, p))
+        return _output_linear(self.g_proj[1], self.projected("g_proj.0", x, p), packed)
 
     def decode_gates(self, x: torch.Tensor, p: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The gate projections of x for ``decode_op()`` (``a``, ``b``, ``A_log``, ``dt_bias``, ``beta_max``, ...):
@@ -279,7 +279,7 @@ class LinearMixer(nn.Module, abc.ABC):
                 self.qk_hook(self, q, k)
             o, final_state = self.mix(q, k, v, self.gates(x, mask, p), initial_state=initial_state,
                                       cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
-        gate = self.output_gate(x, p).view(B, T, H, V) if self.use_output_gate else None
+        gate = self.output_gate(x, p, packed).view(B, T, H, V) if self.use_output_gate else None
         fused = None
         if packed is not None:  # a B = 1 decode step on a GPU: the norm and the gate inside the output map's kernel
             act = (self.o_norm.activation if self.output_norm else self.gate_act) if gate is not None else None
