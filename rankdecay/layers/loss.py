@@ -245,8 +245,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         vocab_chunk_size: int | None = None) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...,
+                         logit_scale: float = 1.0, vocab_chunk_size: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(logit_scale * F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...,
     label_smoothing=...)`` over the leading dimensions, without forming all the logits at once (the module docstring
     says how).
 
@@ -259,6 +259,9 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         label_smoothing: ε in [0, 1]: the target is (1 - ε) onehot + ε / V, as ``F.cross_entropy``'s (and fla's
             ``FusedLinearCrossEntropyLoss``'s). Its term needs each row's sum of logits, x · Σ_j w_j, and adds to the
             gradients in closed form: the slices are untouched.
+        logit_scale: a factor on the logits (fla's ``FusedLinearCrossEntropyLoss(logit_scale=...)``, a µP-style
+            output multiplier), applied as ``x * logit_scale`` and ``bias * logit_scale`` before the products (through
+            autograd: one copy of x).
         vocab_chunk_size: vocabulary entries per slice (each slice's logits are [N, vocab_chunk_size]); None:
             ``default_vocab_chunk_size`` (a slice's logits within 2^26 entries on a GPU, 2^23 elsewhere).
     Returns a scalar (``"mean"``, ``"sum"``) or [...] (``"none"``), fp32 (fp64 for fp64 inputs), with autograd to
@@ -282,12 +285,17 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be a number in [0, 1]; got {label_smoothing!r}")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not logit_scale > 0 \
+            or logit_scale == float("inf"):
+        raise ValueError(f"logit_scale must be a finite number > 0; got {logit_scale!r}")
     if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool)
                                          or vocab_chunk_size < 1):
         raise ValueError(f"vocab_chunk_size must be a positive int or None; got {vocab_chunk_size!r}")
     devices = {x.device, target.device, weight.device} | ({bias.device} if bias is not None else set())
     if len(devices) > 1:
         raise ValueError(f"x, target, weight and bias must be on one device; got {sorted(map(str, devices))}")
+    if logit_scale != 1:
+        x, bias = x * logit_scale, None if bias is None else bias * logit_scale
     shape = x.shape[:-1]
     xf, tf = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
     # (not under torch.compile, where reading the check's result would break the graph: there a class index out of

@@ -67,6 +67,21 @@ def test_label_smoothing_matches_f_cross_entropy(reduction, smoothing):
         assert_matches(g, r, 1e-12, f"{reduction} d{name}")
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_logit_scale_matches_scaled_logits(smoothing):
+    """``logit_scale`` (fla's argument) scales the logits, bias included, with and without label smoothing: losses
+    and the gradients of x, weight and bias equal ``F.cross_entropy`` of the scaled logits (fp64)."""
+    x, t, w, b = _inputs()
+    got = linear_cross_entropy(x, t, w, b, reduction="none", label_smoothing=smoothing, logit_scale=0.37,
+                               vocab_chunk_size=7)
+    ref = F.cross_entropy(0.37 * F.linear(x, w, b).flatten(0, 1), t.flatten(), reduction="none",
+                          label_smoothing=smoothing).view(t.shape)
+    weights = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(2))
+    assert_matches(got, ref, 1e-12, "loss")
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert_matches(g, r, 1e-12, f"d{name}")
+
+
 def test_gradcheck():
     x, t, w, b = _inputs(shape=(2, 5), D=4, V=6)
     t[0, 0] = -100
@@ -190,6 +205,8 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
      "label_smoothing must be a number in \\[0, 1\\]"),
     (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, vocab_chunk_size=0), ValueError,
      "vocab_chunk_size must be a positive"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, logit_scale=0.0), ValueError,
+     "logit_scale must be a finite number > 0; got 0.0"),
     (lambda x, t, w, b: linear_cross_entropy(x.long(), t, w, b), TypeError, "x must be a floating-point tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t.clamp_min(0) + 29, w, b), ValueError, "outside \\[0, 29\\)"),
 ])

@@ -1,7 +1,8 @@
 """Switching from fla: each of the README's "Switching from fla" rows against flash-linear-attention's own reference
-(its ``naive`` recurrences, plain PyTorch: fla 0.6.0, in the test extra): outputs, final states and the gradients of
-every input, so that the table's mapping (names, argument order, layouts, the sign of fla's DPLR term, fla's
-retention decays) is what a user gets, in training too."""
+(its ``naive`` recurrences, plain PyTorch; for KDA's decode step and the fused loss, fla's Triton kernels, interpreted
+on the CPU: fla 0.6.0, in the test extra): outputs, final states and the gradients of every input, so that the
+table's mapping (names, argument order, layouts, the sign of fla's DPLR term, fla's retention decays) is what a user
+gets, in training too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +164,22 @@ def test_kda_decode_is_fla_fused_recurrent_kda(lower_bound, neg, mode):
                                   use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, lower_bound=lower_bound)
     for name, got, exp in zip(["o", "final state"], ours, ref):
         assert rel_rms(got, exp.to(got.dtype)) < 1e-5, (name, rel_rms(got, exp.to(got.dtype)))
+
+
+@pytest.mark.parametrize("smoothing,scale", [(0.0, 1.0), (0.1, 0.5)])
+def test_linear_cross_entropy_is_fla_fused_linear_cross_entropy(smoothing, scale):
+    """``layers.linear_cross_entropy`` against fla's ``FusedLinearCrossEntropyLoss`` (Triton: interpreted on the
+    CPU) with the same ``label_smoothing`` and ``logit_scale``: the mean loss over the rows not ignored and the
+    gradients of x, weight and bias."""
+    from fla.modules import FusedLinearCrossEntropyLoss
+
+    from rankdecay.layers import linear_cross_entropy
+
+    x, w, b = _rand(37, 16, seed=40), _rand(29, 16, seed=41), _rand(29, seed=42)
+    t = torch.randint(0, 29, (37,), generator=torch.Generator().manual_seed(43)).to(DEVICE)
+    t[:3] = -100
+    _check(lambda x, w, b: (linear_cross_entropy(x, t, w, b, label_smoothing=smoothing, logit_scale=scale)[None],
+                            None),
+           lambda x, w, b: (FusedLinearCrossEntropyLoss(label_smoothing=smoothing, logit_scale=scale)(x, t, w, b)[None],
+                            None),
+           (x, w, b), "linear_cross_entropy")
