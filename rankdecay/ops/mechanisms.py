@@ -333,11 +333,15 @@ def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state
     ``[B, T, H]``, in (0, 2) in the paper.
 
     As diagonal-plus-rank-2 (App. C.2): ``D = λ``; ``a1 = βk, b1 = λ⊙k``;
-    ``a2 = β(λ⊙k - β (kᵀ(λ⊙k)) k), b2 = k``.
+    ``a2 = β(λ⊙k - β (kᵀ(λ⊙k)) k), b2 = k``. ``mode="fused_recurrent"`` (decoding) takes the step as written, two
+    reflections around the decay, in the delta rule's decode kernel: no factors built.
     """
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
+    if mode == "fused_recurrent" and cu_seqlens is None:
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    inplace_final_state=inplace_final_state, householder=True)
     if cu_seqlens is None and not inplace_final_state and _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
         # the fused kernels as one autograd node: a and b built inside, six products of token rows in place of the
         # nine of a and b, the rows' gradients carried on to k, g and β inside (``chunk_hdla``)
@@ -458,11 +462,12 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
-                         raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None):
-    """(Gated) DeltaNet's and KDA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
+                         raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
+                         householder=False):
+    """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
-    ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order."""
+    ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -476,7 +481,7 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
         c(beta), scale, initial_state if inplace_final_state else c(initial_state),
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-        decay_first=decay_first, lower_bound=lower_bound)
+        decay_first=decay_first, lower_bound=lower_bound, householder=householder)
     return o, (state if output_final_state else None)
 
 

@@ -130,7 +130,7 @@ def _fused_recurrent_gdn_kernel(
     q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
-    DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr,
+    DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -140,6 +140,8 @@ def _fused_recurrent_gdn_kernel(
     # softplus(g + dt_bias), per head (a scalar gate: Mamba2's α, as the GatedDeltaNet layer forms it)
     # or per channel (dt_bias [H, K]: the KDA layer's), or with BOUNDED (per channel)
     # g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (fla's KDA with a lower_bound).
+    # HOUSEHOLDER: HDLA's step instead (its eq. 27), the decay between two reflections and the write unscaled:
+    # S = (I - β k kᵀ) Diag(α) (I - β k kᵀ) S + k vᵀ.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -177,7 +179,14 @@ def _fused_recurrent_gdn_kernel(
                     g_k = tl.cast(lower_bound, tl.float32) * tl.sigmoid(a_h * (g_k + bias_k))
                 else:
                     g_k = -a_h * _softplus(g_k + bias_k)
-        if GATE == 2 and DECAY_FIRST:  # (I - β k kᵀ) Diag(α) S + β k vᵀ
+        if HOUSEHOLDER:
+            S = S - b_t * k_t[:, None] * tl.sum(k_t[:, None] * S, axis=0)[None, :]
+            if GATE == 2:
+                S = S * tl.exp(g_k)[:, None]
+            elif GATE == 1:
+                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+            S = S - b_t * k_t[:, None] * tl.sum(k_t[:, None] * S, axis=0)[None, :] + k_t[:, None] * v_t[None, :]
+        elif GATE == 2 and DECAY_FIRST:  # (I - β k kᵀ) Diag(α) S + β k vᵀ
             S = S * tl.exp(g_k)[:, None]
             u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
             S += k_t[:, None] * u[None, :]
@@ -200,7 +209,7 @@ def _fused_recurrent_gdn_kernel(
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None,
                                      inplace_final_state: bool = False, use_qk_l2norm: bool = False,
                                      raw_gates: tuple | None = None, decay_first: bool = False,
-                                     lower_bound: float | None = None):
+                                     lower_bound: float | None = None, householder: bool = False):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -212,7 +221,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     dt_bias [H] (a per-channel g: [H * K]) or None when g is None, beta_max)``: beta and g are the layer's
     projections, and the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias), or
     with ``lower_bound`` (a per-channel g) g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias)).
-    ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after."""
+    ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after.
+    ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given)."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
@@ -227,6 +237,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
         float(lower_bound or 0.0),
         H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
+        HOUSEHOLDER=householder,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
