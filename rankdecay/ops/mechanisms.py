@@ -277,7 +277,8 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
       queries elsewhere, their outputs dropped). Gated DeltaNet's one-node kernels at 64-token chunks beat the
       rank machinery's 32-token chunks of [64, 64] row tiles: on the H100 (B8 T2048 H16 K=V=128, bf16, n_h = 2)
       3.51 -> 0.88 ms forward (fla's ``chunk_gated_delta_product`` 1.14) and 12.95 -> 4.72 ms forward+backward
-      (BENCHMARKS.md, session 34).
+      (BENCHMARKS.md, session 34). ``mode="fused_recurrent"`` (decoding) takes the same form through the delta
+      rule's decode kernel.
     - Elsewhere (the PyTorch paths, a per-channel gate): the rank machinery (``Rab = Rkv = n_h``):
       :math:`H_{n_h} \cdots H_1 = I - \sum_j (H_{n_h} \cdots H_{j+1}) \beta_j k_j k_j^\top`,
       so ``a_j = α β_j H_{n_h}⋯H_{j+1} k_j``, ``b_j = k_j``, writes ``(β_j H_{n_h}⋯H_{j+1} k_j) v_jᵀ``, and the
@@ -291,7 +292,8 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     _check_beta(beta, q, rows=nh)
     _check_gate(g, q)
     B, T, H, K = q.shape
-    if (g is None or g.dim() == 3) and _runs_triton(mode, q, (q, k, v, g, beta, initial_state)):
+    if (g is None or g.dim() == 3) and (mode == "fused_recurrent" or _runs_triton(mode, q, (q, k, v, g, beta,
+                                                                                            initial_state))):
         o, state = gated_delta_rule(
             _interleave(q, nh, at_last=True), k, v, None if g is None else _interleave(g, nh, at_last=False), beta,
             scale=scale, initial_state=initial_state, output_final_state=output_final_state,

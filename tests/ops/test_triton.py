@@ -2586,6 +2586,30 @@ def test_hdla_decode_kernel_matches_the_recurrence(gate):
         assert_matches(x, y, 1e-5, f"{gate}: {name}")
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gdp", "deltaproduct"])
+def test_gated_delta_product_decode_kernel_matches_the_recurrence(gated):
+    """gated_delta_product(mode="fused_recurrent") takes the delta rule's decode kernel over the interleaved
+    sub-steps (the gate on each token's first, the query on its last): outputs and the final state, written in
+    place, against the naive recurrence (the rank machinery), n_h = 3, log-gates to -30, β up to 2."""
+    B, T, H, K, V, nh = 2, 7, 3, 20, 24, 3
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
+    k = F.normalize(torch.randn(B, T * nh, H, K, generator=gen), dim=-1).to(DEVICE)
+    v, beta = torch.randn(B, T * nh, H, V, generator=gen).to(DEVICE), (2 * torch.rand(B, T * nh, H, generator=gen))
+    beta = beta.to(DEVICE)
+    g = (-30 * torch.rand(B, T, H, generator=gen) ** 4).to(DEVICE) if gated else None
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        h = h0.clone()
+        got = ops.gated_delta_product(q, k, v, g, beta, nh, mode="fused_recurrent", initial_state=h,
+                                      output_final_state=True, inplace_final_state=True)
+        ref = ops.gated_delta_product(q, k, v, g, beta, nh, mode="naive", initial_state=h0, output_final_state=True)
+    assert got[1] is h
+    for name, x, y in zip(["o", "final state"], got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_matches(x, y, 1e-5, name)
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("beta_max", [1.0, 2.0])
 def test_kda_decode_forms_the_gates(lower_bound, beta_max):
