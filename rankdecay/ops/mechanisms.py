@@ -404,6 +404,10 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"mask must have shape [H, r, r] or [B, T, H, r, r], got {list(mask.shape)}")
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
+    if mode == "fused_recurrent" and cu_seqlens is None and K & (K - 1) == 0 and r & (r - 1) == 0:
+        # decoding: the delta rule's decode kernel with the mask between the key's groups, no factors built
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    inplace_final_state=inplace_final_state, mask=mask)
     hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.factors import decay_rows_dtype, hh_factors, hh_placeholders, hh_update_rows  # no gather
@@ -465,11 +469,12 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
-                         householder=False):
+                         householder=False, mask=None):
     """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
-    ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step."""
+    ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step;
+    ``mask``: Head-in-Head's."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -483,7 +488,8 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         c(q), c(k)[..., None, :], c(v)[..., None, :], c(g[..., None] if g is not None and g.dim() == 3 else g),
         c(beta), scale, initial_state if inplace_final_state else c(initial_state),
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-        decay_first=decay_first, lower_bound=lower_bound, householder=householder)
+        decay_first=decay_first, lower_bound=lower_bound, householder=householder,
+        mask=None if mask is None else mask.contiguous())
     return o, (state if output_final_state else None)
 
 

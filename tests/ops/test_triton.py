@@ -2563,6 +2563,19 @@ def test_kda_decode_kernel_matches_the_recurrence():
     assert rel_rms(other[0], ref[0]) > 1e-2, "the test cannot tell the two orders apart"
 
 
+def _assert_decode_kernel_matches_naive(call, h0, label):
+    """``call(mode=, initial_state=, output_final_state=, **kw) -> (o, final state)``: the decode kernel, writing
+    the state into initial_state, against the naive recurrence from the same state (outputs, final state)."""
+    with torch.no_grad():
+        h = h0.clone()
+        got = call(mode="fused_recurrent", initial_state=h, output_final_state=True, inplace_final_state=True)
+        ref = call(mode="naive", initial_state=h0, output_final_state=True)
+    assert got[1] is h, f"{label}: the final state was not written into initial_state"
+    for name, x, y in zip(["o", "final state"], got, ref):
+        assert torch.isfinite(x).all(), f"{label}: {name}"
+        assert_matches(x, y, 1e-5, f"{label}: {name}")
+
+
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_hdla_decode_kernel_matches_the_recurrence(gate):
     """hdla(mode="fused_recurrent") takes the delta rule's decode kernel with HDLA's step, the decay between two
@@ -2575,15 +2588,31 @@ def test_hdla_decode_kernel_matches_the_recurrence(gate):
     beta = (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
     g = (-30 * torch.rand((B, T, H) if gate == "scalar" else (B, T, H, K), generator=gen) ** 4).to(DEVICE)
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
-    with torch.no_grad():
-        h = h0.clone()
-        got = ops.hdla(q, k, v, g, beta, mode="fused_recurrent", initial_state=h, output_final_state=True,
-                       inplace_final_state=True)
-        ref = ops.hdla(q, k, v, g, beta, mode="naive", initial_state=h0, output_final_state=True)
-    assert got[1] is h
-    for name, x, y in zip(["o", "final state"], got, ref):
-        assert torch.isfinite(x).all(), name
-        assert_matches(x, y, 1e-5, f"{gate}: {name}")
+    _assert_decode_kernel_matches_naive(lambda **kw: ops.hdla(q, k, v, g, beta, **kw), h0, gate)
+
+
+@pytest.mark.parametrize("K,r,gate,per_token", [(16, 4, "scalar", False), (32, 2, "channel", True),
+                                             (16, 1, None, False), (32, 4, "scalar", True), (24, 4, "scalar", False)])
+def test_head_in_head_decode_kernel_matches_the_recurrence(K, r, gate, per_token):
+    """hh_delta_rule(mode="fused_recurrent") takes the delta rule's decode kernel with the r x r mask between the
+    key's groups ((k kᵀ ⊙ expand(M)) S as k ⊙ expand(M P), P_j the group's share of kᵀ S), no factors built, for a
+    static mask or one per token, a scalar, per-channel or no gate, r from 1 to 4 (K = 24, not a power of two,
+    keeps the generic kernel): outputs and the final state, written in place, against the naive recurrence, with
+    log-gates to -30 and β up to 2."""
+    B, T, H, V = 2, 6, 3, 12
+    gen = torch.Generator().manual_seed(K + r)
+    q, v = torch.randn(B, T, H, K, generator=gen).to(DEVICE), torch.randn(B, T, H, V, generator=gen).to(DEVICE)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE)
+    beta = (2 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
+    g = None if gate is None else (-30 * torch.rand((B, T, H) if gate == "scalar" else (B, T, H, K), generator=gen)
+                                   ** 4).to(DEVICE)
+    shape = (B, T, H, r, r) if per_token else (H, r, r)
+    # not symmetric (head_in_head_mask's are), so that the mask's orientation shows
+    mask = (ops.head_in_head_mask(torch.rand(*shape, generator=gen)) + 0.3 * torch.rand(*shape, generator=gen))
+    mask = mask.to(DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+    _assert_decode_kernel_matches_naive(lambda **kw: ops.hh_delta_rule(q, k, v, beta, mask, g, **kw), h0,
+                                        f"K={K} r={r} {gate} {per_token}")
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gdp", "deltaproduct"])
@@ -2599,15 +2628,8 @@ def test_gated_delta_product_decode_kernel_matches_the_recurrence(gated):
     beta = beta.to(DEVICE)
     g = (-30 * torch.rand(B, T, H, generator=gen) ** 4).to(DEVICE) if gated else None
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
-    with torch.no_grad():
-        h = h0.clone()
-        got = ops.gated_delta_product(q, k, v, g, beta, nh, mode="fused_recurrent", initial_state=h,
-                                      output_final_state=True, inplace_final_state=True)
-        ref = ops.gated_delta_product(q, k, v, g, beta, nh, mode="naive", initial_state=h0, output_final_state=True)
-    assert got[1] is h
-    for name, x, y in zip(["o", "final state"], got, ref):
-        assert torch.isfinite(x).all(), name
-        assert_matches(x, y, 1e-5, name)
+    _assert_decode_kernel_matches_naive(lambda **kw: ops.gated_delta_product(q, k, v, g, beta, nh, **kw), h0,
+                                        "gdp" if gated else "deltaproduct")
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])

@@ -127,10 +127,11 @@ def _softplus(x):
 
 @triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound,
+    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound, mask,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
-    DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr,
+    DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
+    MASK_PER_TOKEN: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -142,6 +143,8 @@ def _fused_recurrent_gdn_kernel(
     # g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (fla's KDA with a lower_bound).
     # HOUSEHOLDER: HDLA's step instead (its eq. 27), the decay between two reflections and the write unscaled:
     # S = (I - β k kᵀ) Diag(α) (I - β k kᵀ) S + k vᵀ.
+    # GROUPS r > 0: Head-in-Head's step (its eq. 10), the reflection masked by the r x r mask between the key's r
+    # groups of K / r channels (K = BK): (k kᵀ ⊙ expand(M)) S = k ⊙ expand(M P), P_j = Σ_{l in group j} k_l S_l.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -179,7 +182,20 @@ def _fused_recurrent_gdn_kernel(
                     g_k = tl.cast(lower_bound, tl.float32) * tl.sigmoid(a_h * (g_k + bias_k))
                 else:
                     g_k = -a_h * _softplus(g_k + bias_k)
-        if HOUSEHOLDER:
+        if GROUPS > 0:  # α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ, the per-channel decay after the reflection
+            o_r = tl.arange(0, GROUPS)
+            m_base = (tok if MASK_PER_TOKEN else i_h) * GROUPS * GROUPS
+            m = tl.load(mask + m_base + o_r[:, None] * GROUPS + o_r[None, :]).to(tl.float32)  # [r, r]
+            P = tl.sum(tl.reshape(k_t[:, None] * S, (GROUPS, BK // GROUPS, BV)), axis=1)  # [r, BV]
+            MP = tl.sum(m[:, :, None] * P[None, :, :], axis=1)  # [r, BV]
+            k_g = tl.reshape(k_t, (GROUPS, BK // GROUPS))
+            S = S - b_t * tl.reshape(k_g[:, :, None] * MP[:, None, :], (BK, BV))
+            if GATE == 2:
+                S = S * tl.exp(g_k)[:, None]
+            elif GATE == 1:
+                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+            S += b_t * k_t[:, None] * v_t[None, :]
+        elif HOUSEHOLDER:
             S = S - b_t * k_t[:, None] * tl.sum(k_t[:, None] * S, axis=0)[None, :]
             if GATE == 2:
                 S = S * tl.exp(g_k)[:, None]
@@ -209,7 +225,8 @@ def _fused_recurrent_gdn_kernel(
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None,
                                      inplace_final_state: bool = False, use_qk_l2norm: bool = False,
                                      raw_gates: tuple | None = None, decay_first: bool = False,
-                                     lower_bound: float | None = None, householder: bool = False):
+                                     lower_bound: float | None = None, householder: bool = False,
+                                     mask: torch.Tensor | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -222,7 +239,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     projections, and the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias), or
     with ``lower_bound`` (a per-channel g) g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias)).
     ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after.
-    ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given)."""
+    ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given).
+    ``mask``: Head-in-Head's step with this r x r mask ([H, r, r] or [N, T, H, r, r], contiguous; K a power of two
+    that r divides), α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
@@ -234,10 +253,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
         scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
-        float(lower_bound or 0.0),
+        float(lower_bound or 0.0), mask if mask is not None else q,
         H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
-        HOUSEHOLDER=householder,
+        HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
+        MASK_PER_TOKEN=mask is not None and mask.dim() == 5,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
