@@ -4,6 +4,7 @@
     python benchmarks/sm90_resources.py --backward {gdn,hh-gdn,hh-gdn-token,hdla,hdla-fwd,kda,kda-fwd}
         [--shape B T H K V]
         [--knob ch_bk=32 fwd_state_stages=1 bwd_inputs=4 ...]
+    python benchmarks/sm90_resources.py --decode [--shape B T H K V]
 
 No GPU needed: runs ``chunk_fwd.chunk_dplr_fwd`` for Gated DeltaNet (tied keys, bf16 inputs, the "medium"
 precision, outputs from the state kernel, no backward: the scaled form) on CPU tensors with its Triton
@@ -23,6 +24,10 @@ one (HDLA's products in one product, then by levels) is kept apart. The spill by
 kernel's PTX. (Session 36, Head-in-Head's step 4: 340 bytes of spill stores with its rows a and b
 formed in the kernel, where the H100 counted 70 spilled registers and 2.22 ms; 84 for the general rows, 6 and
 1.81 ms there; 36 with a and b read and their gradients carried on in the kernel, as now.)
+
+``--decode``: the decode kernel's launches instead (``fused_recurrent``: the delta rule's kernel as Gated DeltaNet's,
+KDA's, HDLA's, Gated DeltaProduct's and Head-in-Head's steps call it, with an fp32 and a bf16 state, and the generic
+DPLR kernel as GLA's calls it), one token of bf16 inputs (``--shape``'s T is ignored).
 """
 from __future__ import annotations
 
@@ -163,6 +168,68 @@ def capture_training(case: str, shape) -> tuple[dict, dict]:
     return forward, dict(launches)
 
 
+def capture_decode(shape) -> dict:
+    """The decode kernels' launches for one token of each mechanism's step on CPU tensors, as {name: (fn, args,
+    kwargs)}: the ops run with their launches captured instead of run (and the check that a GPU is there off)."""
+    from rankdecay import ops
+    import importlib
+
+    from rankdecay.ops import mechanisms
+    from rankdecay.ops.triton import fused_recurrent as fr
+
+    B, _, H, K, V = shape
+    launches = {}
+    names = {"_fused_recurrent_gdn_kernel": None, "_fused_recurrent_fwd_kernel": None}
+    dplr = importlib.import_module("rankdecay.ops.dplr")  # (the package's ``dplr`` is the function)
+    saved = {n: getattr(fr, n) for n in names} | {"check": mechanisms.check_triton_mode}  # (dplr's is the same)
+    current = [""]
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.__setitem__(current[0], (saved[self.name], args, kw))
+
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = (rnd(B, 1, H, d).bfloat16() for d in (K, K, V))
+    b, a = rnd(B, 1, H).bfloat16(), rnd(B, 1, H, K).bfloat16()
+    g, gk = -torch.rand(B, 1, H, generator=gen), -torch.rand(B, 1, H, K, generator=gen)
+    mask = ops.head_in_head_mask(torch.rand(H, 4, 4, generator=gen))
+    s1 = b.float().sigmoid()
+    cases = {  # each called with initial_state=h, inplace_final_state=True: the cache's step
+        "gdn (gates in the kernel)": lambda **kw: ops.gated_delta_rule_decode(q, k, v, b, b, rnd(H), rnd(H), **kw),
+        "kda (gates in the kernel)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), **kw),
+        "kda (bounded gate)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), lower_bound=-5.0, **kw),
+        "hdla": lambda **kw: ops.hdla(q, k, v, gk, s1, **kw),
+        "gdp n_h=2": lambda **kw: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
+                                                          torch.cat([s1, s1], 1), 2, **kw),
+        "hh-gdn r=4": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask, g, **kw),
+        "hh-gdn r=4, mask per token": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask.expand(B, 1, H, 4, 4), g,
+                                                                     **kw),
+        "gla (generic kernel)": lambda **kw: ops.gla(q, k, v, gk, **kw),
+    }
+    try:
+        for n in names:
+            setattr(fr, n, Capture(n))
+        mechanisms.check_triton_mode = dplr.check_triton_mode = lambda *a, **kw: None
+        with torch.no_grad():
+            for state in (torch.float32, torch.bfloat16):
+                for name, call in cases.items():
+                    current[0] = f"{name}, {str(state).removeprefix('torch.')} state"
+                    h = torch.zeros(B, H, K, V, dtype=state)
+                    try:
+                        call(initial_state=h, inplace_final_state=True, mode="fused_recurrent")
+                    except (TypeError, ValueError, AttributeError, RuntimeError):
+                        pass  # the capture returns nothing: what the op does with its result fails here
+    finally:
+        for n in names:
+            setattr(fr, n, saved[n])
+        mechanisms.check_triton_mode = dplr.check_triton_mode = saved["check"]
+    return launches
+
+
 def spill_bytes(kernel) -> str:
     """``ptxas -v``'s spill line for a compiled kernel's PTX (sm_90a), as Triton ships ptxas."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -216,11 +283,19 @@ def main() -> None:
     parser.add_argument("--shape", nargs=5, type=int, default=[1, 256, 2, 128, 128], metavar=("B", "T", "H", "K", "V"))
     parser.add_argument("--knob", nargs="*", default=[], metavar="NAME=VALUE",
                         help="chunk_fwd._KNOBS, Python literals; with --backward, kernels.py's --knob: " + KNOB_HELP)
+    parser.add_argument("--decode", action="store_true", help="the decode kernels (one token) instead")
     parser.add_argument("--backward", choices=["gdn", "hh-gdn", "hh-gdn-token", "hdla", "hdla-fwd", "kda", "kda-fwd"],
                         default=None,
                         help="this case's forward that saves for the backward and its backward, instead of the GDN "
                              "forward alone (kda-fwd, hdla-fwd: their forward without autograd alone)")
     args = parser.parse_args()
+    if args.decode:
+        print(f"Triton {triton.__version__}, sm_90, decode kernels, B H K V = {args.shape[0]} {args.shape[2:]}, bf16 "
+              "inputs, the state updated in place")
+        for name, (fn, a, kw) in capture_decode(args.shape).items():
+            line, shared, warps, stages, kernel = compile_sm90(fn, a, kw, with_kernel=True)
+            print(f"  {name}: {line.split()[0]} | {spill_bytes(kernel)} | shared {shared} B, {warps} warps")
+        return
     if args.backward:
         apply_knobs(args.knob)
         print(f"Triton {triton.__version__}, sm_90, {args.backward} forward+backward {args.shape}, bf16 products"

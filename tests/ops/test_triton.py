@@ -2576,6 +2576,49 @@ def _assert_decode_kernel_matches_naive(call, h0, label):
         assert_matches(x, y, 1e-5, f"{label}: {name}")
 
 
+def test_decode_steps_take_the_delta_rule_kernel(monkeypatch):
+    """Each mechanism's decode step (mode="fused_recurrent") reaches the delta rule's decode kernel in the form its
+    step needs (no DPLR factors built): KDA's decay first, its gates formed inside (bounded or not), HDLA's two
+    reflections, Gated DeltaProduct's interleaved sub-steps, Head-in-Head's mask (static or per token); GLA keeps the
+    generic kernel. (``benchmarks/sm90_resources.py --decode`` compiles these launches for Hopper.)"""
+    from rankdecay.ops.triton import fused_recurrent as fr
+
+    kernel, seen = fr._fused_recurrent_gdn_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(fr, "_fused_recurrent_gdn_kernel", Recorder())
+    B, H, K, V = 1, 2, 16, 8
+    gen = torch.Generator().manual_seed(10)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, b, a = rnd(B, 1, H, K), rnd(B, 1, H, K), rnd(B, 1, H, V), rnd(B, 1, H), rnd(B, 1, H, K)
+    s = torch.rand(B, 1, H, generator=gen).to(DEVICE)  # β
+    g, gk, mask = -rnd(B, 1, H).abs(), -rnd(B, 1, H, K).abs(), ops.head_in_head_mask(torch.rand(H, 4, 4)).to(DEVICE)
+    calls = {
+        "kda": (lambda m: ops.kda(q, k, v, gk, s, mode=m), dict(DECAY_FIRST=True, RAW_GATES=False)),
+        "kda_decode": (lambda m: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), mode=m),
+                       dict(DECAY_FIRST=True, RAW_GATES=True, BOUNDED=False, GATE=2)),
+        "kda_decode bounded": (lambda m: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), lower_bound=-5.0, mode=m),
+                               dict(DECAY_FIRST=True, RAW_GATES=True, BOUNDED=True)),
+        "hdla": (lambda m: ops.hdla(q, k, v, gk, 2 * s, mode=m), dict(HOUSEHOLDER=True, GATE=2)),
+        "gdp": (lambda m: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
+                                                  torch.cat([s, s], 1), 2, mode=m), dict(HOUSEHOLDER=False, GROUPS=0)),
+        "hh": (lambda m: ops.hh_delta_rule(q, k, v, s, mask, g, mode=m), dict(GROUPS=4, MASK_PER_TOKEN=False)),
+        "hh per token": (lambda m: ops.hh_delta_rule(q, k, v, s, mask.expand(B, 1, H, 4, 4), g, mode=m),
+                         dict(GROUPS=4, MASK_PER_TOKEN=True)),
+    }
+    with torch.no_grad():
+        for name, (call, flags) in calls.items():
+            seen.clear()
+            call("fused_recurrent")
+            assert len(seen) == 1 and all(seen[0][f] == value for f, value in flags.items()), (name, seen)
+        seen.clear()
+        ops.gla(q, k, v, gk, mode="fused_recurrent")
+        assert not seen, "GLA has no delta step: the generic kernel"
+
+
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
 def test_hdla_decode_kernel_matches_the_recurrence(gate):
     """hdla(mode="fused_recurrent") takes the delta rule's decode kernel with HDLA's step, the decay between two
