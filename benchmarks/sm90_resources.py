@@ -46,7 +46,7 @@ from kernels import KNOB_HELP, apply_knobs  # noqa: E402  (run from benchmarks/)
 from rankdecay.ops.triton import channel, chunk_bwd, chunk_fwd, chunk_state, factors
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
-         torch.int32: "*i32"}
+         torch.int32: "*i32", torch.int64: "*i64"}
 KERNELS = ("_intra_kernel", "_state_fwd_kernel", "_output_kernel")
 
 

@@ -91,21 +91,30 @@ def _slice_logits(xd: torch.Tensor, wj: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(xd, wj, None if bias is None else bias[v0:v1].to(xd.dtype))
 
 
-def _torch_slice_logsumexp(logits, lse, picked, target, valid, v0):
-    """The PyTorch form of ``slice_logsumexp_``, out of place: the merged (lse, picked)."""
+def _torch_slice_logsumexp(logits, lse, picked, target, valid, v0, softcap=0.0, sums=None):
+    """The PyTorch form of ``slice_logsumexp_``, out of place: the merged (lse, picked, sums)."""
     lf = logits.to(lse.dtype)
+    if softcap:
+        lf = softcap * torch.tanh(lf / softcap)
     idx = target - v0
     inside = valid & (idx >= 0) & (idx < lf.shape[1])
     chosen = lf.gather(1, torch.where(inside, idx, 0)[:, None])[:, 0]
-    return torch.logaddexp(lse, torch.logsumexp(lf, -1)), torch.where(inside, chosen, picked)
+    sums = None if sums is None else sums + lf.sum(-1)
+    return torch.logaddexp(lse, torch.logsumexp(lf, -1)), torch.where(inside, chosen, picked), sums
 
 
-def _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0):
-    """The PyTorch form of ``slice_softmax_grad_``: (softmax - onehot) * grad over the slice, in logits' dtype."""
-    p = torch.exp(logits.to(lse.dtype) - lse[:, None])
+def _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0, softcap=0.0, smoothing=0.0, vocab=1):
+    """The PyTorch form of ``slice_softmax_grad_``: (softmax - onehot) * grad over the slice, in logits' dtype (with
+    a soft cap, label smoothing's share and the cap's derivative too)."""
+    lf = logits.to(lse.dtype)
+    th = torch.tanh(lf / softcap) if softcap else None
+    p = torch.exp((softcap * th if softcap else lf) - lse[:, None])
     idx = target - v0
     inside = valid & (idx >= 0) & (idx < p.shape[1])
-    p = p.scatter_add(1, torch.where(inside, idx, 0)[:, None], -inside[:, None].to(p.dtype))
+    hit = (1.0 - smoothing) if softcap else 1.0
+    p = p.scatter_add(1, torch.where(inside, idx, 0)[:, None], -hit * inside[:, None].to(p.dtype))
+    if softcap:
+        p = (p - smoothing / vocab) * (1.0 - th * th)
     return (p * torch.where(valid, grad.to(p.dtype), 0.0)[:, None]).to(logits.dtype)
 
 
@@ -155,9 +164,10 @@ def _smoothing_grads(gs, target, valid, xd, weight, dx, dw, db):
 # annotations`` needs a newer PyTorch than this package's oldest
 @torch.library.custom_op("rankdecay::linear_cross_entropy_forward", mutates_args=(), schema=(
     "(Tensor x, Tensor target, Tensor weight, Tensor? bias, int ignore_index, int width, ScalarType dtype, "
-    "float smoothing) -> (Tensor, Tensor)"))
-def _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing):
-    """x [N, D], target [N] -> (per-token losses [N] fp32, 0 where ignored; the log-sum-exp [N], for the backward)."""
+    "float smoothing, float softcap) -> (Tensor, Tensor)"))
+def _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing, softcap):
+    """x [N, D], target [N] -> (per-token losses [N] fp32, 0 where ignored; the log-sum-exp [N], for the backward).
+    softcap c > 0: the logits are c tanh(z / c) (then label smoothing's sums of logits are taken slice by slice)."""
     kernels = _triton_kernels(x, dtype)
     if kernels:
         from ..ops.triton.cross_entropy import slice_logsumexp_
@@ -165,28 +175,32 @@ def _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing):
     valid = target != ignore_index
     lse = torch.full(target.shape, float("-inf"), dtype=_wide(dtype), device=x.device)
     picked = torch.zeros_like(lse)
+    sums = torch.zeros_like(lse) if smoothing and softcap else None  # a capped row's sum of logits, slice by slice
     for v0 in range(0, V, width):
         v1 = min(V, v0 + width)
         logits = _slice_logits(xd, weight[v0:v1].to(dtype), bias, v0, v1)
         if kernels:
-            slice_logsumexp_(logits, lse, picked, target, v0)
+            slice_logsumexp_(logits, lse, picked, target, v0, softcap, sums)
         else:
-            lse, picked = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0)
+            lse, picked, sums = _torch_slice_logsumexp(logits, lse, picked, target, valid, v0, softcap, sums)
     loss = lse - picked
     if smoothing:  # (1 - ε) of the target's term and ε of the mean logit's: ε (lse - Σ_j z_j / V) more
-        loss = loss + smoothing * (picked - _logit_sums(xd, weight, bias, lse.dtype) / V)
+        sums = sums if softcap else _logit_sums(xd, weight, bias, lse.dtype)
+        loss = loss + smoothing * (picked - sums / V)
     return torch.where(valid, loss, 0.0), lse
 
 
 @_forward.register_fake
-def _(x, target, weight, bias, ignore_index, width, dtype, smoothing):
+def _(x, target, weight, bias, ignore_index, width, dtype, smoothing, softcap):
     return x.new_empty(target.shape, dtype=_wide(dtype)), x.new_empty(target.shape, dtype=_wide(dtype))
 
 
 @torch.library.custom_op("rankdecay::linear_cross_entropy_backward", mutates_args=(), schema=(
     "(Tensor grad, Tensor x, Tensor target, Tensor weight, Tensor? bias, Tensor lse, int ignore_index, int width, "
-    "ScalarType dtype, float smoothing, bool need_x, bool need_w, bool need_b) -> (Tensor, Tensor, Tensor)"))
-def _backward(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, need_x, need_w, need_b):
+    "ScalarType dtype, float smoothing, float softcap, bool need_x, bool need_w, bool need_b) -> "
+    "(Tensor, Tensor, Tensor)"))
+def _backward(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, softcap, need_x, need_w,
+              need_b):
     """The gradients of x, weight and bias (each empty where not needed) from the losses' gradient grad [N]."""
     kernels = _triton_kernels(x, dtype)
     if kernels:
@@ -203,9 +217,9 @@ def _backward(grad, x, target, weight, bias, lse, ignore_index, width, dtype, sm
         wj = weight[v0:v1].to(dtype)
         logits = _slice_logits(xd, wj, bias, v0, v1)
         if kernels:  # d loss_i / d logits_i = softmax_i - onehot(t_i), times the token's incoming gradient
-            p = slice_softmax_grad_(logits, lse, target, grad, v0, ignore_index)
+            p = slice_softmax_grad_(logits, lse, target, grad, v0, ignore_index, softcap, smoothing, V)
         else:
-            p = _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0)
+            p = _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0, softcap, smoothing, V)
         wide = _wide_products(p)
         if need_b:
             db[v0:v1] = p.sum(0, dtype=lse.dtype).to(db.dtype)
@@ -213,24 +227,26 @@ def _backward(grad, x, target, weight, bias, lse, ignore_index, width, dtype, sm
             dw[v0:v1] = torch.mm(p.t(), xd, out_dtype=torch.float32) if wide else (p.t() @ xd).to(dw.dtype)
         if need_x:
             dx = torch.addmm(dx, p, wj, out_dtype=dx.dtype) if wide else dx.add_(p @ wj)
-    if smoothing:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V) per token, in closed form
+    if smoothing and not softcap:  # the smoothing's share of d loss / d logits, ε (onehot - 1 / V), in closed form
         _smoothing_grads(smoothing * torch.where(valid, grad, 0.0), target, valid, xd, weight, dx, dw, db)
     empty = x.new_empty(0)
     return (empty if dx is None else dx.to(x.dtype)), (empty if dw is None else dw), (empty if db is None else db)
 
 
 @_backward.register_fake
-def _(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, need_x, need_w, need_b):
+def _(grad, x, target, weight, bias, lse, ignore_index, width, dtype, smoothing, softcap, need_x, need_w, need_b):
     return (x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_w else (0,)),
             bias.new_empty(bias.shape) if need_b else x.new_empty(0))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype, smoothing: float):
-        losses, lse = _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing)
+    def forward(ctx, x, target, weight, bias, ignore_index: int, width: int, dtype: torch.dtype, smoothing: float,
+                softcap: float):
+        losses, lse = _forward(x, target, weight, bias, ignore_index, width, dtype, smoothing, softcap)
         ctx.save_for_backward(x, target, weight, bias, lse)
-        ctx.ignore_index, ctx.width, ctx.dtype, ctx.smoothing = ignore_index, width, dtype, smoothing
+        ctx.ignore_index, ctx.width, ctx.dtype, ctx.smoothing, ctx.softcap = ignore_index, width, dtype, smoothing, \
+            softcap
         return losses
 
     @staticmethod
@@ -238,17 +254,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x, target, weight, bias, lse = ctx.saved_tensors
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
         dx, dw, db = _backward(grad, x, target, weight, bias, lse, ctx.ignore_index, ctx.width, ctx.dtype,
-                               ctx.smoothing, need_x, need_w, need_b and bias is not None)
+                               ctx.smoothing, ctx.softcap, need_x, need_w, need_b and bias is not None)
         return (dx if need_x else None, None, dw if need_w else None, db if need_b and bias is not None else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         logit_scale: float = 1.0, vocab_chunk_size: int | None = None) -> torch.Tensor:
-    """``F.cross_entropy(logit_scale * F.linear(x, weight, bias).float(), target, ignore_index=..., reduction=...,
-    label_smoothing=...)`` over the leading dimensions, without forming all the logits at once (the module docstring
-    says how).
+                         logit_scale: float = 1.0, logit_softcapping: float | None = None,
+                         vocab_chunk_size: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(z, target, ignore_index=..., reduction=..., label_smoothing=...)`` with ``z = logit_scale *
+    F.linear(x, weight, bias).float()`` (soft-capped with ``logit_softcapping``) over the leading dimensions, without
+    forming all the logits at once (the module docstring says how).
 
     Args:
         x: [..., D] hidden rows (any floating dtype; under autocast the products take autocast's).
@@ -262,6 +279,9 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         logit_scale: a factor on the logits (fla's ``FusedLinearCrossEntropyLoss(logit_scale=...)``, a µP-style
             output multiplier), applied as ``x * logit_scale`` and ``bias * logit_scale`` before the products (through
             autograd: one copy of x).
+        logit_softcapping: None, or c > 0: the logits are soft-capped, z -> c tanh(z / c), before the softmax
+            (fla's ``logit_softcapping``, Gemma 2's final-logit cap), in the slices (and their Triton kernels);
+            label smoothing's term then sums each slice's capped logits instead of its closed form.
         vocab_chunk_size: vocabulary entries per slice (each slice's logits are [N, vocab_chunk_size]); None:
             ``default_vocab_chunk_size`` (a slice's logits within 2^26 entries on a GPU, 2^23 elsewhere).
     Returns a scalar (``"mean"``, ``"sum"``) or [...] (``"none"``), fp32 (fp64 for fp64 inputs), with autograd to
@@ -288,6 +308,10 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
     if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not logit_scale > 0 \
             or logit_scale == float("inf"):
         raise ValueError(f"logit_scale must be a finite number > 0; got {logit_scale!r}")
+    if logit_softcapping is not None and (isinstance(logit_softcapping, bool)
+                                          or not isinstance(logit_softcapping, (int, float))
+                                          or not 0 < logit_softcapping < float("inf")):
+        raise ValueError(f"logit_softcapping must be None or a finite number > 0; got {logit_softcapping!r}")
     if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool)
                                          or vocab_chunk_size < 1):
         raise ValueError(f"vocab_chunk_size must be a positive int or None; got {vocab_chunk_size!r}")
@@ -310,7 +334,7 @@ def linear_cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Te
         xf.shape[0], V, SLICE_LOGITS if _triton_kernels(xf, dtype) else SLICE_LOGITS_PYTORCH)
     with torch.autocast(x.device.type, enabled=False):
         losses = _LinearCrossEntropy.apply(xf, tf.contiguous(), weight, bias, ignore_index, width, dtype,
-                                           float(label_smoothing))
+                                           float(label_smoothing), float(logit_softcapping or 0.0))
     if reduction == "none":
         return losses.view(shape)
     if reduction == "sum":

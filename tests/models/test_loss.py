@@ -82,6 +82,26 @@ def test_logit_scale_matches_scaled_logits(smoothing):
         assert_matches(g, r, 1e-12, f"d{name}")
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_logit_softcapping_matches_capped_logits(smoothing):
+    """``logit_softcapping`` c (fla's argument): the logits c tanh(z / c) after ``logit_scale``, with and without
+    label smoothing (whose term then sums the capped logits slice by slice): losses and the gradients of x, weight
+    and bias equal ``F.cross_entropy`` of the capped logits (fp64), with logits well past the cap (|z| up to ~20
+    against c = 2)."""
+    x, t, w, b = _inputs()
+    x = (x * 4).detach().requires_grad_()
+    got = linear_cross_entropy(x, t, w, b, reduction="none", label_smoothing=smoothing, logit_scale=1.3,
+                               logit_softcapping=2.0, vocab_chunk_size=7)
+    z = 1.3 * F.linear(x, w, b).flatten(0, 1)
+    assert z.abs().max() > 10
+    ref = F.cross_entropy(2.0 * torch.tanh(z / 2.0), t.flatten(), reduction="none",
+                          label_smoothing=smoothing).view(t.shape)
+    weights = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(3))
+    assert_matches(got, ref, 1e-12, "loss")
+    for name, g, r in zip("xwb", _grads(got, (x, w, b), weights), _grads(ref, (x, w, b), weights)):
+        assert_matches(g, r, 1e-12, f"d{name}")
+
+
 def test_gradcheck():
     x, t, w, b = _inputs(shape=(2, 5), D=4, V=6)
     t[0, 0] = -100
@@ -153,16 +173,19 @@ def test_default_vocab_chunk_size():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocast, smoothing):
+def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocast, smoothing, softcap):
     """The slices' softmax statistics and gradient in Triton (on the CPU under the interpreter) against the same
     function's PyTorch form and the logits path: losses and the gradients of x, weight and bias, fp32 and under bf16
     autocast, slices that do not divide V = 45, rows narrower than a slice's width (the kernels' column loop, with
     its block held to 8), targets on the slices' edges, and ``ignore_index = 3``, a class index, so that a row
     holding it has no loss and no gradient while class 3 is an ordinary column elsewhere; with and without label
-    smoothing (its term is outside the kernels, so both paths take it the same way)."""
+    smoothing (its term is outside the kernels, so both paths take it the same way), and soft-capped logits (then
+    the kernels take the cap, its derivative and the smoothing's share of the gradient, and sum the capped
+    logits)."""
     from rankdecay.ops.triton import cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +199,7 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
         monkeypatch.setattr(loss_module, "_triton_kernels", lambda x, dtype: kernels)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             got = linear_cross_entropy(x, t, w, b, ignore_index=3, reduction=reduction, vocab_chunk_size=20,
-                                       label_smoothing=smoothing)
+                                       label_smoothing=smoothing, logit_softcapping=softcap)
         return got, _grads(got, (x, w, b), weights if reduction == "none" else 1.0)
 
     monkeypatch.setattr(cross_entropy, "MAX_BLOCK", 8)
@@ -190,8 +213,9 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
     if reduction == "none":
         assert (got.view(-1)[[6, 7, 8, 20]] == 0).all() and (got.view(-1)[:6] > 0).all()
     if not autocast:
-        plain = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten(), ignore_index=3, reduction=reduction,
-                                label_smoothing=smoothing)
+        z = F.linear(x, w, b).flatten(0, 1)
+        z = z if softcap is None else softcap * torch.tanh(z / softcap)
+        plain = F.cross_entropy(z, t.flatten(), ignore_index=3, reduction=reduction, label_smoothing=smoothing)
         assert_matches(got, plain.view(got.shape), 1e-6, "losses against the logits path")
 
 
@@ -207,6 +231,8 @@ def test_triton_kernels_match_the_pytorch_slices(monkeypatch, reduction, autocas
      "vocab_chunk_size must be a positive"),
     (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, logit_scale=0.0), ValueError,
      "logit_scale must be a finite number > 0; got 0.0"),
+    (lambda x, t, w, b: linear_cross_entropy(x, t, w, b, logit_softcapping=-1.0), ValueError,
+     "logit_softcapping must be None or a finite number > 0; got -1.0"),
     (lambda x, t, w, b: linear_cross_entropy(x.long(), t, w, b), TypeError, "x must be a floating-point tensor"),
     (lambda x, t, w, b: linear_cross_entropy(x, t.clamp_min(0) + 29, w, b), ValueError, "outside \\[0, 29\\)"),
 ])
