@@ -203,6 +203,7 @@ def capture_decode(shape) -> dict:
         "kda (gates in the kernel)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), **kw),
         "kda (bounded gate)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), lower_bound=-5.0, **kw),
         "hdla": lambda **kw: ops.hdla(q, k, v, gk, s1, **kw),
+        "hdla (gates in the kernel)": lambda **kw: ops.hdla_decode(q, k, v, a, b, **kw),
         "gdp n_h=2": lambda **kw: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
                                                           torch.cat([s1, s1], 1), 2, **kw),
         "hh-gdn r=4": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask, g, **kw),

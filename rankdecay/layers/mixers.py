@@ -166,6 +166,7 @@ class LinearMixer(nn.Module, abc.ABC):
     # --- what a mechanism provides -------------------------------------------------
 
     decode_kernel = False  # decode_gates() feeds decode_op() (the delta rule, one key per token)
+    decode_qk_norm = "l2"  # the qk_norm that decode_op() forms inside its kernel
 
     def decode_op(self):
         """The one-kernel decode step that ``decode_gates`` feeds: ``ops.gated_delta_rule_decode``."""
@@ -265,7 +266,7 @@ class LinearMixer(nn.Module, abc.ABC):
         if not inplace and initial_state is not None and initial_state.dtype != torch.float32:
             initial_state = initial_state.float()  # a 16-bit cache: the other paths start from fp32
         if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
-                and self.qk_norm == "l2" and self.qk_hook is None):
+                and self.qk_norm == self.decode_qk_norm and self.qk_hook is None):
             # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
             o, final_state = self.decode_op()(q, k, v, **self.decode_gates(x, p), scale=self.scale,
                                               initial_state=initial_state, output_final_state=True,
@@ -521,6 +522,18 @@ class HDLA(LinearMixer):
         self.gate_logit_normalizer = float(gate_logit_normalizer)
         self.lambda_proj = nn.Linear(hidden_size, num_heads * self.head_k_dim, bias=True)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    decode_kernel = True  # ops.hdla_decode: k's norm, λ, β and the step in one kernel
+    decode_qk_norm = "k"
+
+    def decode_op(self):
+        return ops.hdla_decode
+
+    def decode_gates(self, x, p=None):
+        B, T = x.shape[:2]
+        return {"a": self.projected("lambda_proj", x, p).view(B, T, self.num_heads, self.head_k_dim),
+                "b": self.projected("b_proj", x, p), "gate_logit_normalizer": self.gate_logit_normalizer,
+                "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
     def gate_projections(self):
         return ("lambda_proj", "b_proj")

@@ -469,12 +469,12 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
-                         householder=False, mask=None):
+                         householder=False, mask=None, norm_q=True, logsigmoid_scale=None):
     """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
     ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step;
-    ``mask``: Head-in-Head's."""
+    ``mask``: Head-in-Head's; ``norm_q=False``: the norm on k alone; ``logsigmoid_scale``: see ``hdla_decode``."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -489,7 +489,7 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         c(beta), scale, initial_state if inplace_final_state else c(initial_state),
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
         decay_first=decay_first, lower_bound=lower_bound, householder=householder,
-        mask=None if mask is None else mask.contiguous())
+        mask=None if mask is None else mask.contiguous(), norm_q=norm_q, logsigmoid_scale=logsigmoid_scale)
     return o, (state if output_final_state else None)
 
 
@@ -540,6 +540,19 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                             inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+def _check_channel_decode(q, k, v, a, b, mode: str) -> str:
+    """The checks a decode op with a per-channel gate's projection makes: q, k, v; a [B, T, H, K]; b [B, T, H]; the
+    mode, "auto" resolved (the kernel for CUDA tensors without autograd where triton runs there, else "naive")."""
+    _check_qkv(q, k, v)
+    check_float(b, "b")
+    check_shape(b, "b", q.shape[:3], "[B, T, H]")
+    check_float(a, "a")
+    check_shape(a, "a", tuple(q.shape), "[B, T, H, K]")
+    if mode not in ("auto", "fused_recurrent", "naive"):
+        raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
+    return recurrent_mode(q) if mode == "auto" else mode
+
+
 def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0, scale=None, initial_state=None,
                output_final_state=False, use_qk_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
     r"""Kimi Delta Attention's decode step with its gates formed in the kernel from the layer's projections (fla's
@@ -554,11 +567,7 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
     \sigma(b)`. Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as :func:`kda`.
     ``inplace_final_state`` and ``mode``: as in :func:`gated_delta_rule_decode`.
     """
-    _check_qkv(q, k, v)
-    check_float(b, "b")
-    check_shape(b, "b", q.shape[:3], "[B, T, H]")
-    check_float(a, "a")
-    check_shape(a, "a", tuple(q.shape), "[B, T, H, K]")
+    mode = _check_channel_decode(q, k, v, a, b, mode)
     H, K = q.shape[2:]
     for name, x, dims, n in (("A_log", A_log, "H", H), ("dt_bias", dt_bias, "H * K", H * K)):
         if not isinstance(x, torch.Tensor) or x.shape != (n,):
@@ -566,10 +575,6 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
                              f"{list(x.shape) if isinstance(x, torch.Tensor) else x!r}")
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
         raise ValueError(f"lower_bound must be None or a negative number, got {lower_bound!r}")
-    if mode not in ("auto", "fused_recurrent", "naive"):
-        raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
-    if mode == "auto":
-        mode = recurrent_mode(q)
     if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel,
@@ -584,3 +589,31 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
     return kda(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def hdla_decode(q, k, v, a, b, *, gate_logit_normalizer=16.0, beta_max=2.0, scale=None, initial_state=None,
+                output_final_state=False, use_k_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
+    r"""HDLA's decode step with its gates formed in the kernel from the layer's projections: one kernel for k's L2
+    norm, λ, β and the recurrence of :func:`hdla`, on a GPU, without autograd; elsewhere the same computation in
+    PyTorch.
+
+    q, k: ``[B, T, H, K]`` (k before its L2 norm with ``use_k_l2norm_in_kernel``; q is not normalised, as in the
+    HDLA layer); v: ``[B, T, H, V]``; a: ``[B, T, H, K]``, λ's logits (the layer's ``lambda_proj x``, its bias
+    included): :math:`\log\lambda = \log\sigma(a) / \tau`, τ = ``gate_logit_normalizer``; b: ``[B, T, H]``, β's
+    logits: :math:`\beta = \beta_{max} \sigma(b)` (the paper's β in (0, 2) by default). Returns ``(o [B, T, H, V],
+    final state [B, H, K, V] fp32 or None)``, as :func:`hdla`. ``inplace_final_state`` and ``mode``: as in
+    :func:`gated_delta_rule_decode`.
+    """
+    mode = _check_channel_decode(q, k, v, a, b, mode)
+    if isinstance(gate_logit_normalizer, bool) or not isinstance(gate_logit_normalizer, (int, float)) \
+            or not gate_logit_normalizer > 0:
+        raise ValueError(f"gate_logit_normalizer must be a number > 0, got {gate_logit_normalizer!r}")
+    if mode == "fused_recurrent":
+        return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_k_l2norm_in_kernel, norm_q=False,
+                                    raw_gates=(None, None, beta_max), inplace_final_state=inplace_final_state,
+                                    householder=True, logsigmoid_scale=1.0 / gate_logit_normalizer)
+    g = F.logsigmoid(_up(a)) / gate_logit_normalizer
+    k = l2norm(k) if use_k_l2norm_in_kernel else k
+    return hdla(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state)

@@ -51,16 +51,17 @@ def test_prefill_then_decode_matches_full(mixer):
 
 @pytest.mark.parametrize("mixer,overrides", [
     ("gdn", {}), ("deltanet", {"allow_neg_eigval": True}), ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {}),
-    ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}),
+    ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}), ("hdla", {}),
+    ("hdla", {"allow_neg_eigval": False, "gate_logit_normalizer": 1.0}),
 ])
 def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
-    ops.gated_delta_rule_decode and KDA ops.kda_decode, which form the L2 norms and the gates inside one kernel,
-    and match the full forward; Head-in-Head, whose decay is not the delta rule's, keeps its own route."""
+    ops.gated_delta_rule_decode, KDA ops.kda_decode and HDLA ops.hdla_decode, which form the L2 norms and the gates
+    inside one kernel, and match the full forward; Head-in-Head, whose mask is no projection's, keeps its own route."""
     import rankdecay.layers.mixers as mixers
 
     calls = []
-    name = "kda_decode" if mixer == "kda" else "gated_delta_rule_decode"
+    name = {"kda": "kda_decode", "hdla": "hdla_decode"}.get(mixer, "gated_delta_rule_decode")
     decode = getattr(mixers.ops, name)
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
     monkeypatch.setattr(mixers.ops, name, lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))

@@ -2603,6 +2603,8 @@ def test_decode_steps_take_the_delta_rule_kernel(monkeypatch):
         "kda_decode bounded": (lambda m: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), lower_bound=-5.0, mode=m),
                                dict(DECAY_FIRST=True, RAW_GATES=True, BOUNDED=True)),
         "hdla": (lambda m: ops.hdla(q, k, v, gk, 2 * s, mode=m), dict(HOUSEHOLDER=True, GATE=2)),
+        "hdla_decode": (lambda m: ops.hdla_decode(q, k, v, a, b, mode=m),
+                        dict(HOUSEHOLDER=True, RAW_GATES=True, LOGSIGMOID=True, QK_L2NORM=2)),
         "gdp": (lambda m: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
                                                   torch.cat([s, s], 1), 2, mode=m), dict(HOUSEHOLDER=False, GROUPS=0)),
         "hh": (lambda m: ops.hh_delta_rule(q, k, v, s, mask, g, mode=m), dict(GROUPS=4, MASK_PER_TOKEN=False)),
@@ -2706,6 +2708,35 @@ def test_kda_decode_forms_the_gates(lower_bound, beta_max):
     for name, x, y, z in zip(["o", "final state"], got, naive, ref):
         assert_matches(x, z, 1e-5, f"kernel: {name}")
         assert_matches(y, z, 1e-6, f"naive: {name}")
+
+
+@pytest.mark.parametrize("beta_max", [1.0, 2.0])
+def test_hdla_decode_forms_the_gates(beta_max):
+    """hdla_decode's kernel forms k's L2 norm (q's not), β = beta_max σ(b) and log λ = logsigmoid(a) / τ (a from -60
+    to 60, τ = 16) as the HDLA layer does in PyTorch; its naive mode forms them in PyTorch; the state updated in
+    place is the state returned."""
+    B, T, H, K, V = 2, 5, 3, 20, 24
+    gen = torch.Generator().manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, b = rnd(B, T, H, K), 3 * rnd(B, T, H, K), rnd(B, T, H, V), 4 * rnd(B, T, H)
+    a = torch.linspace(-60, 60, B * T * H * K)[torch.randperm(B * T * H * K, generator=gen)].view(B, T, H, K)
+    a = a.to(DEVICE)
+    kw = dict(gate_logit_normalizer=16.0, beta_max=beta_max, output_final_state=True)
+    with torch.no_grad():
+        h = rnd(B, H, K, V)
+        start = h.clone()
+        got = ops.hdla_decode(q, k, v, a, b, mode="fused_recurrent", initial_state=h, inplace_final_state=True, **kw)
+        naive = ops.hdla_decode(q, k, v, a, b, mode="naive", initial_state=start, **kw)
+        ref = ops.hdla(q, F.normalize(k, dim=-1, eps=1e-6), v, F.logsigmoid(a) / 16.0, beta_max * b.sigmoid(),
+                       mode="naive", initial_state=start, output_final_state=True)
+    assert got[1] is h, "inplace_final_state: the state returned is initial_state itself"
+    for name, x, y, z in zip(["o", "final state"], got, naive, ref):
+        assert_matches(x, z, 1e-5, f"kernel: {name}")
+        assert_matches(y, z, 1e-6, f"naive: {name}")
+    with pytest.raises(ValueError, match="gate_logit_normalizer must be a number > 0, got 0"):
+        ops.hdla_decode(q, k, v, a, b, gate_logit_normalizer=0)
+    with pytest.raises(ValueError, match=r"a must have shape \[B, T, H, K\]"):
+        ops.hdla_decode(q, k, v, b, b)
 
 
 def test_kda_decode_errors():

@@ -127,20 +127,21 @@ def _softplus(x):
 
 @triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound, mask,
+    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound, mask, gate_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
     DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
-    MASK_PER_TOKEN: tl.constexpr,
+    MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
     # before it, Kimi Delta Attention's order, ops.kda).
-    # QK_L2NORM: q and k are L2-normalised here (fla's use_qk_l2norm_in_kernel). RAW_GATES: beta
+    # QK_L2NORM: q and k are L2-normalised here (fla's use_qk_l2norm_in_kernel; 2: k only, HDLA's). RAW_GATES: beta
     # and g hold the layer's projections: β = beta_max sigmoid(beta), and g = -exp(A_log)
     # softplus(g + dt_bias), per head (a scalar gate: Mamba2's α, as the GatedDeltaNet layer forms it)
     # or per channel (dt_bias [H, K]: the KDA layer's), or with BOUNDED (per channel)
-    # g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (fla's KDA with a lower_bound).
+    # g = lower_bound sigmoid(exp(A_log) (g + dt_bias)) (fla's KDA with a lower_bound), or with LOGSIGMOID
+    # (per channel) g = gate_scale logsigmoid(g) (GLA's and HDLA's λ = sigmoid(W x)^(1/τ), gate_scale = 1/τ).
     # HOUSEHOLDER: HDLA's step instead (its eq. 27), the decay between two reflections and the write unscaled:
     # S = (I - β k kᵀ) Diag(α) (I - β k kᵀ) S + k vᵀ.
     # GROUPS r > 0: Head-in-Head's step (its eq. 10), the reflection masked by the r x r mask between the key's r
@@ -160,7 +161,7 @@ def _fused_recurrent_gdn_kernel(
     if RAW_GATES and GATE == 1:
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h).to(tl.float32)
-    if RAW_GATES and GATE == 2:
+    if RAW_GATES and GATE == 2 and not LOGSIGMOID:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias_k = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(T):
@@ -168,8 +169,9 @@ def _fused_recurrent_gdn_kernel(
         k_t = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         v_t = tl.load(v + tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if QK_L2NORM:  # x / max(||x||, 1e-6), as F.normalize
+        if QK_L2NORM == 1:  # x / max(||x||, 1e-6), as F.normalize
             q_t = q_t / tl.maximum(tl.sqrt(tl.sum(q_t * q_t)), 1e-6)
+        if QK_L2NORM > 0:
             k_t = k_t / tl.maximum(tl.sqrt(tl.sum(k_t * k_t)), 1e-6)
         q_t = q_t * scale
         b_t = tl.load(beta + tok).to(tl.float32)
@@ -178,7 +180,9 @@ def _fused_recurrent_gdn_kernel(
         if GATE == 2:
             g_k = tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             if RAW_GATES:
-                if BOUNDED:
+                if LOGSIGMOID:
+                    g_k = -tl.cast(gate_scale, tl.float32) * _softplus(-g_k)
+                elif BOUNDED:
                     g_k = tl.cast(lower_bound, tl.float32) * tl.sigmoid(a_h * (g_k + bias_k))
                 else:
                     g_k = -a_h * _softplus(g_k + bias_k)
@@ -226,7 +230,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
                                      inplace_final_state: bool = False, use_qk_l2norm: bool = False,
                                      raw_gates: tuple | None = None, decay_first: bool = False,
                                      lower_bound: float | None = None, householder: bool = False,
-                                     mask: torch.Tensor | None = None):
+                                     mask: torch.Tensor | None = None, norm_q: bool = True,
+                                     logsigmoid_scale: float | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -234,10 +239,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     S_T [N, H, K, V] fp32); with ``inplace_final_state`` the state is updated in ``initial_state``
     (fp32, bf16 or fp16, contiguous; ``fused_recurrent_dplr``).
 
-    ``use_qk_l2norm``: q and k are L2-normalised in the kernel. ``raw_gates = (A_log [H],
-    dt_bias [H] (a per-channel g: [H * K]) or None when g is None, beta_max)``: beta and g are the layer's
-    projections, and the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g + dt_bias), or
-    with ``lower_bound`` (a per-channel g) g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias)).
+    ``use_qk_l2norm``: q and k are L2-normalised in the kernel (k alone with ``norm_q=False``).
+    ``raw_gates = (A_log [H], dt_bias [H] (a per-channel g: [H * K]) or None when g is None, beta_max)``: beta and g
+    are the layer's projections, and the kernel forms β = beta_max · sigmoid(beta) and g = -exp(A_log) · softplus(g +
+    dt_bias), or with ``lower_bound`` (a per-channel g) g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias)).
+    With ``logsigmoid_scale`` s (raw gates, a per-channel g): g = s · logsigmoid(g) instead (HDLA's and GLA's).
     ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after.
     ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given).
     ``mask``: Head-in-Head's step with this r x r mask ([H, r, r] or [N, T, H, r, r], contiguous; K a power of two
@@ -253,8 +259,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
         scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
-        float(lower_bound or 0.0), mask if mask is not None else q,
-        H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None, QK_L2NORM=use_qk_l2norm,
+        float(lower_bound or 0.0), mask if mask is not None else q, float(logsigmoid_scale or 1.0),
+        H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None,
+        QK_L2NORM=(1 if norm_q else 2) if use_qk_l2norm else 0, LOGSIGMOID=logsigmoid_scale is not None,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
         HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
         MASK_PER_TOKEN=mask is not None and mask.dim() == 5,
