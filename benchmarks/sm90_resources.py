@@ -209,6 +209,8 @@ def capture_decode(shape) -> dict:
         "hh-gdn r=4": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask, g, **kw),
         "hh-gdn r=4, mask per token": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask.expand(B, 1, H, 4, 4), g,
                                                                      **kw),
+        "hh-gdn r=4 (gates and mask in the kernel)": lambda **kw: ops.hh_delta_rule_decode(
+            q, k, v, b, b, torch.rand(H, 4, 4, generator=gen), rnd(H), rnd(H), **kw),
         "gla (generic kernel)": lambda **kw: ops.gla(q, k, v, gk, **kw),
     }
     try:

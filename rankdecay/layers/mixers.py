@@ -559,7 +559,21 @@ class HeadInHead(GatedDeltaNet):
     the model starts as its r = 1 baseline.
     """
 
-    decode_kernel = False  # the r x r mask inside the head
+    decode_kernel = True  # ops.hh_delta_rule_decode: the norms, the gates, the mask and the step in one kernel
+
+    def decode_op(self):
+        return ops.hh_delta_rule_decode
+
+    def decode_gates(self, x, p=None):
+        gates = {**DeltaNet.decode_gates(self, x, p), "a": None}
+        if self.gated:
+            gates.update(a=self.projected("a_proj", x, p), A_log=self.A_log, dt_bias=self.dt_bias)
+        if self.mask_kind == "static":
+            m_org = self.mask_org
+        else:
+            B, T = x.shape[:2]
+            m_org = self.projected("mask_proj", x, p).view(B, T, self.num_heads, self.rank, self.rank)
+        return {**gates, "m_org": m_org}
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, rank=4, mask="static",
                  gated=True, **kwargs):

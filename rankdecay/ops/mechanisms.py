@@ -469,12 +469,13 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
-                         householder=False, mask=None, norm_q=True, logsigmoid_scale=None):
+                         householder=False, mask=None, norm_q=True, logsigmoid_scale=None, mask_raw=False):
     """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
     ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step;
-    ``mask``: Head-in-Head's; ``norm_q=False``: the norm on k alone; ``logsigmoid_scale``: see ``hdla_decode``."""
+    ``mask``: Head-in-Head's (``mask_raw``: its M_org); ``norm_q=False``: the norm on k alone; ``logsigmoid_scale``:
+    see ``hdla_decode``."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -489,7 +490,8 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         c(beta), scale, initial_state if inplace_final_state else c(initial_state),
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
         decay_first=decay_first, lower_bound=lower_bound, householder=householder,
-        mask=None if mask is None else mask.contiguous(), norm_q=norm_q, logsigmoid_scale=logsigmoid_scale)
+        mask=None if mask is None else mask.contiguous(), norm_q=norm_q, logsigmoid_scale=logsigmoid_scale,
+        mask_raw=mask_raw)
     return o, (state if output_final_state else None)
 
 
@@ -515,21 +517,8 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     per-token loop, with autograd) or ``"auto"``: the kernel for CUDA tensors without autograd
     when triton runs there, else ``"naive"``.
     """
-    _check_qkv(q, k, v)
-    check_float(b, "b")
-    check_shape(b, "b", q.shape[:3], "[B, T, H]")
-    if a is not None:
-        _check_gate(a, q, name="a", per_channel=False)
-        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if x is None or x.shape != (q.shape[2],):
-                raise ValueError(f"{name} must be [H] = [{q.shape[2]}] with a decay projection a, "
-                                 f"got {None if x is None else list(x.shape)}")
-    if mode not in ("auto", "fused_recurrent", "naive"):
-        raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
-    if mode == "auto":
-        mode = recurrent_mode(q)
+    mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode)
     if mode == "fused_recurrent":
-        raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
                                     inplace_final_state=inplace_final_state)
@@ -543,14 +532,38 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
 def _check_channel_decode(q, k, v, a, b, mode: str) -> str:
     """The checks a decode op with a per-channel gate's projection makes: q, k, v; a [B, T, H, K]; b [B, T, H]; the
     mode, "auto" resolved (the kernel for CUDA tensors without autograd where triton runs there, else "naive")."""
+    _check_decode_inputs(q, k, v, b)
+    check_float(a, "a")
+    check_shape(a, "a", tuple(q.shape), "[B, T, H, K]")
+    return _decode_mode(q, mode)
+
+
+def _check_decode_inputs(q, k, v, b) -> None:
     _check_qkv(q, k, v)
     check_float(b, "b")
     check_shape(b, "b", q.shape[:3], "[B, T, H]")
-    check_float(a, "a")
-    check_shape(a, "a", tuple(q.shape), "[B, T, H, K]")
+
+
+def _decode_mode(q, mode: str) -> str:
+    """A decode op's mode, "auto" resolved: the kernel for CUDA tensors without autograd where triton runs there,
+    else "naive"."""
     if mode not in ("auto", "fused_recurrent", "naive"):
         raise ValueError(f"mode must be 'auto', 'fused_recurrent' or 'naive', got {mode!r}")
     return recurrent_mode(q) if mode == "auto" else mode
+
+
+def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str) -> tuple[str, tuple]:
+    """The checks a decode op with Gated DeltaNet's gate makes (a [B, T, H] or None, with A_log and dt_bias [H];
+    b [B, T, H]); returns the resolved mode and the kernel's ``raw_gates``."""
+    _check_decode_inputs(q, k, v, b)
+    if a is not None:
+        _check_gate(a, q, name="a", per_channel=False)
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is None or x.shape != (q.shape[2],):
+                raise ValueError(f"{name} must be [H] = [{q.shape[2]}] with a decay projection a, "
+                                 f"got {None if x is None else list(x.shape)}")
+    raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
+    return _decode_mode(q, mode), raw
 
 
 def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0, scale=None, initial_state=None,
@@ -617,3 +630,36 @@ def hdla_decode(q, k, v, a, b, *, gate_logit_normalizer=16.0, beta_max=2.0, scal
     k = l2norm(k) if use_k_l2norm_in_kernel else k
     return hdla(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state)
+
+
+def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None,
+                         initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                         inplace_final_state=False, mode="auto"):
+    r"""Head-in-Head's decode step with its gates and its mask formed in the kernel from the layer's projections and
+    parameters: one kernel for the L2 norms, α, β, the mask :math:`M = N N^\top` (:func:`head_in_head_mask` of
+    softplus(``m_org``)) and the recurrence of :func:`hh_delta_rule`, on a GPU, without autograd; elsewhere (or where
+    K or r is not a power of two) the same computation in PyTorch.
+
+    q, k: ``[B, T, H, K]`` (before their L2 norms with ``use_qk_l2norm_in_kernel``); v: ``[B, T, H, V]``; a:
+    ``[B, T, H]``, the decay's projection with ``A_log`` and ``dt_bias`` ``[H]`` (:math:`g = -e^{A_{log}}
+    \operatorname{softplus}(a + dt_{bias})`, Gated DeltaNet's), or None (Head-in-Head DeltaNet); b: ``[B, T, H]``,
+    β's logits (:math:`\beta = \beta_{max} \sigma(b)`); m_org: ``[H, r, r]`` (a static mask's parameter) or
+    ``[B, T, H, r, r]`` (projected per token). Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``.
+    """
+    mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode)
+    B, T, H, K = q.shape
+    check_float(m_org, "m_org")
+    r = m_org.shape[-1] if m_org.dim() in (3, 5) else 0
+    if m_org.shape not in ((H, r, r), (B, T, H, r, r)) or r < 1 or K % r:
+        raise ValueError(f"m_org must be [H, r, r] or [B, T, H, r, r] with r dividing K = {K}, got "
+                         f"{list(m_org.shape)}")
+    if mode == "fused_recurrent" and K & (K - 1) == 0 and r & (r - 1) == 0:
+        return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
+                                    inplace_final_state=inplace_final_state, mask=m_org, mask_raw=True)
+    g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return hh_delta_rule(q, k, v, beta_max * _up(b).sigmoid(), head_in_head_mask(F.softplus(_up(m_org))), g,
+                         scale=scale, initial_state=initial_state, output_final_state=output_final_state, mode=mode,
+                         inplace_final_state=inplace_final_state)

@@ -52,16 +52,19 @@ def test_prefill_then_decode_matches_full(mixer):
 @pytest.mark.parametrize("mixer,overrides", [
     ("gdn", {}), ("deltanet", {"allow_neg_eigval": True}), ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {}),
     ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}), ("hdla", {}),
-    ("hdla", {"allow_neg_eigval": False, "gate_logit_normalizer": 1.0}),
+    ("hdla", {"allow_neg_eigval": False, "gate_logit_normalizer": 1.0}), ("hh-gdn", {"hh_mask": "data"}),
+    ("hh-dn", {"allow_neg_eigval": True}),
 ])
 def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
-    ops.gated_delta_rule_decode, KDA ops.kda_decode and HDLA ops.hdla_decode, which form the L2 norms and the gates
-    inside one kernel, and match the full forward; Head-in-Head, whose mask is no projection's, keeps its own route."""
+    ops.gated_delta_rule_decode, KDA ops.kda_decode, HDLA ops.hdla_decode and Head-in-Head (a static mask or one
+    per token, gated or not) ops.hh_delta_rule_decode, which form the L2 norms, the gates (and the mask) inside one
+    kernel, and match the full forward."""
     import rankdecay.layers.mixers as mixers
 
     calls = []
-    name = {"kda": "kda_decode", "hdla": "hdla_decode"}.get(mixer, "gated_delta_rule_decode")
+    name = {"kda": "kda_decode", "hdla": "hdla_decode", "hh-gdn": "hh_delta_rule_decode",
+            "hh-dn": "hh_delta_rule_decode"}.get(mixer, "gated_delta_rule_decode")
     decode = getattr(mixers.ops, name)
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
     monkeypatch.setattr(mixers.ops, name, lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
@@ -72,8 +75,7 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
         full = model(ids, use_cache=False).logits
         split = _decode(model, ids, [12] + [1] * 12)
     assert_matches(split, full, 1e-5, f"{mixer} {overrides}")
-    expected = 0 if mixer.startswith("hh-") else 13 * model.config.num_hidden_layers
-    assert calls == ["fused_recurrent"] * expected
+    assert calls == ["fused_recurrent"] * 13 * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("state_dtype,tol", [("float32", 1e-5), ("float16", 1e-4)])

@@ -2610,6 +2610,8 @@ def test_decode_steps_take_the_delta_rule_kernel(monkeypatch):
         "hh": (lambda m: ops.hh_delta_rule(q, k, v, s, mask, g, mode=m), dict(GROUPS=4, MASK_PER_TOKEN=False)),
         "hh per token": (lambda m: ops.hh_delta_rule(q, k, v, s, mask.expand(B, 1, H, 4, 4), g, mode=m),
                          dict(GROUPS=4, MASK_PER_TOKEN=True)),
+        "hh_delta_rule_decode": (lambda m: ops.hh_delta_rule_decode(q, k, v, b, b, mask, rnd(H), rnd(H), mode=m),
+                                 dict(GROUPS=4, MASK_RAW=True, RAW_GATES=True, QK_L2NORM=1, GATE=1)),
     }
     with torch.no_grad():
         for name, (call, flags) in calls.items():
@@ -2737,6 +2739,41 @@ def test_hdla_decode_forms_the_gates(beta_max):
         ops.hdla_decode(q, k, v, a, b, gate_logit_normalizer=0)
     with pytest.raises(ValueError, match=r"a must have shape \[B, T, H, K\]"):
         ops.hdla_decode(q, k, v, b, b)
+
+
+@pytest.mark.parametrize("gated,per_token", [(True, False), (False, True)])
+def test_hh_delta_rule_decode_forms_the_gates_and_the_mask(gated, per_token):
+    """hh_delta_rule_decode's kernel forms the L2 norms, β = beta_max σ(b), g = -e^{A_log} softplus(a + dt_bias) and
+    the mask head_in_head_mask(softplus(m_org)) (m_org from -60 to 8: rows of softplus entries whose squares
+    underflow fp32 normalise scale-free), static or per token, as the Head-in-Head layer does in PyTorch; its naive mode forms them in
+    PyTorch."""
+    B, T, H, K, V, r = 2, 5, 3, 16, 12, 4
+    gen = torch.Generator().manual_seed(12)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, b = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V), 4 * rnd(B, T, H)
+    a, A_log, dt_bias = (4 * rnd(B, T, H), rnd(H), rnd(H)) if gated else (None, None, None)
+    shape = (B, T, H, r, r) if per_token else (H, r, r)
+    m_org = (68 * torch.rand(*shape, generator=gen) - 60).to(DEVICE)
+    g = -A_log.exp() * F.softplus(a + dt_bias) if gated else None
+    kw = dict(beta_max=2.0, output_final_state=True)
+    with torch.no_grad():
+        h = rnd(B, H, K, V)
+        start = h.clone()
+        got = ops.hh_delta_rule_decode(q, k, v, a, b, m_org, A_log, dt_bias, mode="fused_recurrent", initial_state=h,
+                                       inplace_final_state=True, **kw)
+        naive = ops.hh_delta_rule_decode(q, k, v, a, b, m_org, A_log, dt_bias, mode="naive", initial_state=start,
+                                         **kw)
+        ref = ops.hh_delta_rule(F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v,
+                                2.0 * b.sigmoid(), ops.head_in_head_mask(F.softplus(m_org)), g, mode="naive",
+                                initial_state=start, output_final_state=True)
+    assert got[1] is h, "inplace_final_state: the state returned is initial_state itself"
+    for name, x, y, z in zip(["o", "final state"], got, naive, ref):
+        assert_matches(x, z, 1e-5, f"kernel: {name}")
+        assert_matches(y, z, 1e-6, f"naive: {name}")
+    with pytest.raises(ValueError, match=r"m_org must be \[H, r, r\] or \[B, T, H, r, r\] with r dividing K = 16"):
+        ops.hh_delta_rule_decode(q, k, v, a, b, m_org[..., :3, :3], A_log, dt_bias)
+    with pytest.raises(ValueError, match=r"A_log must be \[H\] = \[3\] with a decay projection a, got None"):
+        ops.hh_delta_rule_decode(q, k, v, b, b, m_org)
 
 
 def test_kda_decode_errors():

@@ -131,7 +131,7 @@ def _fused_recurrent_gdn_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
     DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
-    MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr,
+    MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr, MASK_RAW: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -146,6 +146,7 @@ def _fused_recurrent_gdn_kernel(
     # S = (I - β k kᵀ) Diag(α) (I - β k kᵀ) S + k vᵀ.
     # GROUPS r > 0: Head-in-Head's step (its eq. 10), the reflection masked by the r x r mask between the key's r
     # groups of K / r channels (K = BK): (k kᵀ ⊙ expand(M)) S = k ⊙ expand(M P), P_j = Σ_{l in group j} k_l S_l.
+    # MASK_RAW: mask holds M_org, and M = N Nᵀ is formed here (ops.head_in_head_mask of softplus(M_org)).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -177,6 +178,10 @@ def _fused_recurrent_gdn_kernel(
         b_t = tl.load(beta + tok).to(tl.float32)
         if RAW_GATES:
             b_t = beta_max * tl.sigmoid(b_t)
+        if GATE == 1:
+            g_t = tl.load(g + tok).to(tl.float32)
+            if RAW_GATES:
+                g_t = neg_a * _softplus(g_t + bias)
         if GATE == 2:
             g_k = tl.load(g + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             if RAW_GATES:
@@ -190,6 +195,11 @@ def _fused_recurrent_gdn_kernel(
             o_r = tl.arange(0, GROUPS)
             m_base = (tok if MASK_PER_TOKEN else i_h) * GROUPS * GROUPS
             m = tl.load(mask + m_base + o_r[:, None] * GROUPS + o_r[None, :]).to(tl.float32)  # [r, r]
+            if MASK_RAW:  # N: softplus(M_org)'s rows scaled by their largest entry, then L2-normalised; M = N Nᵀ
+                n = _softplus(m)
+                n = n / tl.maximum(tl.max(tl.abs(n), axis=1), 1.1754943508222875e-38)[:, None]
+                n = n / tl.maximum(tl.sqrt(tl.sum(n * n, axis=1)), 1e-6)[:, None]
+                m = tl.sum(n[:, None, :] * n[None, :, :], axis=2)
             P = tl.sum(tl.reshape(k_t[:, None] * S, (GROUPS, BK // GROUPS, BV)), axis=1)  # [r, BV]
             MP = tl.sum(m[:, :, None] * P[None, :, :], axis=1)  # [r, BV]
             k_g = tl.reshape(k_t, (GROUPS, BK // GROUPS))
@@ -197,14 +207,14 @@ def _fused_recurrent_gdn_kernel(
             if GATE == 2:
                 S = S * tl.exp(g_k)[:, None]
             elif GATE == 1:
-                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+                S = S * tl.exp(g_t)
             S += b_t * k_t[:, None] * v_t[None, :]
         elif HOUSEHOLDER:
             S = S - b_t * k_t[:, None] * tl.sum(k_t[:, None] * S, axis=0)[None, :]
             if GATE == 2:
                 S = S * tl.exp(g_k)[:, None]
             elif GATE == 1:
-                S = S * tl.exp(tl.load(g + tok).to(tl.float32))
+                S = S * tl.exp(g_t)
             S = S - b_t * k_t[:, None] * tl.sum(k_t[:, None] * S, axis=0)[None, :] + k_t[:, None] * v_t[None, :]
         elif GATE == 2 and DECAY_FIRST:  # (I - β k kᵀ) Diag(α) S + β k vᵀ
             S = S * tl.exp(g_k)[:, None]
@@ -216,9 +226,6 @@ def _fused_recurrent_gdn_kernel(
             S += b_t * k_t[:, None] * v_t[None, :]
         else:
             if GATE == 1:
-                g_t = tl.load(g + tok).to(tl.float32)
-                if RAW_GATES:
-                    g_t = neg_a * _softplus(g_t + bias)
                 S = S * tl.exp(g_t)
             u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
             S += k_t[:, None] * u[None, :]
@@ -231,7 +238,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
                                      raw_gates: tuple | None = None, decay_first: bool = False,
                                      lower_bound: float | None = None, householder: bool = False,
                                      mask: torch.Tensor | None = None, norm_q: bool = True,
-                                     logsigmoid_scale: float | None = None):
+                                     logsigmoid_scale: float | None = None, mask_raw: bool = False):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -247,7 +254,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     ``decay_first``: a per-channel decay acts before the reflection (Kimi Delta Attention), not after.
     ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given).
     ``mask``: Head-in-Head's step with this r x r mask ([H, r, r] or [N, T, H, r, r], contiguous; K a power of two
-    that r divides), α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ."""
+    that r divides), α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ; with ``mask_raw`` it holds M_org and the kernel forms
+    M = head_in_head_mask(softplus(M_org))."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
@@ -264,7 +272,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
         QK_L2NORM=(1 if norm_q else 2) if use_qk_l2norm else 0, LOGSIGMOID=logsigmoid_scale is not None,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
         HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
-        MASK_PER_TOKEN=mask is not None and mask.dim() == 5,
+        MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
