@@ -32,7 +32,8 @@ products write fp32 themselves (``torch.mm``'s ``out_dtype``), so there x's grad
 and the weight's is not rounded to bf16 on the way (the plain path under autocast rounds it).
 
 ``label_smoothing`` is ``F.cross_entropy``'s: its term needs only each row's sum of logits (x · Σ_j w_j) and adds to
-the gradients in closed form, O(N·D + V·D), outside the slices and their kernels.
+the gradients in closed form, O(N·D + V·D), outside the slices and their kernels (with ``logit_softcapping`` the
+capped logits' sums and gradients are not linear in x: then the slices take the term, kernels included).
 
 ``RankDecayConfig(fuse_linear_cross_entropy=True)`` makes ``RankDecayForCausalLM`` take it in training (its output's
 logits are then None), and so ``rankdecay train --set fuse_linear_cross_entropy=true``.
@@ -119,8 +120,8 @@ def _torch_slice_softmax_grad(logits, lse, target, valid, grad, v0, softcap=0.0,
 
 
 def _wide_products(a: torch.Tensor) -> bool:
-    """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``, on CUDA in eager
-    mode where this PyTorch has it: tried once): then x's gradient is summed over the slices inside the products,
+    """Whether a product of fp16/bf16 operands can write fp32 itself (``torch.mm``'s ``out_dtype``, on CUDA where this
+    PyTorch has it: tried once; under ``torch.compile`` too, inside the opaque operators): then x's gradient is summed over the slices inside the products,
     and the weight's comes out of its product in fp32, not rounded to the operands' dtype first."""
     if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16):
         return False

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
 from ..ops._inputs import STATE_DTYPES
-from ..ops.mechanisms import _up, l2norm  # _up: gates in at least fp32, fp64 kept
+from ..ops.mechanisms import _up, kda_log_decay, l2norm, mamba2_log_decay  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache
 from .modules import (GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation,
                       sequence_starts)
@@ -319,10 +319,6 @@ def _mamba2_decay_params(module: nn.Module, num_heads: int) -> None:
     module.dt_bias._no_weight_decay = True
 
 
-def _mamba2_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
-    return -_up(module.A_log).exp() * F.softplus(_up(a) + _up(module.dt_bias))  # [B, T, H]
-
-
 class DeltaNet(LinearMixer):
     """DeltaNet: S_t = (I - β k kᵀ) S_{t-1} + β k vᵀ, β = sigmoid(W_β x) (× 2 with ``allow_neg_eigval``)."""
 
@@ -359,8 +355,8 @@ class GatedDeltaNet(DeltaNet):
         return super().gate_projections() + ("a_proj",)
 
     def gates(self, x, mask, p=None):
-        a = self.projected("a_proj", x, p)
-        return {**super().gates(x, mask, p), "g": self.masked_log_gate(_mamba2_log_decay(self, a), mask)}
+        g = mamba2_log_decay(self.projected("a_proj", x, p), self.A_log, self.dt_bias)
+        return {**super().gates(x, mask, p), "g": self.masked_log_gate(g, mask)}
 
     def decode_gates(self, x, p=None):
         return {**super().decode_gates(x, p), "a": self.projected("a_proj", x, p), "A_log": self.A_log,
@@ -399,20 +395,17 @@ class KDA(DeltaNet):
     def decode_op(self):
         return ops.kda_decode
 
-    def decode_gates(self, x, p=None):
+    def _decay_projection(self, x, p):
+        """W_up W_down x, [B, T, H, K] (the gate's pre-activation before dt_bias)."""
         B, T = x.shape[:2]
-        f = self.f_proj[1](self.projected("f_proj.0", x, p)).view(B, T, self.num_heads, self.head_k_dim)
-        return {**super().decode_gates(x, p), "a": f, "A_log": self.A_log, "dt_bias": self.dt_bias,
-                "lower_bound": self.gate_lower_bound}
+        return self.f_proj[1](self.projected("f_proj.0", x, p)).view(B, T, self.num_heads, self.head_k_dim)
+
+    def decode_gates(self, x, p=None):
+        return {**super().decode_gates(x, p), "a": self._decay_projection(x, p), "A_log": self.A_log,
+                "dt_bias": self.dt_bias, "lower_bound": self.gate_lower_bound}
 
     def gates(self, x, mask, p=None):
-        B, T = x.shape[:2]
-        f = _up(self.f_proj[1](self.projected("f_proj.0", x, p))).view(B, T, self.num_heads, self.head_k_dim)
-        f = f + _up(self.dt_bias).view(self.num_heads, -1)
-        if self.gate_lower_bound is None:
-            g = -_up(self.A_log).exp()[:, None] * F.softplus(f)
-        else:
-            g = self.gate_lower_bound * torch.sigmoid(_up(self.A_log).exp()[:, None] * f)
+        g = kda_log_decay(self._decay_projection(x, p), self.A_log, self.dt_bias, self.gate_lower_bound)
         return {**super().gates(x, mask, p), "g": self.masked_log_gate(g, mask)}  # g [B, T, H, K]
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -483,7 +476,8 @@ class SimpleGLA(LinearMixer):
         return ("a_proj",)
 
     def gates(self, x, mask, p=None):
-        return {"g": self.masked_log_gate(_mamba2_log_decay(self, self.projected("a_proj", x, p)), mask)}
+        g = mamba2_log_decay(self.projected("a_proj", x, p), self.A_log, self.dt_bias)
+        return {"g": self.masked_log_gate(g, mask)}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.simple_gla(q, k, v, gates["g"], **self._op_kwargs(initial_state, cu_seqlens, mode, inplace))
@@ -600,7 +594,8 @@ class HeadInHead(GatedDeltaNet):
     def gates(self, x, mask, p=None):
         gates = DeltaNet.gates(self, x, mask, p)
         if self.gated:
-            gates["g"] = self.masked_log_gate(_mamba2_log_decay(self, self.projected("a_proj", x, p)), mask)
+            g = mamba2_log_decay(self.projected("a_proj", x, p), self.A_log, self.dt_bias)
+            gates["g"] = self.masked_log_gate(g, mask)
         r = self.rank
         if self.mask_kind == "static":
             m_org = self.mask_org

@@ -523,10 +523,26 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
                                     inplace_final_state=inplace_final_state)
     beta = beta_max * _up(b).sigmoid()
-    g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, mode="naive",
                             inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def mamba2_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Mamba2's log-decay per head, g = -exp(A_log) softplus(a + dt_bias), in at least fp32: a [..., H], A_log and
+    dt_bias [H] (Gated DeltaNet's and Head-in-Head's gate, as the layers and the decode kernel form it)."""
+    return -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+
+
+def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  lower_bound: float | None = None) -> torch.Tensor:
+    """Kimi Delta Attention's log-decay per key channel, in at least fp32: a [..., H, K], A_log [H], dt_bias [H * K]
+    (fla's shapes); g = -exp(A_log) softplus(a + dt_bias), or with ``lower_bound`` b < 0 (fla's)
+    g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0)."""
+    H, K = a.shape[-2:]
+    f, scale = _up(a) + _up(dt_bias).view(H, K), _up(A_log).exp()[:, None]
+    return -scale * F.softplus(f) if lower_bound is None else lower_bound * torch.sigmoid(scale * f)
 
 
 def _check_channel_decode(q, k, v, a, b, mode: str) -> str:
@@ -594,11 +610,7 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
                                     raw_gates=(A_log.contiguous(), dt_bias.contiguous(), beta_max),
                                     inplace_final_state=inplace_final_state, decay_first=True,
                                     lower_bound=None if lower_bound is None else float(lower_bound))
-    f = _up(a) + _up(dt_bias).view(H, K)
-    if lower_bound is None:
-        g = -_up(A_log).exp()[:, None] * F.softplus(f)
-    else:
-        g = lower_bound * torch.sigmoid(_up(A_log).exp()[:, None] * f)
+    g = kda_log_decay(a, A_log, dt_bias, lower_bound)
     return kda(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
@@ -657,7 +669,7 @@ def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
                                     inplace_final_state=inplace_final_state, mask=m_org, mask_raw=True)
-    g = None if a is None else -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return hh_delta_rule(q, k, v, beta_max * _up(b).sigmoid(), head_in_head_mask(F.softplus(_up(m_org))), g,
