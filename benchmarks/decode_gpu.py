@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
     parser.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="the cache's recurrent-state dtype (RankDecayConfig.state_dtype); each is a row")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="also write the rows as JSON, rewritten after each row")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N eager steps per mixer")
     parser.add_argument("--compile", action="store_true",
                         help="also GraphDecoder(compile=True): the step through torch.compile, as a CUDA graph")
@@ -198,6 +198,9 @@ def main() -> None:
                                                                    if args.compile else "")
                 print(f"| {mixer} | {state_dtype} | {B} | {r['generate_ms']:.2f} | {r['eager_ms']:.2f} | "
                       f"{r['graph_ms']:.3f} | {r['eager_ms'] / r['graph_ms']:.1f}x |" + extra, flush=True)
+                if args.json:  # after each row, so that a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
             if args.profile:
                 for compiled in (False, True) if args.compile else (False,):
                     print(f"\nprofile: {mixer}, {state_dtype}, B={args.batches[0]}" + (", compiled" * compiled))
@@ -205,9 +208,6 @@ def main() -> None:
                 print()
             del model
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -53,18 +53,19 @@ def test_prefill_then_decode_matches_full(mixer):
     ("gdn", {}), ("deltanet", {"allow_neg_eigval": True}), ("gdn", {"allow_neg_eigval": False}), ("hh-gdn", {}),
     ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}), ("hdla", {}),
     ("hdla", {"allow_neg_eigval": False, "gate_logit_normalizer": 1.0}), ("hh-gdn", {"hh_mask": "data"}),
-    ("hh-dn", {"allow_neg_eigval": True}),
+    ("hh-dn", {"allow_neg_eigval": True}), ("gdp", {}), ("gdp", {"use_forget_gate": False}),
 ])
 def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
     ops.gated_delta_rule_decode, KDA ops.kda_decode, HDLA ops.hdla_decode and Head-in-Head (a static mask or one
     per token, gated or not) ops.hh_delta_rule_decode, which form the L2 norms, the gates (and the mask) inside one
-    kernel, and match the full forward."""
+    kernel; Gated DeltaProduct (with its decay or without) ops.gated_delta_product over its interleaved sub-steps.
+    Each matches the full forward."""
     import rankdecay.layers.mixers as mixers
 
     calls = []
     name = {"kda": "kda_decode", "hdla": "hdla_decode", "hh-gdn": "hh_delta_rule_decode",
-            "hh-dn": "hh_delta_rule_decode"}.get(mixer, "gated_delta_rule_decode")
+            "hh-dn": "hh_delta_rule_decode", "gdp": "gated_delta_product"}.get(mixer, "gated_delta_rule_decode")
     decode = getattr(mixers.ops, name)
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
     monkeypatch.setattr(mixers.ops, name, lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
@@ -73,15 +74,16 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     ids = random_ids(2, 24).to(device)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
+        calls.clear()  # the full forward's chunked calls (GDP's op serves both)
         split = _decode(model, ids, [12] + [1] * 12)
     assert_matches(split, full, 1e-5, f"{mixer} {overrides}")
     assert calls == ["fused_recurrent"] * 13 * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("state_dtype,tol", [("float32", 1e-5), ("float16", 1e-4)])
-@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla", "kda"])
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "gla", "kda", "gdp"])
 def test_decode_kernel_updates_the_cache_in_place(mixer, state_dtype, tol, monkeypatch):
-    """On the GPU's per-token route (GDN's and KDA's decode kernel; the DPLR kernel for the others) the kernel
+    """On the GPU's per-token route (the delta rule's decode kernel; GLA: the generic DPLR kernel) the kernel
     writes each layer's state back into the cache (one tensor for every step, so a CUDA graph copies
     nothing), in the cache's dtype, and the logits are the PyTorch route's with the same cache dtype.
     (fp16 rather than bf16 here: Triton's interpreter converts to bf16 by truncation; the GPU rounds.
