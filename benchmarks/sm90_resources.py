@@ -206,6 +206,8 @@ def capture_decode(shape) -> dict:
         "hdla (gates in the kernel)": lambda **kw: ops.hdla_decode(q, k, v, a, b, **kw),
         "gdp n_h=2": lambda **kw: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
                                                           torch.cat([s1, s1], 1), 2, **kw),
+        "gdp n_h=2 (gates in the kernel)": lambda **kw: ops.gated_delta_product_decode(
+            q, torch.cat([k, k], 1), torch.cat([v, v], 1), b, torch.cat([b, b], 1), 2, rnd(H), rnd(H), **kw),
         "hh-gdn r=4": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask, g, **kw),
         "hh-gdn r=4, mask per token": lambda **kw: ops.hh_delta_rule(q, k, v, s1, mask.expand(B, 1, H, 4, 4), g,
                                                                      **kw),

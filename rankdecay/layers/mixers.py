@@ -416,7 +416,7 @@ class GatedDeltaProduct(GatedDeltaNet):
     """Gated DeltaProduct: ``num_householder`` keys, values and betas per token; ``use_forget_gate=False`` is
     DeltaProduct (no decay, and none of its parameters: fla's default)."""
 
-    decode_kernel = False  # n_h keys per token
+    decode_kernel = True  # ops.gated_delta_product_decode: the gate, the β's, the norms and the n_h sub-steps
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, num_householder=2,
                  use_forget_gate=True, **kwargs):
@@ -433,9 +433,20 @@ class GatedDeltaProduct(GatedDeltaNet):
 
     def gates(self, x, mask, p=None):
         gates = super().gates(x, mask, p) if self.use_forget_gate else {**DeltaNet.gates(self, x, mask, p), "g": None}
-        B, T = x.shape[:2]
-        gates["beta"] = gates["beta"].view(B, T, self.kv_per_token, self.num_heads).flatten(1, 2)
+        gates["beta"] = self._sub_step_rows(gates["beta"])
         return gates
+
+    def _sub_step_rows(self, b: torch.Tensor) -> torch.Tensor:
+        """[B, T, n_h H] -> [B, T * n_h, H]: row t * n_h + j is sub-step j of token t."""
+        B, T = b.shape[:2]
+        return b.view(B, T, self.kv_per_token, self.num_heads).flatten(1, 2)
+
+    def decode_op(self):
+        return ops.gated_delta_product_decode
+
+    def decode_gates(self, x, p=None):
+        gates = super().decode_gates(x, p) if self.use_forget_gate else DeltaNet.decode_gates(self, x, p)
+        return {**gates, "b": self._sub_step_rows(gates["b"]), "num_householder": self.kv_per_token}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
         return ops.gated_delta_product(q, k, v, gates["g"], gates["beta"], self.kv_per_token,

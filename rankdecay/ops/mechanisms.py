@@ -277,8 +277,8 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
       queries elsewhere, their outputs dropped). Gated DeltaNet's one-node kernels at 64-token chunks beat the
       rank machinery's 32-token chunks of [64, 64] row tiles: on the H100 (B8 T2048 H16 K=V=128, bf16, n_h = 2)
       3.51 -> 0.88 ms forward (fla's ``chunk_gated_delta_product`` 1.14) and 12.95 -> 4.72 ms forward+backward
-      (BENCHMARKS.md, session 34). ``mode="fused_recurrent"`` (decoding) takes the same form through the delta
-      rule's decode kernel.
+      (BENCHMARKS.md, session 34). ``mode="fused_recurrent"`` (decoding) runs the sub-steps in the delta rule's
+      decode kernel, reading the rows as they are (no interleaved copies).
     - Elsewhere (the PyTorch paths, a per-channel gate): the rank machinery (``Rab = Rkv = n_h``):
       :math:`H_{n_h} \cdots H_1 = I - \sum_j (H_{n_h} \cdots H_{j+1}) \beta_j k_j k_j^\top`,
       so ``a_j = α β_j H_{n_h}⋯H_{j+1} k_j``, ``b_j = k_j``, writes ``(β_j H_{n_h}⋯H_{j+1} k_j) v_jᵀ``, and the
@@ -292,6 +292,9 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     _check_beta(beta, q, rows=nh)
     _check_gate(g, q)
     B, T, H, K = q.shape
+    if (g is None or g.dim() == 3) and mode == "fused_recurrent" and cu_seqlens is None:
+        return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    inplace_final_state=inplace_final_state, num_householder=nh)
     if (g is None or g.dim() == 3) and (mode == "fused_recurrent" or _runs_triton(mode, q, (q, k, v, g, beta,
                                                                                             initial_state))):
         o, state = gated_delta_rule(
@@ -469,13 +472,14 @@ def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
-                         householder=False, mask=None, norm_q=True, logsigmoid_scale=None, mask_raw=False):
+                         householder=False, mask=None, norm_q=True, logsigmoid_scale=None, mask_raw=False,
+                         num_householder=1):
     """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
     ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step;
     ``mask``: Head-in-Head's (``mask_raw``: its M_org); ``norm_q=False``: the norm on k alone; ``logsigmoid_scale``:
-    see ``hdla_decode``."""
+    see ``hdla_decode``; ``num_householder``: Gated DeltaProduct's sub-steps (k, v and beta ``T * n_h`` rows)."""
     scale = resolve_scale(scale, q.shape[-1])
     _check_state_and_devices(q, k, v, g, beta, initial_state)
     if inplace_final_state:
@@ -491,7 +495,7 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
         decay_first=decay_first, lower_bound=lower_bound, householder=householder,
         mask=None if mask is None else mask.contiguous(), norm_q=norm_q, logsigmoid_scale=logsigmoid_scale,
-        mask_raw=mask_raw)
+        mask_raw=mask_raw, num_householder=num_householder)
     return o, (state if output_final_state else None)
 
 
@@ -554,10 +558,11 @@ def _check_channel_decode(q, k, v, a, b, mode: str) -> str:
     return _decode_mode(q, mode)
 
 
-def _check_decode_inputs(q, k, v, b) -> None:
-    _check_qkv(q, k, v)
+def _check_decode_inputs(q, k, v, b, rows: int = 1) -> None:
+    _check_qkv(q, k, v, kv_rows=rows)
     check_float(b, "b")
-    check_shape(b, "b", q.shape[:3], "[B, T, H]")
+    B, T, H = q.shape[:3]
+    check_shape(b, "b", (B, T * rows, H), "[B, T, H]" if rows == 1 else f"[B, T * {rows}, H]")
 
 
 def _decode_mode(q, mode: str) -> str:
@@ -568,10 +573,10 @@ def _decode_mode(q, mode: str) -> str:
     return recurrent_mode(q) if mode == "auto" else mode
 
 
-def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str) -> tuple[str, tuple]:
+def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str, rows: int = 1) -> tuple[str, tuple]:
     """The checks a decode op with Gated DeltaNet's gate makes (a [B, T, H] or None, with A_log and dt_bias [H];
-    b [B, T, H]); returns the resolved mode and the kernel's ``raw_gates``."""
-    _check_decode_inputs(q, k, v, b)
+    b [B, T * rows, H], k and v ``rows`` a token); returns the resolved mode and the kernel's ``raw_gates``."""
+    _check_decode_inputs(q, k, v, b, rows)
     if a is not None:
         _check_gate(a, q, name="a", per_channel=False)
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
@@ -675,3 +680,32 @@ def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta
     return hh_delta_rule(q, k, v, beta_max * _up(b).sigmoid(), head_in_head_mask(F.softplus(_up(m_org))), g,
                          scale=scale, initial_state=initial_state, output_final_state=output_final_state, mode=mode,
                          inplace_final_state=inplace_final_state)
+
+
+def gated_delta_product_decode(q, k, v, a, b, num_householder, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None,
+                               initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                               inplace_final_state=False, mode="auto"):
+    r"""Gated DeltaProduct's decode step with its gates formed in the kernel from the layer's projections: one kernel
+    for the L2 norms, the gate, the β's and the ``n_h`` sub-steps of :func:`gated_delta_product`, on a GPU, without
+    autograd; elsewhere the same computation in PyTorch.
+
+    q: ``[B, T, H, K]``; k: ``[B, T * n_h, H, K]``, v: ``[B, T * n_h, H, V]`` (fla's interleaved layout: row
+    ``t * n_h + j`` is sub-step j of token t; q and k before their L2 norms with ``use_qk_l2norm_in_kernel``); a:
+    ``[B, T, H]``, the decay's projection with ``A_log`` and ``dt_bias`` ``[H]`` (:math:`g = -e^{A_{log}}
+    \operatorname{softplus}(a + dt_{bias})`, Gated DeltaNet's), or None (DeltaProduct); b: ``[B, T * n_h, H]``, the
+    β's logits (:math:`\beta = \beta_{max} \sigma(b)`). Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or
+    None)``; ``inplace_final_state`` and ``mode`` as in :func:`gated_delta_rule_decode`.
+    """
+    if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
+        raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
+    mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode, rows=num_householder)
+    if mode == "fused_recurrent":
+        return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
+                                    inplace_final_state=inplace_final_state, num_householder=num_householder)
+    g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return gated_delta_product(q, k, v, g, beta_max * _up(b).sigmoid(), num_householder, scale=scale,
+                               initial_state=initial_state, output_final_state=output_final_state, mode="naive",
+                               inplace_final_state=inplace_final_state)

@@ -59,13 +59,13 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
     ops.gated_delta_rule_decode, KDA ops.kda_decode, HDLA ops.hdla_decode and Head-in-Head (a static mask or one
     per token, gated or not) ops.hh_delta_rule_decode, which form the L2 norms, the gates (and the mask) inside one
-    kernel; Gated DeltaProduct (with its decay or without) ops.gated_delta_product over its interleaved sub-steps.
-    Each matches the full forward."""
+    kernel; Gated DeltaProduct (with its decay or without) ops.gated_delta_product_decode, its n_h sub-steps in the
+    kernel too. Each matches the full forward."""
     import rankdecay.layers.mixers as mixers
 
     calls = []
     name = {"kda": "kda_decode", "hdla": "hdla_decode", "hh-gdn": "hh_delta_rule_decode",
-            "hh-dn": "hh_delta_rule_decode", "gdp": "gated_delta_product"}.get(mixer, "gated_delta_rule_decode")
+            "hh-dn": "hh_delta_rule_decode", "gdp": "gated_delta_product_decode"}.get(mixer, "gated_delta_rule_decode")
     decode = getattr(mixers.ops, name)
     monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
     monkeypatch.setattr(mixers.ops, name, lambda *a, **kw: calls.append(kw["mode"]) or decode(*a, **kw))
@@ -74,7 +74,6 @@ def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     ids = random_ids(2, 24).to(device)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        calls.clear()  # the full forward's chunked calls (GDP's op serves both)
         split = _decode(model, ids, [12] + [1] * 12)
     assert_matches(split, full, 1e-5, f"{mixer} {overrides}")
     assert calls == ["fused_recurrent"] * 13 * model.config.num_hidden_layers

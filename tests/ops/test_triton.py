@@ -2606,7 +2606,12 @@ def test_decode_steps_take_the_delta_rule_kernel(monkeypatch):
         "hdla_decode": (lambda m: ops.hdla_decode(q, k, v, a, b, mode=m),
                         dict(HOUSEHOLDER=True, RAW_GATES=True, LOGSIGMOID=True, QK_L2NORM=2)),
         "gdp": (lambda m: ops.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g,
-                                                  torch.cat([s, s], 1), 2, mode=m), dict(HOUSEHOLDER=False, GROUPS=0)),
+                                                  torch.cat([s, s], 1), 2, mode=m),
+                dict(HOUSEHOLDER=False, GROUPS=0, NH=2, RAW_GATES=False)),
+        "gated_delta_product_decode": (
+            lambda m: ops.gated_delta_product_decode(q, torch.cat([k, k], 1), torch.cat([v, v], 1), b,
+                                                     torch.cat([b, b], 1), 2, rnd(H), rnd(H), mode=m),
+            dict(NH=2, RAW_GATES=True, QK_L2NORM=1, GATE=1)),
         "hh": (lambda m: ops.hh_delta_rule(q, k, v, s, mask, g, mode=m), dict(GROUPS=4, MASK_PER_TOKEN=False)),
         "hh per token": (lambda m: ops.hh_delta_rule(q, k, v, s, mask.expand(B, 1, H, 4, 4), g, mode=m),
                          dict(GROUPS=4, MASK_PER_TOKEN=True)),
@@ -2664,9 +2669,9 @@ def test_head_in_head_decode_kernel_matches_the_recurrence(K, r, gate, per_token
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gdp", "deltaproduct"])
 def test_gated_delta_product_decode_kernel_matches_the_recurrence(gated):
-    """gated_delta_product(mode="fused_recurrent") takes the delta rule's decode kernel over the interleaved
-    sub-steps (the gate on each token's first, the query on its last): outputs and the final state, written in
-    place, against the naive recurrence (the rank machinery), n_h = 3, log-gates to -30, β up to 2."""
+    """gated_delta_product(mode="fused_recurrent") takes the delta rule's decode kernel with its n_h sub-steps a token
+    (the gate once, the query read after the last), reading k, v and β's rows as given: outputs and the final state,
+    written in place, against the naive recurrence (the rank machinery), n_h = 3, log-gates to -30, β up to 2."""
     B, T, H, K, V, nh = 2, 7, 3, 20, 24, 3
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
@@ -2677,6 +2682,40 @@ def test_gated_delta_product_decode_kernel_matches_the_recurrence(gated):
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
     _assert_decode_kernel_matches_naive(lambda **kw: ops.gated_delta_product(q, k, v, g, beta, nh, **kw), h0,
                                         "gdp" if gated else "deltaproduct")
+
+
+@pytest.mark.parametrize("gated,nh,T", [(True, 2, 5), (False, 3, 1), (True, 1, 3)])
+def test_gated_delta_product_decode_forms_the_gates(gated, nh, T):
+    """gated_delta_product_decode's kernel forms the L2 norms of q and of each sub-step's key, the β's = beta_max σ(b)
+    and g = -e^{A_log} softplus(a + dt_bias) (a from -60 to 60) as the Gated DeltaProduct layer does in PyTorch, and
+    runs the n_h sub-steps; its naive mode forms them in PyTorch; n_h = 1 is Gated DeltaNet's step; the state updated
+    in place is the state returned."""
+    B, H, K, V = 2, 3, 20, 24
+    gen = torch.Generator().manual_seed(13 + nh)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, b = rnd(B, T, H, K), 3 * rnd(B, T * nh, H, K), rnd(B, T * nh, H, V), 4 * rnd(B, T * nh, H)
+    a = torch.linspace(-60, 60, B * T * H)[torch.randperm(B * T * H, generator=gen)].view(B, T, H).to(DEVICE)
+    a, A_log, dt_bias = (a, rnd(H), rnd(H)) if gated else (None, None, None)
+    g = -A_log.exp() * F.softplus(a + dt_bias) if gated else None
+    kw = dict(beta_max=2.0, output_final_state=True)
+    with torch.no_grad():
+        h = rnd(B, H, K, V)
+        start = h.clone()
+        got = ops.gated_delta_product_decode(q, k, v, a, b, nh, A_log, dt_bias, mode="fused_recurrent",
+                                             initial_state=h, inplace_final_state=True, **kw)
+        naive = ops.gated_delta_product_decode(q, k, v, a, b, nh, A_log, dt_bias, mode="naive", initial_state=start,
+                                               **kw)
+        ref = ops.gated_delta_product(F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v, g,
+                                      2.0 * b.sigmoid(), nh, mode="naive", initial_state=start, output_final_state=True)
+    assert got[1] is h, "inplace_final_state: the state returned is initial_state itself"
+    for name, x, y, z in zip(["o", "final state"], got, naive, ref):
+        assert_matches(x, z, 1e-5, f"kernel: {name}")
+        assert_matches(y, z, 1e-6, f"naive: {name}")
+    rows = r"\[B, T, H\]" if nh == 1 else rf"\[B, T \* {nh}, H\]"
+    with pytest.raises(ValueError, match="b must have shape " + rows):
+        ops.gated_delta_product_decode(q, k, v, a, b[:, 1:], nh, A_log, dt_bias)
+    with pytest.raises(ValueError, match="num_householder must be a positive int, got 0"):
+        ops.gated_delta_product_decode(q, k, v, a, b, 0, A_log, dt_bias)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])

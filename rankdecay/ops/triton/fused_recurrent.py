@@ -126,12 +126,27 @@ def _softplus(x):
 
 
 @triton.jit
+def _load_key_value_beta(k, v, beta, row, o_k, o_v, m_k, m_v, beta_max, K: tl.constexpr, V: tl.constexpr,
+                         QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+    """Row ``row`` (of [N * T * H]) of k (L2-normalised with QK_L2NORM), v and β (β_max sigmoid(b) with RAW_GATES),
+    in fp32."""
+    k_t = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if QK_L2NORM > 0:  # x / max(||x||, 1e-6), as F.normalize
+        k_t = k_t / tl.maximum(tl.sqrt(tl.sum(k_t * k_t)), 1e-6)
+    v_t = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_t = tl.load(beta + row).to(tl.float32)
+    if RAW_GATES:
+        b_t = beta_max * tl.sigmoid(b_t)
+    return k_t, v_t, b_t
+
+
+@triton.jit
 def _fused_recurrent_gdn_kernel(
     q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound, mask, gate_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
     DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
-    MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr, MASK_RAW: tl.constexpr,
+    MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr, MASK_RAW: tl.constexpr, NH: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -147,6 +162,8 @@ def _fused_recurrent_gdn_kernel(
     # GROUPS r > 0: Head-in-Head's step (its eq. 10), the reflection masked by the r x r mask between the key's r
     # groups of K / r channels (K = BK): (k kᵀ ⊙ expand(M)) S = k ⊙ expand(M P), P_j = Σ_{l in group j} k_l S_l.
     # MASK_RAW: mask holds M_org, and M = N Nᵀ is formed here (ops.head_in_head_mask of softplus(M_org)).
+    # NH > 1: Gated DeltaProduct's step (a scalar gate or none): the gate once, then NH delta-rule sub-steps with
+    # rows t * NH + j of k, v and beta, the query read after the last.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -167,17 +184,13 @@ def _fused_recurrent_gdn_kernel(
         bias_k = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(T):
         tok = (i_n * T + t) * H + i_h
-        k_t = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        v_t = tl.load(v + tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if NH == 1:
+            k_t, v_t, b_t = _load_key_value_beta(k, v, beta, tok, o_k, o_v, m_k, m_v, beta_max, K, V, QK_L2NORM,
+                                                 RAW_GATES)
         q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if QK_L2NORM == 1:  # x / max(||x||, 1e-6), as F.normalize
+        if QK_L2NORM == 1:
             q_t = q_t / tl.maximum(tl.sqrt(tl.sum(q_t * q_t)), 1e-6)
-        if QK_L2NORM > 0:
-            k_t = k_t / tl.maximum(tl.sqrt(tl.sum(k_t * k_t)), 1e-6)
         q_t = q_t * scale
-        b_t = tl.load(beta + tok).to(tl.float32)
-        if RAW_GATES:
-            b_t = beta_max * tl.sigmoid(b_t)
         if GATE == 1:
             g_t = tl.load(g + tok).to(tl.float32)
             if RAW_GATES:
@@ -191,7 +204,15 @@ def _fused_recurrent_gdn_kernel(
                     g_k = tl.cast(lower_bound, tl.float32) * tl.sigmoid(a_h * (g_k + bias_k))
                 else:
                     g_k = -a_h * _softplus(g_k + bias_k)
-        if GROUPS > 0:  # α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ, the per-channel decay after the reflection
+        if NH > 1:  # α S, then S <- (I - β_j k_j k_jᵀ) S + β_j k_j v_jᵀ for j < NH
+            if GATE == 1:
+                S = S * tl.exp(g_t)
+            for j in tl.static_range(NH):
+                k_t, v_t, b_t = _load_key_value_beta(k, v, beta, ((i_n * T + t) * NH + j) * H + i_h, o_k, o_v, m_k,
+                                                     m_v, beta_max, K, V, QK_L2NORM, RAW_GATES)
+                u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
+                S += k_t[:, None] * u[None, :]
+        elif GROUPS > 0:  # α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ, the per-channel decay after the reflection
             o_r = tl.arange(0, GROUPS)
             m_base = (tok if MASK_PER_TOKEN else i_h) * GROUPS * GROUPS
             m = tl.load(mask + m_base + o_r[:, None] * GROUPS + o_r[None, :]).to(tl.float32)  # [r, r]
@@ -238,7 +259,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
                                      raw_gates: tuple | None = None, decay_first: bool = False,
                                      lower_bound: float | None = None, householder: bool = False,
                                      mask: torch.Tensor | None = None, norm_q: bool = True,
-                                     logsigmoid_scale: float | None = None, mask_raw: bool = False):
+                                     logsigmoid_scale: float | None = None, mask_raw: bool = False,
+                                     num_householder: int = 1):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -255,7 +277,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     ``householder``: HDLA's step, (I - β k kᵀ) Diag(e^g) (I - β k kᵀ) S + k vᵀ (g scalar or per channel, as given).
     ``mask``: Head-in-Head's step with this r x r mask ([H, r, r] or [N, T, H, r, r], contiguous; K a power of two
     that r divides), α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ; with ``mask_raw`` it holds M_org and the kernel forms
-    M = head_in_head_mask(softplus(M_org))."""
+    M = head_in_head_mask(softplus(M_org)).
+    ``num_householder`` n > 1: Gated DeltaProduct's step, k [N, T * n, H, 1, K], v [N, T * n, H, 1, V] and beta
+    [N, T * n, H] (row t * n + j: sub-step j of token t), g None or [N, T, H, 1]: α S, then n delta-rule sub-steps."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
@@ -272,7 +296,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
         QK_L2NORM=(1 if norm_q else 2) if use_qk_l2norm else 0, LOGSIGMOID=logsigmoid_scale is not None,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
         HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
-        MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw,
+        MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw, NH=num_householder,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
