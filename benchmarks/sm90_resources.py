@@ -200,6 +200,8 @@ def capture_decode(shape) -> dict:
     s1 = b.float().sigmoid()
     cases = {  # each called with initial_state=h, inplace_final_state=True: the cache's step
         "gdn (gates in the kernel)": lambda **kw: ops.gated_delta_rule_decode(q, k, v, b, b, rnd(H), rnd(H), **kw),
+        "gdn, grouped value heads x2 (gates in the kernel)": lambda **kw: ops.gated_delta_rule_decode(
+            q[:, :, :H // 2], k[:, :, :H // 2], v, b, b, rnd(H), rnd(H), **kw),
         "kda (gates in the kernel)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), **kw),
         "kda (bounded gate)": lambda **kw: ops.kda_decode(q, k, v, a, b, rnd(H), rnd(H * K), lower_bound=-5.0, **kw),
         "hdla": lambda **kw: ops.hdla(q, k, v, gk, s1, **kw),

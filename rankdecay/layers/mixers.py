@@ -81,9 +81,13 @@ class LinearMixer(nn.Module, abc.ABC):
         state_dtype: the dtype of the recurrent state in the :class:`Cache` (fp32, or bf16 / fp16
             to halve the cache and a decode step's memory traffic). Updates are fp32 either way.
             On the GPU decode kernel's route the state is updated in place in the cache.
+        num_v_heads: grouped value heads (fla's GVA; DeltaNet and Gated DeltaNet only): HV value heads, a multiple
+            of H, value head h reading query and key head h // (HV / H); v, the output gate, β, the decay and the
+            state have HV heads (default: H).
     """
 
     kv_per_token = 1  # keys and values per token (Gated DeltaProduct: n_h)
+    grouped_value_heads = False  # whether num_v_heads may exceed num_heads (the op reads key head h // (HV / H))
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class LinearMixer(nn.Module, abc.ABC):
         scale: float | None = None,
         shared_qk_conv: bool = False,
         state_dtype: torch.dtype | str = torch.float32,
+        num_v_heads: int | None = None,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("conv_size", conv_size),
@@ -122,6 +127,12 @@ class LinearMixer(nn.Module, abc.ABC):
         for name, value in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if not isinstance(num_v_heads, int) or num_v_heads < num_heads or num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads must be a multiple of num_heads = {num_heads}, got {num_v_heads!r}")
+        if num_v_heads != num_heads and not self.grouped_value_heads:
+            raise ValueError(f"num_v_heads = {num_v_heads}: {type(self).__name__} has no grouped value heads "
+                             f"(DeltaNet and Gated DeltaNet have); give num_v_heads = num_heads")
         if qk_norm not in ("l2", "k", None):
             raise ValueError(f"qk_norm must be 'l2', 'k' or None, got {qk_norm!r}")
         if gate_act not in GATE_ACTIVATIONS:
@@ -132,7 +143,7 @@ class LinearMixer(nn.Module, abc.ABC):
             raise ValueError(f"qkv_activation must be 'silu' or None, got {qkv_activation!r}")
         if mode not in ("chunk", "recurrent"):
             raise ValueError(f"mode must be 'chunk' or 'recurrent', got {mode!r}")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.hidden_size, self.num_heads, self.num_v_heads = hidden_size, num_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.qk_norm, self.chunk_size, self.mode, self.layer_idx = qk_norm, chunk_size, mode, layer_idx
         self.scale = head_k_dim ** -0.5 if scale is None else float(scale)
@@ -142,7 +153,7 @@ class LinearMixer(nn.Module, abc.ABC):
         self.use_short_conv, self.use_output_gate, self.output_norm = use_short_conv, use_output_gate, output_norm
         self.qkv_activation = qkv_activation
         n = self.kv_per_token
-        key_dim, value_dim = num_heads * head_k_dim, num_heads * head_v_dim
+        key_dim, value_dim = num_heads * head_k_dim, num_v_heads * head_v_dim
         self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, n * key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, n * value_dim, bias=False)
@@ -225,6 +236,7 @@ class LinearMixer(nn.Module, abc.ABC):
         ``layers.packing.fused_input_projections``); x then gives only the shapes."""
         B, T, _ = x.shape
         H, K, V, n = self.num_heads, self.head_k_dim, self.head_v_dim, self.kv_per_token
+        HV = self.num_v_heads
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != (B, T):
@@ -257,7 +269,7 @@ class LinearMixer(nn.Module, abc.ABC):
             new_conv = (None, None, None)
         q = q.view(B, T, H, K)
         k = k.view(B, T, n, H, K).flatten(1, 2)  # row t * n + j: the j-th key of token t
-        v = v.view(B, T, n, H, V).flatten(1, 2)
+        v = v.view(B, T, n, HV, V).flatten(1, 2)
         initial_state = state["recurrent"] if state is not None else None
         # on the GPU's per-token kernels, with a cache to update, the kernel writes the state back into
         # the cache's tensor (in its dtype): a decode step allocates no state and nothing copies it
@@ -280,12 +292,12 @@ class LinearMixer(nn.Module, abc.ABC):
                 self.qk_hook(self, q, k)
             o, final_state = self.mix(q, k, v, self.gates(x, mask, p), initial_state=initial_state,
                                       cu_seqlens=cu_seqlens, mode=mode, inplace=inplace)
-        gate = self.output_gate(x, p, packed).view(B, T, H, V) if self.use_output_gate else None
+        gate = self.output_gate(x, p, packed).view(B, T, HV, V) if self.use_output_gate else None
         fused = None
         if packed is not None:  # a B = 1 decode step on a GPU: the norm and the gate inside the output map's kernel
             act = (self.o_norm.activation if self.output_norm else self.gate_act) if gate is not None else None
-            fused = _fused_output_linear(self.o_proj, o.reshape(B, T, H * V), packed,
-                                         u=None if gate is None else gate.reshape(B, T, H * V), u_act=act,
+            fused = _fused_output_linear(self.o_proj, o.reshape(B, T, HV * V), packed,
+                                         u=None if gate is None else gate.reshape(B, T, HV * V), u_act=act,
                                          norm=self.o_norm if self.output_norm else None)
         if fused is not None:
             o = fused
@@ -296,13 +308,14 @@ class LinearMixer(nn.Module, abc.ABC):
                 o = o * gate_activation(gate, self.gate_act)
             elif self.output_norm:
                 o = self.o_norm(o)
-            o = _output_linear(self.o_proj, o.reshape(B, T, H * V), packed)
+            o = _output_linear(self.o_proj, o.reshape(B, T, HV * V), packed)
         if cache is not None and use_cache:
             cache.layers[self.layer_idx] = {"conv": new_conv, "recurrent": final_state.to(self.state_dtype)}
         return o, cache
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
+        heads = self.num_heads if self.num_v_heads == self.num_heads else f"{self.num_heads}, v_heads={self.num_v_heads}"
+        return (f"heads={heads}, head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
                 f"conv={self.use_short_conv}, qk_norm={self.qk_norm}, mode={self.mode}")
 
     def _op_kwargs(self, initial_state, cu_seqlens, mode, inplace=False):
@@ -325,9 +338,10 @@ class DeltaNet(LinearMixer):
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, allow_neg_eigval=False, **kwargs):
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
         self.allow_neg_eigval = allow_neg_eigval
-        self.b_proj = nn.Linear(hidden_size, num_heads * self.kv_per_token, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads * self.kv_per_token, bias=False)
 
     decode_kernel = True
+    grouped_value_heads = True
 
     def gate_projections(self):
         return ("b_proj",)
@@ -348,8 +362,8 @@ class GatedDeltaNet(DeltaNet):
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, **kwargs):
         super().__init__(hidden_size, num_heads, head_k_dim, head_v_dim, **kwargs)
-        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        _mamba2_decay_params(self, num_heads)
+        self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        _mamba2_decay_params(self, self.num_v_heads)
 
     def gate_projections(self):
         return super().gate_projections() + ("a_proj",)
@@ -377,6 +391,7 @@ class KDA(DeltaNet):
     ``gate_act="sigmoid", output_gate_rank=head_v_dim`` (``rankdecay.models.from_fla`` sets them)."""
 
     decode_kernel = True  # ops.kda_decode: the gate, β, the norms and the step in one kernel
+    grouped_value_heads = False
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, gate_lower_bound=None, **kwargs):
         if gate_lower_bound is not None and not (isinstance(gate_lower_bound, (int, float)) and gate_lower_bound < 0):
@@ -417,6 +432,7 @@ class GatedDeltaProduct(GatedDeltaNet):
     DeltaProduct (no decay, and none of its parameters: fla's default)."""
 
     decode_kernel = True  # ops.gated_delta_product_decode: the gate, the β's, the norms and the n_h sub-steps
+    grouped_value_heads = False
 
     def __init__(self, hidden_size, num_heads, head_k_dim=None, head_v_dim=None, *, num_householder=2,
                  use_forget_gate=True, **kwargs):
@@ -565,6 +581,7 @@ class HeadInHead(GatedDeltaNet):
     """
 
     decode_kernel = True  # ops.hh_delta_rule_decode: the norms, the gates, the mask and the step in one kernel
+    grouped_value_heads = False
 
     def decode_op(self):
         return ops.hh_delta_rule_decode

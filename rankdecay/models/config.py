@@ -76,6 +76,9 @@ class RankDecayConfig(PretrainedConfig):
         fuse_linear_cross_entropy: in training, ``RankDecayForCausalLM`` forms the loss through the LM head in
             slices of the vocabulary (``rankdecay.layers.linear_cross_entropy``) and returns no logits: none of the
             [B, T, vocab] logits or their gradient are held (fla's option of the same name).
+        num_v_heads: grouped value heads (fla's GVA, Gated DeltaNet and DeltaNet mixers only): this many value
+            heads, a multiple of num_heads, each reading query and key head h // (num_v_heads / num_heads); None:
+            num_heads.
     """
 
     model_type = "rankdecay"
@@ -118,6 +121,7 @@ class RankDecayConfig(PretrainedConfig):
         use_cache: bool = True,
         state_dtype: str = "float32",
         fuse_linear_cross_entropy: bool = False,
+        num_v_heads: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
@@ -141,6 +145,7 @@ class RankDecayConfig(PretrainedConfig):
         self.intermediate_size, self.rms_norm_eps, self.initializer_range = (
             intermediate_size, rms_norm_eps, initializer_range)
         self.use_cache, self.state_dtype = use_cache, state_dtype
+        self.num_v_heads = num_v_heads
         self.fuse_linear_cross_entropy = fuse_linear_cross_entropy
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

@@ -20,8 +20,8 @@ softplus(f_proj x + dt_bias)`` through fla's low-rank ``f_proj`` (or, with fla's
 a low-rank ``g_proj`` with a bias (``output_gate_act="sigmoid"``, ``output_gate_rank=head_v_dim``). So a
 checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``)
 and its config by mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the
-state-reduction paper prunes such checkpoints). Settings rankdecay has no counterpart for (grouped value heads,
-attention layers, convolution biases, DeltaNet without β or with another feature map or q/k
+state-reduction paper prunes such checkpoints). Gated DeltaNet's grouped value heads (``num_v_heads``, fla's GVA)
+convert too. Settings rankdecay has no counterpart for (other mechanisms' grouped value heads, attention layers, convolution biases, DeltaNet without β or with another feature map or q/k
 norm, GLA with grouped key/value heads, a feature map, a clamped gate or an output norm without weights, ...) are
 refused by name rather than dropped.
 
@@ -92,7 +92,7 @@ def fla_config(fla: dict) -> RankDecayConfig:
             raise ValueError(f"fla config {key} = {value!r} has no rankdecay counterpart (rankdecay's "
                              f"{kind['mixer']} takes {' or '.join(map(repr, allowed))}); not converted")
     for key in ("num_v_heads", "num_kv_heads"):
-        if fla.get(key) not in (None, fla["num_heads"]):
+        if fla.get(key) not in (None, fla["num_heads"]) and not (key == "num_v_heads" and name == "gated_deltanet"):
             raise ValueError(f"fla config {key} = {fla[key]} (grouped heads) has no rankdecay counterpart")
     head_k, head_v = _head_dims(fla)
     conv = fla.get("use_short_conv", kind["conv"])
@@ -113,7 +113,8 @@ def fla_config(fla: dict) -> RankDecayConfig:
         intermediate_size=mlp, rms_norm_eps=fla.get("norm_eps", 1e-6),
         initializer_range=fla.get("initializer_range", 0.02), tie_word_embeddings=fla.get("tie_word_embeddings", False),
         use_cache=fla.get("use_cache", True), bos_token_id=fla.get("bos_token_id"),
-        eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"), **product)
+        eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"),
+        num_v_heads=fla.get("num_v_heads") if name == "gated_deltanet" else None, **product)
 
 
 def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -57,6 +57,8 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
         common["gate_logit_normalizer"] = config.gate_logit_normalizer
     if getattr(config, "output_gate_act", None) is not None:
         common["gate_act"] = config.output_gate_act
+    if getattr(config, "num_v_heads", None) not in (None, config.num_heads):
+        common["num_v_heads"] = config.num_v_heads
     if getattr(config, "gate_lower_bound", None) is not None and name == "kda":
         common["gate_lower_bound"] = config.gate_lower_bound
     cls, extra = {
@@ -316,7 +318,7 @@ def mixer_flops_per_token(mixer: nn.Module, seq_len: int) -> float:
         context = min(mixer.window_size, seq_len / 2)  # average causal context
         return 4 * mixer.num_heads * mixer.head_dim * context
     assert isinstance(mixer, LinearMixer)
-    H, K, V, C = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.chunk_size
+    H, K, V, C = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.chunk_size  # a state per value head
     r_kv = mixer.kv_per_token
     r_ab = {DeltaNet: r_kv, GatedDeltaNet: r_kv, GatedDeltaProduct: r_kv, KDA: r_kv, HDLA: 2}.get(type(mixer), 0)
     if isinstance(mixer, HeadInHead):

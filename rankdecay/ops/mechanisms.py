@@ -27,7 +27,7 @@ def _up(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: int = 1) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: int = 1, value_groups: int = 1) -> None:
     check_float(q, "q")
     check_float(k, "k")
     check_float(v, "v")
@@ -36,8 +36,28 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: int =
     B, T, H, K = q.shape
     rows = "T" if kv_rows == 1 else f"T * {kv_rows}"
     check_shape(k, "k", (B, T * kv_rows, H, K), f"[B, {rows}, H, K]")
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T * kv_rows, H):
-        raise ValueError(f"v must have shape [B, {rows}, H, V] = [{B}, {T * kv_rows}, {H}, V], got {list(v.shape)}")
+    HV = H * value_groups
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T * kv_rows, HV):
+        heads = "H" if value_groups == 1 else f"H * {value_groups}"
+        raise ValueError(f"v must have shape [B, {rows}, {heads}, V] = [{B}, {T * kv_rows}, {HV}, V], got "
+                         f"{list(v.shape)}")
+
+
+def _value_groups(q: torch.Tensor, v: torch.Tensor) -> int:
+    """Grouped value heads (fla's GVA, ``num_v_heads``): v with HV heads, a multiple of q's and k's H, value head h
+    reading key head h // (HV / H). Returns HV / H, 1 when the heads match (or the shapes are for the checks)."""
+    if q.dim() != 4 or v.dim() != 4 or v.shape[2] == q.shape[2]:
+        return 1
+    H, HV = q.shape[2], v.shape[2]
+    if HV < H or HV % H:
+        raise ValueError(f"v must have q's H = {H} heads or a multiple of them (grouped value heads), got {HV}")
+    return HV // H
+
+
+def _heads_like(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """A shape-only stand-in for q with ``heads`` heads (the checks of tensors per value head read q's shape)."""
+    B, T, _, K = q.shape
+    return q if heads == q.shape[2] else torch.empty(B, T, heads, K, device="meta")
 
 
 def _check_beta(beta: torch.Tensor, q: torch.Tensor, rows: int = 1) -> None:
@@ -159,14 +179,21 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     (``x / max(||x||, 1e-6)``). The decode kernel (``mode="fused_recurrent"``) does it inside the
     kernel; the other paths normalise in PyTorch and round back to the inputs' dtype, through autograd.
 
+    Grouped value heads (fla's GVA, its layers' ``num_v_heads``): v ``[B, T, HV, V]`` with HV a multiple of q's and
+    k's H, and g, beta and the states with HV heads; value head h reads key head h // (HV / H). The decode kernel
+    reads them so; the other paths repeat q and k to HV heads first (``repeat_interleave``, through autograd).
+
     As DPLR: ``a = α β k``, ``b = k``, writes ``k (β v)ᵀ`` (DESIGN.md §1).
     """
-    _check_qkv(q, k, v)
-    _check_beta(beta, q)
-    _check_gate(g, q)
+    groups = _value_groups(q, v)
+    _check_qkv(q, k, v, value_groups=groups)
+    _check_beta(beta, _heads_like(q, v.shape[2]))
+    _check_gate(g, _heads_like(q, v.shape[2]))
     if mode == "fused_recurrent" and cu_seqlens is None:
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state)
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if (cu_seqlens is None and not inplace_final_state and (g is None or g.dim() == 3)
@@ -463,10 +490,10 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
     """What ``dplr`` checks beyond q, k, v, g and beta's shapes, for the routes that bypass it ((Gated) DeltaNet's
     and HDLA's): the initial state's dtype and shape ``[B, H, K, V]``, and every tensor on q's device."""
-    B, T, H, K = q.shape
-    if initial_state is not None:
+    B, T, _, K = q.shape
+    if initial_state is not None:  # H: v's heads (q's but with grouped value heads)
         check_float(initial_state, "initial_state")
-        check_shape(initial_state, "initial_state", (B, H, K, v.shape[-1]), "[N, H, K, V]")
+        check_shape(initial_state, "initial_state", (B, v.shape[2], K, v.shape[-1]), "[N, H, K, V]")
     check_devices(q.device, (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)))
 
 
@@ -510,7 +537,8 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     a: ``[B, T, H]``, the decay's projection (``A_log`` and ``dt_bias``, ``[H]``, make
     :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, Mamba2's); ``a=None``: no decay
     (DeltaNet); b: ``[B, T, H]``, β's logits: :math:`\beta = \beta_{max} \sigma(b)`. Returns
-    ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as ``gated_delta_rule``.
+    ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as ``gated_delta_rule``. Grouped value heads as in
+    ``gated_delta_rule``: v, a, b, ``A_log``, ``dt_bias`` and the state with HV heads, a multiple of q's and k's.
 
     inplace_final_state: write the final state into ``initial_state`` (contiguous, fp32 or a 16-bit
     cache's bf16 / fp16, updated in fp32) and return that tensor as the final state, as serving
@@ -521,7 +549,8 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     per-token loop, with autograd) or ``"auto"``: the kernel for CUDA tensors without autograd
     when triton runs there, else ``"naive"``.
     """
-    mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode)
+    mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode,
+                                     value_groups=_value_groups(q, v))
     if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
@@ -558,10 +587,11 @@ def _check_channel_decode(q, k, v, a, b, mode: str) -> str:
     return _decode_mode(q, mode)
 
 
-def _check_decode_inputs(q, k, v, b, rows: int = 1) -> None:
-    _check_qkv(q, k, v, kv_rows=rows)
+def _check_decode_inputs(q, k, v, b, rows: int = 1, value_groups: int = 1) -> None:
+    _check_qkv(q, k, v, kv_rows=rows, value_groups=value_groups)
     check_float(b, "b")
     B, T, H = q.shape[:3]
+    H *= value_groups
     check_shape(b, "b", (B, T * rows, H), "[B, T, H]" if rows == 1 else f"[B, T * {rows}, H]")
 
 
@@ -573,15 +603,18 @@ def _decode_mode(q, mode: str) -> str:
     return recurrent_mode(q) if mode == "auto" else mode
 
 
-def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str, rows: int = 1) -> tuple[str, tuple]:
+def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str, rows: int = 1,
+                         value_groups: int = 1) -> tuple[str, tuple]:
     """The checks a decode op with Gated DeltaNet's gate makes (a [B, T, H] or None, with A_log and dt_bias [H];
-    b [B, T * rows, H], k and v ``rows`` a token); returns the resolved mode and the kernel's ``raw_gates``."""
-    _check_decode_inputs(q, k, v, b, rows)
+    b [B, T * rows, H], k and v ``rows`` a token; H: v's heads, ``value_groups`` times q's); returns the resolved
+    mode and the kernel's ``raw_gates``."""
+    _check_decode_inputs(q, k, v, b, rows, value_groups)
+    H = q.shape[2] * value_groups
     if a is not None:
-        _check_gate(a, q, name="a", per_channel=False)
+        _check_gate(a, _heads_like(q, H), name="a", per_channel=False)
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if x is None or x.shape != (q.shape[2],):
-                raise ValueError(f"{name} must be [H] = [{q.shape[2]}] with a decay projection a, "
+            if x is None or x.shape != (H,):
+                raise ValueError(f"{name} must be [H] = [{H}] with a decay projection a, "
                                  f"got {None if x is None else list(x.shape)}")
     raw = (A_log.contiguous() if a is not None else None, dt_bias.contiguous() if a is not None else None, beta_max)
     return _decode_mode(q, mode), raw

@@ -53,13 +53,14 @@ def uniform_budgets(model, ratio: float) -> dict[int, list[int]]:
 
 def adaptive_budgets(model, ratio: float, utilization: dict[int, torch.Tensor]) -> dict[int, list[int]]:
     """Per-head budgets proportional to each head's rank utilisation (App. E.1), with each
-    layer's total equal to the uniform budget's; at least one group per head, at most K."""
+    layer's total equal to the uniform budget's; at least one group per head, at most K. With grouped value heads
+    (``num_v_heads``: a state per value head) a key head's utilisation is the mean of its value heads'."""
     uniform = uniform_budgets(model, ratio)
     out = {}
     for i, m in linear_mixers(model).items():
         r, H, K = group_size(m), m.num_heads, m.head_k_dim
         total_groups = sum(uniform[i]) // r
-        u = utilization[i].double().clamp_min(1e-6)
+        u = utilization[i].double().reshape(H, -1).mean(1).clamp_min(1e-6)
         share = u / u.sum() * total_groups
         groups = share.floor().clamp(1, K // r)
         # largest remainders first, within the per-head cap, until the total is met

@@ -100,6 +100,24 @@ def _assert_same_logits(fla, ours, kind, short=40):
         assert rel_rms(got[real], ref[real]) < tol, (T, rel_rms(got[real], ref[real]))
 
 
+def test_grouped_value_heads_give_fla_logits():
+    """fla's Gated DeltaNet with grouped value heads (``num_v_heads`` = 2 x ``num_heads``, GVA: value head h reads
+    query and key head h // 2; v, the gate, β, the decay and the state per value head) converts to
+    ``num_v_heads`` and gives fla's logits, and decodes token by token as its full forward."""
+    fla = _fla_model(kind="gated_deltanet", num_v_heads=4, allow_neg_eigval=True)
+    ours = from_fla(fla)
+    mixer = ours.model.layers[0].mixer
+    assert ours.config.num_v_heads == 4 and mixer.num_v_heads == 4 and mixer.A_log.shape == (4,)
+    _assert_same_logits(fla, ours, "gated_deltanet", short=20)
+    ids = _batch(12)[0]
+    with torch.no_grad():
+        full = ours(ids, use_cache=False).logits
+        out = ours(ids[:, :6], use_cache=True)
+        steps = [out.logits] + [ours(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True).logits
+                                for t in range(6, 12)]
+    assert rel_rms(torch.cat(steps, 1), full) < 1e-5
+
+
 @pytest.mark.parametrize("num_householder,forget,tie", [(2, True, False), (3, False, True)])
 def test_gated_deltaproduct_gives_fla_logits(num_householder, forget, tie):
     """fla's Gated DeltaProduct: n_h keys, values and βs per token in fla's layout, the forget gate on each token's
@@ -187,7 +205,6 @@ def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,change,match", [
-    ("gated_deltanet", dict(num_v_heads=4), "num_v_heads = 4"),
     ("gated_deltanet", dict(output_gate_activation="relu"), "output_gate_activation = 'relu'"),
     ("kda", dict(num_v_heads=4), "num_v_heads = 4"), ("kda", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
     ("gated_deltanet", dict(conv_bias=True), "conv_bias = True"),

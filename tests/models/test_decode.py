@@ -54,13 +54,15 @@ def test_prefill_then_decode_matches_full(mixer):
     ("kda", {}), ("kda", {"gate_lower_bound": -5.0, "allow_neg_eigval": True}), ("hdla", {}),
     ("hdla", {"allow_neg_eigval": False, "gate_logit_normalizer": 1.0}), ("hh-gdn", {"hh_mask": "data"}),
     ("hh-dn", {"allow_neg_eigval": True}), ("gdp", {}), ("gdp", {"use_forget_gate": False}),
+    ("gdn", {"num_v_heads": 4}), ("deltanet", {"num_v_heads": 6}),
 ])
 def test_decode_kernel_steps_match_full(mixer, overrides, monkeypatch):
     """The GPU decode route, forced here (the kernel under the interpreter): GDN and DeltaNet take
     ops.gated_delta_rule_decode, KDA ops.kda_decode, HDLA ops.hdla_decode and Head-in-Head (a static mask or one
     per token, gated or not) ops.hh_delta_rule_decode, which form the L2 norms, the gates (and the mask) inside one
     kernel; Gated DeltaProduct (with its decay or without) ops.gated_delta_product_decode, its n_h sub-steps in the
-    kernel too. Each matches the full forward."""
+    kernel too; grouped value heads (num_v_heads), each value head reading its key head in the kernel. Each matches
+    the full forward."""
     import rankdecay.layers.mixers as mixers
 
     calls = []

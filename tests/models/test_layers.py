@@ -80,6 +80,10 @@ def test_padding_positions_are_identity_steps():
     (lambda: GatedDeltaNet(D, H, gate_act="tanh"), "gate_act must be 'silu', 'sigmoid' or None, got 'tanh'"),
     (lambda: GatedDeltaNet(D, H, output_gate_rank=0), "output_gate_rank must be None or a positive int, got 0"),
     (lambda: KDA(D, H, gate_lower_bound=0.5), "gate_lower_bound must be None or a negative number, got 0.5"),
+    (lambda: GatedDeltaNet(D, H, num_v_heads=3), "num_v_heads must be a multiple of num_heads = 2, got 3"),
+    (lambda: DeltaNet(D, H, num_v_heads=1), "num_v_heads must be a multiple of num_heads = 2, got 1"),
+    (lambda: KDA(D, H, num_v_heads=4), "num_v_heads = 4: KDA has no grouped value heads"),
+    (lambda: HeadInHead(D, H, num_v_heads=4), "num_v_heads = 4: HeadInHead has no grouped value heads"),
     (lambda: SlidingWindowAttention(D, H, window_size=0), "window_size must be a positive int"),
     (lambda: SlidingWindowAttention(D, 16), "head_dim must be even"),
 ])

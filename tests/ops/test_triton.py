@@ -2684,6 +2684,61 @@ def test_gated_delta_product_decode_kernel_matches_the_recurrence(gated):
                                         "gdp" if gated else "deltaproduct")
 
 
+@pytest.mark.parametrize("mode", ["fused_recurrent", "triton", "chunk", "naive"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gdn", "deltanet"])
+def test_grouped_value_heads(mode, gated):
+    """fla's grouped value heads (GVA): q and k with H heads, v, g, β and the state with HV = 3H, value head h reading
+    key head h // 3. Every path matches the same op on q and k repeated to HV heads (repeat_interleave): outputs,
+    final states and (where autograd runs) every gradient, q's and k's summed over their groups; strong decays, β
+    up to 2, T = 7 (not a multiple of the chunk), the norms in the kernel."""
+    B, T, H, G, K, V = 2, 7, 2, 3, 16, 8
+    gen = torch.Generator().manual_seed(14)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, h0 = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H * G, V), rnd(B, H * G, K, V)
+    beta = (2 * torch.rand(B, T, H * G, generator=gen)).to(DEVICE)
+    g = (-30 * torch.rand(B, T, H * G, generator=gen) ** 4).to(DEVICE) if gated else None
+    grads = mode != "fused_recurrent"
+
+    def call(q, k, repeat):
+        inputs = [x.detach().clone().requires_grad_(grads) if x is not None else None for x in (q, k, v, g, beta, h0)]
+        qq, kk = (x.repeat_interleave(G, dim=2) for x in inputs[:2]) if repeat else inputs[:2]
+        o, s = ops.gated_delta_rule(qq, kk, *inputs[2:5], initial_state=inputs[5], output_final_state=True,
+                                    mode=mode if not repeat else "naive", use_qk_l2norm_in_kernel=True)
+        if not grads:
+            return [o, s]
+        ((o * torch.linspace(-1, 1, V, device=o.device)).sum() + s.sin().sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad for x in inputs if x is not None]
+
+    with torch.set_grad_enabled(grads):
+        got, ref = call(q, k, repeat=False), call(q, k, repeat=True)
+    for name, x, y in zip(["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+        assert_matches(x, y, 1e-5, f"{mode}: {name}")
+    with pytest.raises(ValueError, match="v must have q's H = 2 heads or a multiple of them"):
+        ops.gated_delta_rule(q, k, v[:, :, :5], None, beta[:, :, :5], mode=mode)
+    with pytest.raises(ValueError, match=r"beta must have shape \[B, T, H\] = \[2, 7, 6\]"):
+        ops.gated_delta_rule(q, k, v, g, beta[:, :, :H], mode=mode)
+
+
+def test_grouped_value_heads_decode_forms_the_gates():
+    """gated_delta_rule_decode with grouped value heads: a, b, A_log and dt_bias per value head, q and k per key head;
+    its kernel against its PyTorch form."""
+    B, T, H, G, K, V = 2, 3, 2, 2, 16, 8
+    gen = torch.Generator().manual_seed(15)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, h = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H * G, V), rnd(B, H * G, K, V)
+    a, b, A_log, dt_bias = 4 * rnd(B, T, H * G), 4 * rnd(B, T, H * G), rnd(H * G), rnd(H * G)
+    with torch.no_grad():
+        naive = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, beta_max=2.0, initial_state=h.clone(),
+                                            output_final_state=True, mode="naive")
+        got = ops.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, beta_max=2.0, initial_state=h,
+                                          output_final_state=True, inplace_final_state=True, mode="fused_recurrent")
+    assert got[1] is h
+    for name, x, y in zip(["o", "final state"], got, naive):
+        assert_matches(x, y, 1e-5, name)
+    with pytest.raises(ValueError, match=r"A_log must be \[H\] = \[4\]"):
+        ops.gated_delta_rule_decode(q, k, v, a, b, A_log[:H], dt_bias)
+
+
 @pytest.mark.parametrize("gated,nh,T", [(True, 2, 5), (False, 3, 1), (True, 1, 3)])
 def test_gated_delta_product_decode_forms_the_gates(gated, nh, T):
     """gated_delta_product_decode's kernel forms the L2 norms of q and of each sub-step's key, the β's = beta_max σ(b)

@@ -11,6 +11,7 @@ from rankdecay.prune import (
     zero_channels,
 )
 from rankdecay.prune.scorers import calibrate, pca_transforms
+from rankdecay.prune.core import adaptive_budgets
 
 MIXERS = ["gdn", "deltanet", "kda", "hdla", "hh-gdn", "gla", "gdp", "simple_gla"]
 
@@ -54,6 +55,24 @@ def test_pruning_equals_zeroing_the_dropped_channels(mixer, method, budget):
     # ... and is not the unpruned model.
     with torch.no_grad():
         assert (a - model(x).logits).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("method, budget", [("drrqr", "uniform"), ("grad", "adaptive"), ("pca", "uniform")])
+def test_grouped_value_heads_prune_per_key_head(method, budget):
+    """Grouped value heads (num_v_heads = 2 H): the key space is pruned per query/key head, so every value head that
+    reads it keeps the same channels; selections equal zeroing the dropped channels, the model keeps num_v_heads,
+    and adaptive budgets take a key head's utilisation as the mean of its value heads'."""
+    model = tiny("gdn", num_v_heads=4).double()
+    small, info = prune(model, method, 0.5, calib(), budget=budget)
+    assert small.config.num_v_heads == 4 and small.model.layers[0].mixer.num_v_heads == 4
+    x = torch.randint(0, 256, (2, 41))
+    if method != "pca":  # (PCA rotates each key head's space: no channels kept)
+        assert all(len(heads) == 2 for heads in small.config.pruning["kept"].values())
+        ref = zero_channels(model, kept(small))
+        with torch.no_grad():
+            assert (small(x).logits - ref(x).logits).abs().max().item() < 1e-10
+    budgets = adaptive_budgets(model, 0.5, {0: torch.tensor([1.0, 1.0, 9.0, 9.0]), 1: torch.ones(4)})
+    assert budgets[0] == [3, 29] and budgets[1] == [16, 16]
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "pca"])

@@ -126,11 +126,11 @@ def _softplus(x):
 
 
 @triton.jit
-def _load_key_value_beta(k, v, beta, row, o_k, o_v, m_k, m_v, beta_max, K: tl.constexpr, V: tl.constexpr,
+def _load_key_value_beta(k, v, beta, row, row_k, o_k, o_v, m_k, m_v, beta_max, K: tl.constexpr, V: tl.constexpr,
                          QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
-    """Row ``row`` (of [N * T * H]) of k (L2-normalised with QK_L2NORM), v and β (β_max sigmoid(b) with RAW_GATES),
-    in fp32."""
-    k_t = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    """Row ``row`` (of [N * T * H]) of v and β (β_max sigmoid(b) with RAW_GATES) and row ``row_k`` of k
+    (L2-normalised with QK_L2NORM), in fp32."""
+    k_t = tl.load(k + row_k * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     if QK_L2NORM > 0:  # x / max(||x||, 1e-6), as F.normalize
         k_t = k_t / tl.maximum(tl.sqrt(tl.sum(k_t * k_t)), 1e-6)
     v_t = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -147,6 +147,7 @@ def _fused_recurrent_gdn_kernel(
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
     DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
     MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr, MASK_RAW: tl.constexpr, NH: tl.constexpr,
+    QK_GROUPS: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -164,6 +165,8 @@ def _fused_recurrent_gdn_kernel(
     # MASK_RAW: mask holds M_org, and M = N Nᵀ is formed here (ops.head_in_head_mask of softplus(M_org)).
     # NH > 1: Gated DeltaProduct's step (a scalar gate or none): the gate once, then NH delta-rule sub-steps with
     # rows t * NH + j of k, v and beta, the query read after the last.
+    # QK_GROUPS > 1: grouped value heads (fla's GVA): H counts v's heads, q and k have H / QK_GROUPS, and value head
+    # h reads key head h // QK_GROUPS.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
@@ -184,10 +187,11 @@ def _fused_recurrent_gdn_kernel(
         bias_k = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(T):
         tok = (i_n * T + t) * H + i_h
+        tok_k = (i_n * T + t) * (H // QK_GROUPS) + i_h // QK_GROUPS  # q's and k's row
         if NH == 1:
-            k_t, v_t, b_t = _load_key_value_beta(k, v, beta, tok, o_k, o_v, m_k, m_v, beta_max, K, V, QK_L2NORM,
-                                                 RAW_GATES)
-        q_t = tl.load(q + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            k_t, v_t, b_t = _load_key_value_beta(k, v, beta, tok, tok_k, o_k, o_v, m_k, m_v, beta_max, K, V,
+                                                 QK_L2NORM, RAW_GATES)
+        q_t = tl.load(q + tok_k * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         if QK_L2NORM == 1:
             q_t = q_t / tl.maximum(tl.sqrt(tl.sum(q_t * q_t)), 1e-6)
         q_t = q_t * scale
@@ -208,8 +212,9 @@ def _fused_recurrent_gdn_kernel(
             if GATE == 1:
                 S = S * tl.exp(g_t)
             for j in tl.static_range(NH):
-                k_t, v_t, b_t = _load_key_value_beta(k, v, beta, ((i_n * T + t) * NH + j) * H + i_h, o_k, o_v, m_k,
-                                                     m_v, beta_max, K, V, QK_L2NORM, RAW_GATES)
+                row = ((i_n * T + t) * NH + j) * H + i_h
+                k_t, v_t, b_t = _load_key_value_beta(k, v, beta, row, row, o_k, o_v, m_k, m_v, beta_max, K, V,
+                                                     QK_L2NORM, RAW_GATES)
                 u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
                 S += k_t[:, None] * u[None, :]
         elif GROUPS > 0:  # α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ, the per-channel decay after the reflection
@@ -279,9 +284,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     that r divides), α (I - β (k kᵀ ⊙ expand(M))) S + β k vᵀ; with ``mask_raw`` it holds M_org and the kernel forms
     M = head_in_head_mask(softplus(M_org)).
     ``num_householder`` n > 1: Gated DeltaProduct's step, k [N, T * n, H, 1, K], v [N, T * n, H, 1, V] and beta
-    [N, T * n, H] (row t * n + j: sub-step j of token t), g None or [N, T, H, 1]: α S, then n delta-rule sub-steps."""
-    N, T, H, K = q.shape
-    V = v.shape[-1]
+    [N, T * n, H] (row t * n + j: sub-step j of token t), g None or [N, T, H, 1]: α S, then n delta-rule sub-steps.
+    Grouped value heads (fla's GVA; n = 1, no mask): q and k [N, T, H', ...] with H' dividing v's H; v, beta, g,
+    the gates' parameters and the state have H heads, and value head h reads key head h // (H / H')."""
+    N, T, HK, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
     o = q.new_empty(N, T, H, V)
     BK = _pow2(K)
@@ -296,7 +303,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
         QK_L2NORM=(1 if norm_q else 2) if use_qk_l2norm else 0, LOGSIGMOID=logsigmoid_scale is not None,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
         HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
-        MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw, NH=num_householder,
+        MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw, NH=num_householder, QK_GROUPS=H // HK,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
