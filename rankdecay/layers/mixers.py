@@ -314,7 +314,8 @@ class LinearMixer(nn.Module, abc.ABC):
         return o, cache
 
     def extra_repr(self) -> str:
-        heads = self.num_heads if self.num_v_heads == self.num_heads else f"{self.num_heads}, v_heads={self.num_v_heads}"
+        heads = (self.num_heads if self.num_v_heads == self.num_heads
+                 else f"{self.num_heads}, v_heads={self.num_v_heads}")
         return (f"heads={heads}, head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, "
                 f"conv={self.use_short_conv}, qk_norm={self.qk_norm}, mode={self.mode}")
 

@@ -21,9 +21,9 @@ a low-rank ``g_proj`` with a bias (``output_gate_act="sigmoid"``, ``output_gate_
 checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``)
 and its config by mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the
 state-reduction paper prunes such checkpoints). Gated DeltaNet's grouped value heads (``num_v_heads``, fla's GVA)
-convert too. Settings rankdecay has no counterpart for (other mechanisms' grouped value heads, attention layers, convolution biases, DeltaNet without β or with another feature map or q/k
-norm, GLA with grouped key/value heads, a feature map, a clamped gate or an output norm without weights, ...) are
-refused by name rather than dropped.
+convert too. Settings rankdecay has no counterpart for (other mechanisms' grouped value heads, attention layers,
+convolution biases, DeltaNet without β or with another feature map or q/k norm, GLA with grouped key/value heads,
+a feature map, a clamped gate or an output norm without weights, ...) are refused by name rather than dropped.
 
     from rankdecay.models import from_fla
     model = from_fla("path/to/fla-checkpoint")       # a folder fla saved, or an fla model in memory
