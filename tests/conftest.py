@@ -62,10 +62,6 @@ def assert_matches(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "
         assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:g}"
 
 
-# Dynamo's reason for a graph break at a ``torch.compiler.disable``d function (the Triton ops' opaque entry points)
-OPAQUE_OP_BREAK = "Skip calling `torch.compiler.disable()`d function"
-
-
 def autograd_nodes(x: torch.Tensor) -> list[str]:
     """The class names of the autograd nodes x comes from, each node once. (On a GPU, heads narrower than the Triton
     kernels' widths are padded around the kernels' node: slices and a clone after it, ``chunk_bwd.padded_heads``.)"""

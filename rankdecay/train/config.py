@@ -95,7 +95,7 @@ class TrainConfig:
     """Autocast dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "bfloat16", "float16", "float32"."""
     compile: bool = False
     """torch.compile the model: the first steps compile it (about a minute), then it trains faster (the 340m preset on
-    an H200: 1.2-1.5x, with less memory). The chunked Triton ops run as they are, between the compiled parts."""
+    an H200: 1.0-1.8x, with less memory). The chunked Triton ops are opaque operators of the one compiled graph."""
     matmul_precision: str = "highest"
     """``torch.set_float32_matmul_precision`` during training: "highest", "high" (TF32) or
     "medium" (bf16 products with fp32 accumulation, as fla's kernels; on CUDA it also lets the

@@ -5,7 +5,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM, output_cache
 
-from ..conftest import OPAQUE_OP_BREAK, assert_matches
+from ..conftest import assert_matches
 from .common import random_ids, tiny_model
 
 
@@ -22,9 +22,10 @@ def test_gradients_reach_every_parameter(mixer):
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_torch_compile_traces_the_model_whole(mixer):
-    """Dynamo traces the training loss in one graph on the PyTorch paths, and on the Triton kernels breaks it only at
-    their opaque entry points (``torch.compiler.disable``): a break anywhere else splits ``train --compile``'s graph
-    and can make Dynamo compile what follows again at every call (session 64). Dynamo alone: no C++ compiler."""
+    """Dynamo traces the training loss in one graph, on the PyTorch paths and on the Triton kernels (each entry point
+    an opaque operator, ``ops.triton.opaque``): a break splits ``train --compile``'s graph and can make Dynamo compile
+    what follows again at every call (session 64), and ``fullgraph=True`` refuses it. Dynamo alone: no C++
+    compiler."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(mixer).train().to(device)
     ids = random_ids(2, 37).to(device)
@@ -33,11 +34,7 @@ def test_torch_compile_traces_the_model_whole(mixer):
         report = torch._dynamo.explain(lambda x: model(x, labels=x, use_cache=False).loss)(ids)
     finally:
         torch._dynamo.reset()
-    reasons = [r.reason for r in report.break_reasons]
-    if device == "cpu":
-        assert report.graph_break_count == 0, reasons
-    for reason in reasons:
-        assert reason.startswith(OPAQUE_OP_BREAK), reason[:400]
+    assert report.graph_break_count == 0, [r.reason[:400] for r in report.break_reasons]
 
 
 def test_labels_are_shifted_and_ignore_index():

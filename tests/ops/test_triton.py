@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from rankdecay import ops
 
-from ..conftest import NO_CPU_COMPILE, OPAQUE_OP_BREAK, assert_matches, autograd_nodes, can_compile_on_cpu, rel_rms
+from ..conftest import NO_CPU_COMPILE, assert_matches, autograd_nodes, can_compile_on_cpu, rel_rms
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
@@ -3225,66 +3225,130 @@ def test_values_in_the_inputs_kernel(case, monkeypatch):
     _check_fused_form(monkeypatch, "values_in_inputs", "_grad_values_kernel", fn, pt, labels, case)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(DEVICE == "cpu" and not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
-def test_kernels_under_torch_compile():
-    """A function of Gated DeltaNet, HDLA and Head-in-Head on the Triton kernels, through torch.compile: the same
-    loss and gradients as without it. The chunked entry points are opaque to the compiler (a graph break
-    around each); traced, inductor launched the kernels itself and they did not compile (session 63)."""
-    torch.manual_seed(0)
-    B, T, H, K, V = 1, 20, 2, 16, 16
-    q, v = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
-    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
-    g, beta = F.logsigmoid(torch.randn(B, T, H) + 2), torch.rand(B, T, H)
-    lam = F.logsigmoid(torch.randn(B, T, H, K) + 2)
-    mask = ops.head_in_head_mask(torch.rand(H, 2, 2)).to(DEVICE)
+def _compile_inputs(T: int, seed: int, B: int = 1, H: int = 2, K: int = 16, V: int = 16, dtype=torch.float32):
+    """(q, k, v, g, beta, lam, a, h0) for ``_every_mechanism``: a [B, T, H, 5, K], a rank past the fused kernels'."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, v = rnd(B, T, H, K), rnd(B, T, H, V)
+    k = F.normalize(rnd(B, T, H, K), dim=-1)
+    g, beta = F.logsigmoid(rnd(B, T, H) + 2), torch.rand(B, T, H, generator=gen)
+    lam = F.logsigmoid(rnd(B, T, H, K) + 2)
+    a = 0.1 * F.normalize(rnd(B, T, H, 5, K), dim=-1)
+    return [x.to(DEVICE, dtype) for x in (q, k, v, g, beta, lam, a)] + [rnd(B, H, K, V).to(DEVICE)]
 
-    def loss(q, k, v, g, beta, lam):
-        o1, _ = ops.gated_delta_rule(q, k, v, g, beta, mode="triton")
+
+def _every_mechanism(mask):
+    """A loss through every kind of entry point on the Triton kernels: Gated DeltaNet (with an initial and a final
+    state), HDLA, Head-in-Head, KDA and GLA (the fused kernels) and a rank-5 DPLR (the unfused path's state
+    passing, an autograd Function that saves its own outputs)."""
+    def loss(q, k, v, g, beta, lam, a, h0):
+        o1, s1 = ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, mode="triton")
         o2, _ = ops.hdla(q, k, v, lam, 2 * beta, mode="triton")
         o3, _ = ops.hh_delta_rule(q, k, v, beta, mask, g, mode="triton")
-        return (o1.sin() + o2.cos() + o3 * o3).sum()
+        o4, _ = ops.kda(q, k, v, lam, beta, mode="triton")
+        o5, _ = ops.gla(q, k, v, lam, mode="triton")
+        o6, _ = ops.dplr(q, k, v, a, F.normalize(a, dim=-1), lam, mode="triton")
+        return (o1.sin() + o2.cos() + o3 * o3 + o4 + o5.sin() + o6).float().sum() + s1.sin().sum()
+    return loss
 
-    results = []
-    compiled = torch.compile(loss)
-    for fn in (loss, compiled):
-        inputs = [x.to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, lam)]
+
+def _compiled_matches(backend: str, lengths: tuple[int, ...], recompile_check: bool = False) -> None:
+    """``_every_mechanism``'s loss and gradients through ``torch.compile(fullgraph=True)`` against eager ones at each
+    of ``lengths`` in turn (from the second, Dynamo traces T as a symbol), then its value without autograd (each
+    entry point's forward one operator)."""
+    mask = ops.head_in_head_mask(torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(1))).to(DEVICE)
+    loss = _every_mechanism(mask)
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+
+    def gradients(fn, T, seed):
+        inputs = [x.requires_grad_() for x in _compile_inputs(T, seed=seed)]
         value = fn(*inputs)
         value.backward()
-        results.append([value.detach()] + [x.grad for x in inputs])
-    for name, got, want in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dlam"], results[1], results[0]):
-        assert_matches(got, want, 1e-6, name)
-    # a second call on new tensors of the same shapes runs what the first compiled (on the H200 a graph break in
-    # the precision query made Dynamo compile its resumption again at every call, session 64)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled(*[(x + 0.01).to(DEVICE).requires_grad_() for x in (q, k, v, g, beta, lam)]).backward()
-
-
-def test_mechanisms_break_a_compiled_graph_only_at_the_kernels():
-    """Traced by Dynamo, the mechanism functions on the Triton kernels break the graph only at the opaque entry points
-    (``torch.compiler.disable``), never inside our Python: a break elsewhere splits the graph where nothing needs it
-    and can make Dynamo compile the code after it again at every call (the precision query did, session 64). Dynamo
-    alone, with no inductor: needs no C++ compiler."""
-    torch.manual_seed(0)
-    B, T, H, K, V = 1, 6, 2, 16, 16
-    q, v = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, V, device=DEVICE)
-    k = F.normalize(torch.randn(B, T, H, K, device=DEVICE), dim=-1)
-    g, beta = F.logsigmoid(torch.randn(B, T, H, device=DEVICE) + 2), torch.rand(B, T, H, device=DEVICE)
-    lam = F.logsigmoid(torch.randn(B, T, H, K, device=DEVICE) + 2)
-    mask = ops.head_in_head_mask(torch.rand(H, 2, 2, device=DEVICE))
-
-    def outputs(q, k, v, g, beta, lam):
-        return (ops.gated_delta_rule(q, k, v, g, beta, mode="triton")[0],
-                ops.hdla(q, k, v, lam, 2 * beta, mode="triton")[0],
-                ops.hh_delta_rule(q, k, v, beta, mask, g, mode="triton")[0],
-                ops.kda(q, k, v, lam, beta, mode="triton")[0],
-                ops.gla(q, k, v, lam, mode="triton")[0])
+        return [value.detach()] + [x.grad for x in inputs]
 
     torch._dynamo.reset()
     try:
-        report = torch._dynamo.explain(outputs)(q, k, v, g, beta, lam)
+        for T in lengths:
+            want, got = gradients(loss, T, 0), gradients(compiled, T, 0)
+            for name, x, ref in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dlam", "da", "dh0"], got, want):
+                assert_matches(x, ref, 1e-6, f"{backend} T={T} {name}")
+        if recompile_check:  # the same shapes on new values run what was compiled
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                gradients(compiled, lengths[-1], 1)
+        if backend == "aot_eager" or DEVICE == "cuda":  # (on the CPU, inductor's second compile is left out)
+            with torch.no_grad():
+                inputs = _compile_inputs(lengths[-1], seed=2)
+                assert_matches(compiled(*inputs), loss(*inputs), 1e-6, f"{backend} without autograd")
     finally:
         torch._dynamo.reset()
-    assert report.graph_break_count > 0  # the entry points are opaque: a break at each
-    for reason in report.break_reasons:
-        assert reason.reason.startswith(OPAQUE_OP_BREAK), reason.reason[:400]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE == "cpu" and not can_compile_on_cpu(), reason=NO_CPU_COMPILE)
+def test_kernels_under_torch_compile_fullgraph():
+    """``torch.compile(fullgraph=True)`` (inductor) takes every mechanism on the Triton kernels whole, each entry
+    point an opaque operator (``triton.opaque``): the same loss and gradients as eagerly, and (on a GPU; on the CPU
+    the test below checks it) without autograd the same loss; the same shapes again run what was compiled. Traced into the graph, inductor launched the kernels
+    itself and they did not compile (session 63)."""
+    _compiled_matches("inductor", (20,), recompile_check=True)
+
+
+@pytest.mark.slow
+def test_kernels_under_torch_compile_symbolic_lengths():
+    """The same at a second length, which Dynamo traces as a symbol (automatic dynamic shapes): the operators' fake
+    runs take a symbolic T. AOT autograd without inductor, which the test above covers: needs no C++ compiler."""
+    _compiled_matches("aot_eager", (20, 37))
+
+
+def test_mechanisms_trace_whole_on_the_kernels():
+    """Traced by Dynamo, the mechanism functions on the Triton kernels make one graph, with and without autograd:
+    no graph break (a break splits a compiled model and can make Dynamo compile what follows it again at every
+    call: the precision query did, session 64), every entry point an opaque operator. Dynamo alone, with no
+    inductor: needs no C++ compiler."""
+    mask = ops.head_in_head_mask(torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(1))).to(DEVICE)
+    loss = _every_mechanism(mask)
+    for grads in (True, False):
+        inputs = [x.requires_grad_(grads) for x in _compile_inputs(6, seed=0)]
+        torch._dynamo.reset()
+        try:
+            report = torch._dynamo.explain(loss)(*inputs)
+        finally:
+            torch._dynamo.reset()
+        assert report.graph_break_count == 0, [r.reason[:400] for r in report.break_reasons]
+        calls = [str(n.target) for graph in report.graphs for n in graph.graph.nodes if n.op == "call_function"]
+        if grads:  # the autograd Functions: Dynamo records their forward and backward as subgraphs
+            assert any("autograd_function_apply" in c for c in calls), calls
+        else:  # one operator for each entry point's forward, and one for Head-in-Head's update rows
+            assert sum("rankdecay.opaque_forward" in c for c in calls) == 7, calls
+
+
+def test_opaque_operators_fake_matches_real():
+    """``torch.library.opcheck`` on the two opaque operators: their fake runs (the kernels' Python with every launch
+    a no-op) give the real results' shapes, dtypes and strides, and they register with autograd and AOT as they
+    should. Gated DeltaNet's autograd Function (saved tensors that are views of its inputs) and the rank-5 path's
+    state passing (saved tensors that are its own outputs)."""
+    from rankdecay.ops.triton import opaque
+    from rankdecay.ops.triton.chunk_bwd import _GatedDeltaRule
+    from rankdecay.ops.triton.chunk_state import _ChunkStatePassing
+
+    q, k, v, g, beta, *_ = _compile_inputs(20, seed=0, K=32, V=64)  # (no padding on a GPU)
+    tensors, statics = opaque._split((q, k, v, g, beta, None, 0.25))
+    forward = torch.ops.rankdecay.opaque_forward
+    torch.library.opcheck(forward, (_GatedDeltaRule.name, tensors, statics))
+    flat = forward(_GatedDeltaRule.name, tensors, statics)
+    assert len(flat) > 3 and flat[-1].device.type == "cpu"  # o, state, saved tensors, the context
+    o, state = ops.gated_delta_rule(q.clone().requires_grad_(), k, v, g, beta, scale=0.25, output_final_state=True,
+                                    mode="triton")  # (with autograd: the same Function, the same kernels)
+    assert torch.equal(flat[0], o) and torch.equal(flat[1], state)
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, NC, C, K, V = 1, 2, 3, 4, 16, 16
+    rows = [torch.randn(*s, generator=gen).to(DEVICE) for s in [(B, H, K, V), (B, H, NC, 1), (B, H, NC, C, K),
+                                                                 (B, H, NC, C, V), (B, H, NC, C, K),
+                                                                 (B, H, NC, C, V), (B, H, NC, C, K)]]
+    rows[1] = rows[1].sigmoid()
+    tensors, statics = opaque._split(rows)
+    torch.library.opcheck(forward, (_ChunkStatePassing.name, tensors, statics))
+    flat = forward(_ChunkStatePassing.name, tensors, statics)
+    attributes, codes = opaque._unmeta(flat[-1])
+    assert attributes == {"gate": 1} and 2 in codes  # s0 and u are saved as views of the outputs, not returned twice

@@ -24,9 +24,9 @@
   the slice (``rankdecay.layers.linear_cross_entropy`` on a GPU, eager; under ``torch.compile`` it takes its
   PyTorch form, which inductor fuses).
 
-Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``, and
-``factors.decay_rows_dtype``, which reads the matmul precision, a query Dynamo cannot trace) are opaque
-(``torch.compiler.disable``): the compiled model breaks its graph around them and they run as written. Traced,
+Under ``torch.compile`` the chunked entry points above (and the factor builders in ``factors``) are opaque
+operators of the graph (``opaque``: ``torch.library`` custom ops running our Python and kernels as written, and the
+autograd Functions' backward likewise), so a compiled model is one graph, ``fullgraph=True`` included. Traced,
 inductor would launch our kernels itself, with arguments typed its own way (None for the pointers a constexpr
 flag leaves unread, fp64 for Python floats), which does not compile (BENCHMARKS.md session 63). The decode
 kernels (``fused_recurrent_*``) are traced into the compiled graph, which ``GraphDecoder(compile=True)`` relies on:

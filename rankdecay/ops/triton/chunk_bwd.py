@@ -43,6 +43,7 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
 from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
                       placeholder, rows_dtype)
 from .fused_recurrent import _cdiv, _pow2, gate_kind
+from .opaque import opaque_entry, opaque_function
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _maxnreg,
                           _out_dtype, _precision, _state_bwd_kernel, bwd_stages)
 
@@ -1072,6 +1073,7 @@ def _grad_inputs_kernel(
         tl.store(dbd + (c * NA + r_a[:, None]) * K + o_k[None, :], Db, mask=m_k[None, :])
 
 
+@opaque_function(2)
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False, kda_rows=False):
@@ -1341,6 +1343,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     return grads if hdla_beta is None else grads + (dbeta_rows, hpart, False)
 
 
+@opaque_function(2)
 class _GatedDeltaRule(torch.autograd.Function):
     """(Gated) DeltaNet on the fused kernels as one autograd node: ``chunk_dplr`` with a = b = k, a_scale = β e^g
     and v_scale = β, those factors formed here and their gradients carried on to g and β inside the backward
@@ -1423,8 +1426,12 @@ def padded_heads(run, keys: tuple, v, initial_state, groups: int = 1):
         return run(keys, v, initial_state)
     h0 = initial_state
     if kpad:  # a tensor given twice (the delta rule's a = b = k) stays one tensor, so the kernels still see the tie
-        wide = {id(x): _pad_channels(x, K + kpad, groups) for x in keys if x is not None}
-        keys = tuple(None if x is None else wide[id(x)] for x in keys)
+        # (compared by identity, not ``id``: Dynamo traces this under torch.compile)
+        wide = []
+        for x in keys:
+            same = next((w for y, w in zip(keys, wide) if y is x), None) if x is not None else None
+            wide.append(same if same is not None or x is None else _pad_channels(x, K + kpad, groups))
+        keys = tuple(wide)
         if h0 is not None:
             h0 = _pad_channels(h0.transpose(-1, -2), K + kpad, groups).transpose(-1, -2)
     if vpad:
@@ -1437,7 +1444,6 @@ def padded_heads(run, keys: tuple, v, initial_state, groups: int = 1):
     return o.contiguous(), state.contiguous()
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def padded_dplr(run, q, k, v, a, b, g, initial_state, groups: int = 1):
     """``run(q, k, v, a, b, g, initial_state) -> (o, state)`` through ``padded_heads``: q, k, a and b padded as keys,
     and g with them where it is a gate per key channel (zero log-gates: no decay on the zero channels)."""
@@ -1451,7 +1457,7 @@ def narrow_heads(keys: torch.Tensor, v: torch.Tensor, groups: int = 1) -> bool:
     return bool(key_padding(keys, groups) or value_padding(v))
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
+@opaque_entry(2)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     """(Gated) DeltaNet on the fused kernels, inputs as ``ops.gated_delta_rule`` takes them and already checked:
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
@@ -1475,6 +1481,7 @@ def _hdla_factors(q, k, g, beta, with_c=False):
                             a2_dtype=rows_dtype(k, precision))
 
 
+@opaque_function(2)
 class _HDLA(torch.autograd.Function):
     """HDLA on the fused kernels as one autograd node: its rows a and b built inside (``factors.hdla_factors_fwd``;
     with the products in one kernel, a2 alone: the intra kernel and step 4 form a1 and b from k), its products
@@ -1510,7 +1517,7 @@ class _HDLA(torch.autograd.Function):
         return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
+@opaque_entry(2)
 def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     """HDLA (``ops.hdla``) on the fused kernels, inputs already checked and contiguous: q, k, g [B, T, H, K] (g
     per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
@@ -1531,7 +1538,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
+@opaque_entry(2)
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
                kda_b: bool = False):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.

@@ -44,6 +44,7 @@ from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hd
                       hdla_row_products, row_span)
 from .factors import placeholder
 from .fused_recurrent import _cdiv, _pow2, gate_kind
+from .opaque import opaque, same_memory
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
 
@@ -1179,7 +1180,7 @@ def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
                 and cfg.get("kda_pair_bwd", 1))
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
+@opaque(2)  # (``save`` is for the autograd Functions, which call it eagerly)
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
                    hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):
@@ -1433,7 +1434,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K)
     ht = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
-    same_ak = (raw and Rab == Rkv and a.data_ptr() == k.data_ptr() and a.shape == k.shape and a.stride() == k.stride()
+    same_ak = (raw and Rab == Rkv and same_memory(a, k) and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
     # the output's arguments, for the output kernel or the state kernel (FUSE_O)
     # (where Y's rows are a's, the state kernel's outputs take M_QA in M_QK's place)

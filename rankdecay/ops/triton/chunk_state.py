@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .fused_recurrent import _cdiv, _pow2, gate_kind
+from .opaque import matmul_precision, opaque_function
 
 
 @triton.jit
@@ -596,7 +597,7 @@ def _precision(x: torch.Tensor) -> str:
 
     The diagonal blocks of the UT inverse stay in exact fp32 at every setting.
     """
-    reduced = _MATMUL_PRECISION.get(torch.get_float32_matmul_precision())
+    reduced = _MATMUL_PRECISION.get(matmul_precision())
     if reduced == "bf16" and not x.is_cuda:
         return "bf16_ieee"
     if reduced is not None:
@@ -604,6 +605,7 @@ def _precision(x: torch.Tensor) -> str:
     return "tf32x3" if x.is_cuda else "ieee"
 
 
+@opaque_function(3, saves_outputs=True)
 class _ChunkStatePassing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h0, d, kd, vf, w, uv, ad):
@@ -673,7 +675,6 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     return dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None):
     """States entering each chunk, the pseudo-values, and the final state.
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .fused_recurrent import _cdiv, _pow2
+from .opaque import compiling, opaque, opaque_function, shapes_only
 
 # Rows per program: the [ROWS, BK] tiles of k, g and the four factor rows stay in registers.
 _ELEMS = 4096
@@ -177,6 +178,7 @@ def hdla_factors_finish(k, g, beta, c, part, dk, dg, dbeta_rows=None) -> torch.T
     return dbeta
 
 
+@opaque_function(2)
 class _HDLAFactors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, g, beta):
@@ -193,7 +195,6 @@ class _HDLAFactors(torch.autograd.Function):
         return dk.to(k.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hdla_factors(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""HDLA's rank-2 decay rows (HDLA App. C.2), differentiable in all three inputs.
 
@@ -221,12 +222,11 @@ def rows_dtype(k: torch.Tensor, precision: str) -> torch.dtype:
     return k.dtype if low else torch.float32
 
 
-@torch.compiler.disable  # torch.get_float32_matmul_precision() breaks a traced graph and returns a fresh str each call
 def decay_rows_dtype(k: torch.Tensor, q: torch.Tensor) -> torch.dtype:
     """``rows_dtype`` at the products' precision for these inputs (``chunk_state._precision(q)``): what a mechanism
-    asks before it hands the kernels rows they form themselves. Opaque to torch.compile, as the kernels' entry points
-    are: traced, the precision query broke the graph inside ``_precision`` and Dynamo compiled its resumption again
-    for every layer of a step, up to its recompile limit (Head-in-Head on the H200, session 64)."""
+    asks before it hands the kernels rows they form themselves. Traced by torch.compile, the precision is a constant
+    of the graph (``opaque.matmul_precision``: traced, the query broke the graph inside ``_precision`` and Dynamo
+    compiled its resumption again for every layer of a step, up to its recompile limit; H200, session 64)."""
     from .chunk_state import _precision
 
     return rows_dtype(k, _precision(q))
@@ -250,6 +250,7 @@ def _kda_factor_kernel(k, g, b, db, dk, dg, N, K: tl.constexpr, BK: tl.constexpr
         tl.store(b + p, e * k_, mask=m)
 
 
+@opaque_function(1)
 class _KDAFactor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, g, dtype):
@@ -270,7 +271,6 @@ class _KDAFactor(torch.autograd.Function):
         return dk, dg, None
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def kda_factor(k: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     r"""Kimi Delta Attention's decay row ``b = e^{g} ⊙ k`` (``k``'s shape, in ``dtype``: fp32, or 16 bits where
     its products are taken in bf16 anyway), differentiable in ``k`` and ``g``: one Triton kernel forward and one
@@ -326,6 +326,7 @@ def _hh_factors_bwd_kernel(k, mask, da, db, dk, dmask, N, H, K: tl.constexpr, BK
     tl.store(dk + o_n[:, None] * K + o_k[None, :], dk_, mask=m)
 
 
+@opaque_function(2)
 class _HHFactors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, mask, b_dtype):
@@ -357,7 +358,6 @@ class _HHFactors(torch.autograd.Function):
         return dk.to(k.dtype), dmask.to(mask.dtype), None
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_factors(k: torch.Tensor, mask: torch.Tensor,
                b_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Head-in-Head's decay rows (Head-in-Head App. B), differentiable in ``k`` and ``mask``.
@@ -384,13 +384,14 @@ def hh_factors(k: torch.Tensor, mask: torch.Tensor,
 _PLACEHOLDERS: dict = {}
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A stand-in for rows the fused kernels form themselves (Head-in-Head's a and b: ``hh_placeholders``; HDLA's a,
     ``chunk_fwd.chunk_dplr_fwd``'s ``hdla_form_a2``; KDA's b, its ``kda_b``) or for a tensor no kernel of a form
     touches (HDLA's M_QK in its scaled forward): one element expanded to ``shape``, so no memory and no kernel, with
     the shape and dtype the kernels read off it. Its contents must never be read nor written. The element is made
     once per dtype and device and kept (a zeros kernel per call cost the H100's host 10 µs or so)."""
+    if compiling() or shapes_only():  # traced (a graph's zeros cost nothing), or a fake run: nothing kept
+        return torch.zeros((), dtype=dtype, device=device).expand(*shape)
     key = (dtype, torch.device(device))
     one = _PLACEHOLDERS.get(key)
     if one is None:
@@ -398,7 +399,6 @@ def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return one.expand(*shape)
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
                     device) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for Head-in-Head's rows (``hh_factors``' a and b, ``[B, T, H, r, K]`` for ``shape`` = (B, T, H, K))
@@ -409,11 +409,16 @@ def hh_placeholders(shape, r: int, k_dtype: torch.dtype, b_dtype: torch.dtype,
     return tuple(placeholder((B, T, H, r, K), dt, device) for dt in (k_dtype, b_dtype))
 
 
-@torch.compiler.disable  # opaque to torch.compile: the package docstring says why
 def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``hh_factors``' (a, b) without autograd for the fused forward with ``grouped`` and ``hh_mask``
     (``chunk_fwd.chunk_dplr_fwd``), whose kernels form a from k and read b alone: (a placeholder, b). One kernel
     writing b, half of ``hh_factors``' traffic."""
+    return hh_placeholders(k.shape, mask.shape[-1], k.dtype, b_dtype, k.device)[0], _hh_update_b(k, mask, b_dtype)
+
+
+@opaque(1)
+def _hh_update_b(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) -> torch.Tensor:
+    """``hh_update_rows``' b."""
     B, T, H, K = k.shape
     R = mask.shape[-1]
     N = k.numel() // K
@@ -422,4 +427,4 @@ def hh_update_rows(k: torch.Tensor, mask: torch.Tensor, b_dtype: torch.dtype) ->
     BK, rows, grid = _grid(N, K)
     _hh_factors_fwd_kernel[grid](k, mask, b, b, N, H, K=K, BK=BK, ROWS=rows, R=R, STATIC=mask.dim() == 3,
                                  WRITE_A=False)
-    return hh_placeholders(k.shape, R, k.dtype, b_dtype, k.device)[0], b
+    return b
