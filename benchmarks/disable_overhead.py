@@ -1,12 +1,13 @@
-"""What ``torch.compiler.disable`` on the kernels' entry points costs the host (eager calls, no torch.compile).
+"""What the kernels' entry points' torch.compile wrappers cost the host in eager calls (no torch.compile).
 
-    python benchmarks/disable_overhead.py      # on a CUDA GPU
+    python benchmarks/disable_overhead.py      # on a CUDA GPU (the first part runs anywhere)
 
-The chunked entry points are opaque to torch.compile (``rankdecay.ops.triton``'s docstring says why), through
-``torch.compiler.disable``, whose wrapper runs at every eager call too. This times a trivial function plain and
-wrapped, then Gated DeltaNet's forward (B8 T2048 H16 K=V=128, bf16, matmul precision "medium": host-bound when
-the host is slow) with the wrappers in place and with every one of them in ``rankdecay``'s modules replaced by
-the function it wraps. "host" is the time to issue a call, "wall" the time per call once the GPU has finished.
+The chunked entry points are opaque operators under torch.compile (``rankdecay.ops.triton.opaque``; until session
+72 they were ``torch.compiler.disable``d). Eagerly their wrappers only ask ``torch.compiler.is_compiling()`` and
+call through. This times a trivial function plain, ``torch.compiler.disable``d and wrapped by ``opaque``, then Gated
+DeltaNet's forward (B8 T2048 H16 K=V=128, bf16, matmul precision "medium": host-bound when the host is slow) with
+the wrappers in place and with every one of them in ``rankdecay``'s modules replaced by the function it wraps.
+"host" is the time to issue a call, "wall" the time per call once the GPU has finished.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import rankdecay.ops as ops
 import rankdecay.ops.triton  # noqa: F401  (every module holding a wrapped entry point)
+from rankdecay.ops.triton.opaque import _CALLS, OpaqueFunction, opaque
 
 
 def _trivial(x):
@@ -32,23 +34,28 @@ def per_call_us(fn, x, n: int = 20000) -> float:
 
 
 def unwrap() -> int:
-    """Replace each ``torch.compiler.disable`` wrapper in rankdecay's modules by the function it wraps."""
+    """Replace each ``opaque`` wrapper in rankdecay's modules by the function it wraps, and each ``OpaqueFunction``
+    by its autograd Function."""
     n = 0
     for name, mod in list(sys.modules.items()):
         if name.startswith("rankdecay"):
             for attr, val in list(vars(mod).items()):
-                orig = getattr(val, "_torchdynamo_orig_callable", None)
-                if orig is not None and callable(val):
+                orig = val.function if isinstance(val, OpaqueFunction) else getattr(val, "__wrapped__", None)
+                if orig is not None and (isinstance(val, OpaqueFunction)
+                                         or f"{val.__module__}.{val.__qualname__}" in _CALLS):
                     setattr(mod, attr, orig)
                     n += 1
     return n
 
 
 def main() -> None:
-    wrapped = torch.compiler.disable(_trivial)
+    disabled = torch.compiler.disable(_trivial)
+    wrapped = opaque(1)(_trivial)
     x = torch.zeros(1)
-    for fn, label in ((_trivial, "plain"), (wrapped, "disabled")) * 2:
+    for fn, label in ((_trivial, "plain"), (disabled, "torch.compiler.disable"), (wrapped, "opaque")) * 2:
         print(f"trivial call {label}: {per_call_us(fn, x):.2f} us")
+    if not torch.cuda.is_available():
+        return
 
     torch.set_float32_matmul_precision("medium")
     B, T, H, K, V = 8, 2048, 16, 128, 128

@@ -357,6 +357,8 @@ class OpaqueFunction:
         _FUNCTIONS[self.name] = (cls, outputs, saves_outputs)
 
     def __getattr__(self, attribute):
+        if attribute == "function":  # (not set yet: a copy being built)
+            raise AttributeError(attribute)
         return getattr(self.function, attribute)
 
     def apply(self, *args):
