@@ -32,9 +32,11 @@ import threading
 
 import torch
 
+from ..backends import needs_grad
+
 _LOCAL = threading.local()  # .inside: running an operator's body; .shapes_only: its fake (shape-only) run
 _FUNCTIONS: dict[str, tuple[type, int, bool]] = {}  # name -> (autograd.Function, outputs, saves_outputs)
-_CALLS: dict[str, tuple] = {}  # name -> (function, its signature, outputs)
+_CALLS: dict[str, tuple] = {}  # name -> (function, outputs)
 
 
 def compiling() -> bool:
@@ -252,7 +254,7 @@ def _unmeta(meta: torch.Tensor) -> tuple[dict, list[int]]:
 
 def _run_forward(name: str, tensors, statics: str, fake: bool) -> list[torch.Tensor]:
     if name in _CALLS:
-        fn, _, outputs = _CALLS[name]
+        fn, outputs = _CALLS[name]
         with _body(fake):
             out = fn(*_join(tensors, statics)[0])
         return [out] if outputs == 1 else list(out)
@@ -383,7 +385,7 @@ def opaque(outputs: int, entry: bool = False):
     def wrap(fn):
         name = f"{fn.__module__}.{fn.__qualname__}"
         signature = inspect.signature(fn)
-        _CALLS[name] = (fn, signature, outputs)
+        _CALLS[name] = (fn, outputs)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
@@ -392,7 +394,7 @@ def opaque(outputs: int, entry: bool = False):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             tensors, statics = _split(bound.args)
-            if entry and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            if entry and needs_grad(tensors):
                 return fn(*args, **kwargs)
             out = torch.ops.rankdecay.opaque_forward(name, tensors, statics)
             return out[0] if outputs == 1 else tuple(out)
