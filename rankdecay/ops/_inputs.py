@@ -12,6 +12,7 @@ every mistake is reported with the argument's name and the expected shape.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +71,11 @@ def compute_dtype(tensors) -> torch.dtype:
 
 
 def resolve_scale(scale, K: int) -> float:
-    """The query scale: ``K ** -0.5`` when None, else a checked float."""
+    """The query scale: ``K ** -0.5`` when None, else a checked float. Under ``torch.compile(dynamic=True)`` K is
+    a symbol: ``operator.index`` makes Dynamo specialise it (K is fixed by the model), so the default is a constant
+    of the graph, as the Triton ops' opaque operators need."""
     if scale is None:
-        return K ** -0.5
+        return operator.index(K) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return float(scale)

@@ -37,6 +37,27 @@ def test_torch_compile_traces_the_model_whole(mixer):
     assert report.graph_break_count == 0, [r.reason[:400] for r in report.break_reasons]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CPU's PyTorch chunked path walks the chunks in a Python "
+                    "loop, which Dynamo unrolls: it compiles again for each number of chunks; the Triton ops' part "
+                    "is tests/ops/test_triton.py's symbolic-lengths test, in the interpreter")
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_torch_compile_takes_new_lengths_in_one_graph(mixer):
+    """A compiled training step compiles again at its second sequence length, with the length a symbol (automatic
+    dynamic shapes), and not at the lengths after it. Until session 73 the Triton ops' opaque operators read the
+    sizes in their fake runs, which made each length a constant of the graph: a compiled model compiled again at
+    every new length, and past Dynamo's recompile limit (8) ran eagerly. Lengths of three chunks or more, none a
+    multiple of 64 (a size of 1 and a padding of 0 compile apart). Dynamo alone: no C++ compiler."""
+    model = tiny_model(mixer).train().cuda()
+    step = torch.compile(lambda x: model(x, labels=x, use_cache=False).loss, backend="eager")
+    torch._dynamo.reset()
+    try:
+        for i, T in enumerate((150, 170, 190)):
+            with torch._dynamo.config.patch(error_on_recompile=i == 2):
+                step(random_ids(2, T).cuda()).backward()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_labels_are_shifted_and_ignore_index():
     model = tiny_model("gdn")
     ids = random_ids(2, 12)

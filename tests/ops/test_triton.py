@@ -3254,13 +3254,14 @@ def _every_mechanism(mask, every: bool = True):
 
 
 def _compiled_matches(backend: str, lengths: tuple[int, ...], recompile_check: bool = False,
-                      every: bool = True) -> None:
-    """``_every_mechanism``'s loss and gradients through ``torch.compile(fullgraph=True)`` against eager ones at each
-    of ``lengths`` in turn (from the second, Dynamo traces T as a symbol), then its value without autograd (each
-    entry point's forward one operator)."""
+                      every: bool = True, dynamic: bool | None = None) -> None:
+    """``_every_mechanism``'s loss and gradients through ``torch.compile(fullgraph=True, dynamic=dynamic)`` against
+    eager ones at each of ``lengths`` in turn (from the second, or with ``dynamic=True`` from the first, Dynamo
+    traces T as a symbol; with ``dynamic=True`` the later lengths may not compile again), then its value without
+    autograd (each entry point's forward one operator)."""
     mask = ops.head_in_head_mask(torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(1))).to(DEVICE)
     loss = _every_mechanism(mask, every)
-    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    compiled = torch.compile(loss, fullgraph=True, backend=backend, dynamic=dynamic)
 
     def gradients(fn, T, seed):
         inputs = [x.requires_grad_() for x in _compile_inputs(T, seed=seed)]
@@ -3270,8 +3271,9 @@ def _compiled_matches(backend: str, lengths: tuple[int, ...], recompile_check: b
 
     torch._dynamo.reset()
     try:
-        for T in lengths:
-            want, got = gradients(loss, T, 0), gradients(compiled, T, 0)
+        for i, T in enumerate(lengths):
+            with torch._dynamo.config.patch(error_on_recompile=bool(dynamic and i)):
+                want, got = gradients(loss, T, 0), gradients(compiled, T, 0)
             for name, x, ref in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dlam", "da", "dh0"], got, want):
                 assert_matches(x, ref, 1e-6, f"{backend} T={T} {name}")
         if recompile_check:  # the same shapes on new values run what was compiled
@@ -3297,11 +3299,14 @@ def test_kernels_under_torch_compile_fullgraph():
 
 @pytest.mark.slow
 def test_kernels_under_torch_compile_symbolic_lengths():
-    """The same at a second length, which Dynamo traces as a symbol (automatic dynamic shapes): the operators' fake
-    runs take a symbolic T. AOT autograd without inductor, which the test above covers: needs no C++ compiler.
-    Gated DeltaNet, Head-in-Head (with its update rows' kernel without autograd) and the rank-5 path: every kind of
-    operator, in half the interpreter's time."""
-    _compiled_matches("aot_eager", (20, 37), every=False)
+    """The same with ``dynamic=True`` at two lengths, one graph for both: the operators' fake runs take symbolic
+    sizes without making them constants (their context's descriptors read the sizes, and so compiled a graph for
+    each new length until session 73), and the default query scale ``K ** -0.5`` (K a symbol there too) is a
+    constant of the graph (it raised). Lengths of two chunks or more: PyTorch compiles a size of 1 apart. AOT
+    autograd without inductor, which the test above covers: needs no C++ compiler. Gated DeltaNet, Head-in-Head
+    (with its update rows' kernel without autograd) and the rank-5 path: every kind of operator, in half the
+    interpreter's time."""
+    _compiled_matches("aot_eager", (70, 90), every=False, dynamic=True)
 
 
 def test_mechanisms_trace_whole_on_the_kernels():

@@ -18,9 +18,11 @@ no-op (``shapes_only``): the same decisions, the same allocations, as fake tenso
 is when ``OpaqueFunction.apply``, ``opaque`` and ``opaque_entry`` take the operators; eagerly they call straight
 through, at no cost.
 
-Limits: non-tensor arguments are baked into the graph as constants (so a Python float such as ``scale`` must not be
-symbolic), and the precision query (``chunk_state._precision``) is read once when the graph is traced
-(``matmul_precision``).
+The fake runs read no size as a number (``_meta`` leaves the descriptors' sizes unread there), so a dynamic sequence
+length stays a symbol of the graph: a compiled model takes every new length in the graph it compiled at the second
+(until session 73 each length became a constant, and each new one compiled again). Limits: non-tensor arguments are
+baked into the graph as constants (``ops``' default ``scale`` is made one: ``_inputs.resolve_scale``), and the
+precision query (``chunk_state._precision``) is read once when the graph is traced (``matmul_precision``).
 """
 from __future__ import annotations
 
@@ -141,9 +143,9 @@ def _split(args) -> tuple[list, str]:
             statics.append(None)
         else:
             if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                raise TypeError("a non-tensor argument of the Triton ops is symbolic under torch.compile (with "
-                                "dynamic=True, the default scale K ** -0.5 is): pass scale explicitly, or keep the "
-                                "head dimensions static (torch._dynamo.mark_static, or dynamic=None)")
+                raise TypeError("a non-tensor argument of the Triton ops is symbolic under torch.compile (a scale "
+                                "computed from a dynamic size?): pass a Python constant, or keep that size static "
+                                "(torch._dynamo.mark_static)")
             positions.append(-1)
             statics.append(("", a))  # ("", a): a constant, even None
     return unique, _encode(positions, *statics)
@@ -233,12 +235,13 @@ class _Context:
         return {k: v for k, v in vars(self).items() if k not in ("needs_input_grad", "_saved")}
 
 
-def _meta(attributes: dict, codes: list[int]) -> torch.Tensor:
-    """The context's attributes (a JSON string's bytes) and the descriptors, as one int64 CPU tensor (fake in a
-    fake run: only its length, the same as the real one's, is read there)."""
+def _meta(attributes: dict, codes: list, fake: bool) -> torch.Tensor:
+    """The context's attributes (a JSON string's bytes) and the descriptors, as one int64 CPU tensor; in a fake run
+    (``fake``) an empty one of the same length, whose values (sizes and strides in ``codes``, symbols where shapes
+    are dynamic) are never read: reading them would make a dynamic size a constant of the graph."""
     text = list(json.dumps({k: _static(v) for k, v in attributes.items()}).encode())
     values = [len(text), *text, *codes]
-    if shapes_only():
+    if fake:
         return torch.empty(len(values), dtype=torch.int64, device="cpu")
     return torch.tensor(values, dtype=torch.int64)
 
@@ -265,7 +268,7 @@ def _run_forward(name: str, tensors, statics: str, fake: bool) -> list[torch.Ten
         out = cls.forward(ctx, *args)
     outs = [out] if outputs == 1 else list(out)
     fresh, codes = _describe(ctx.saved_tensors, tensors, outs)
-    return outs + fresh + [_meta(ctx.attributes(), codes)]
+    return outs + fresh + [_meta(ctx.attributes(), codes, fake)]
 
 
 _SCHEMA_FORWARD = "(str name, Tensor?[] tensors, str statics) -> Tensor[]"
