@@ -225,6 +225,22 @@ def varlen_index(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor
     return index, valid
 
 
+def varlen_aligned(lengths: list[int], align: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed sequences laid along one row, each from a multiple of ``align`` (the fused kernels' ``offsets``):
+    gather index and mask [1, T_pad] for :func:`pack_varlen` (zero tokens, the identity step, between them), and
+    the sequences' first tokens there, int32 [N + 1]. T_pad <= T + N (align - 1), against N max(lengths) for
+    :func:`varlen_index`'s layout."""
+    lens = torch.tensor(lengths, device=device)
+    padded = (lens + align - 1) // align * align
+    offsets = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
+    total = sum(-(-n // align) * align for n in lengths)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), padded, output_size=total)
+    pos = torch.arange(total, device=device) - offsets[seq]
+    valid = pos < lens[seq]
+    index = torch.where(valid, (torch.cumsum(lens, 0) - lens)[seq] + pos, 0)
+    return index[None], valid[None], offsets.to(torch.int32)
+
+
 def pack_varlen(x: torch.Tensor | None, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
     """[1, T, ...] packed sequences -> [N, t_max, ...], right-padded with zeros.
 

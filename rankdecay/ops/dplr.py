@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .backends import check_triton_mode, needs_grad, resolve_mode
-from ._inputs import canonicalize, check_inplace_state, pack_varlen, unpack_varlen, varlen_index
+from ._inputs import canonicalize, check_inplace_state, pack_varlen, unpack_varlen, varlen_aligned, varlen_index
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
 
@@ -109,8 +109,15 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     # Head-in-Head without autograd: b is real (the grouped forward reads it), a a placeholder
     hh_rows_b = hh_mask is not None and not grad
     a_is_k = a is k
+    fused = mode == "triton" and _fused_applies(q, k, a, g)
+    offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
     if x.lengths is not None:
-        index, valid = varlen_index(x.lengths, q.device)
+        if fused:
+            from .triton.chunk_fwd import VARLEN_ALIGN
+
+            index, valid, offsets = varlen_aligned(x.lengths, VARLEN_ALIGN, q.device)
+        else:  # [N, max(lengths)]
+            index, valid = varlen_index(x.lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
@@ -121,7 +128,6 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
             a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
         if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
             hh_mask = pack_varlen(hh_mask, index, valid)
-    fused = mode == "triton" and _fused_applies(q, k, a, g)
     if hh_mask is not None and not fused:
         raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
     if kda_b and not fused:  # b a placeholder that only the fused kernels form
@@ -143,11 +149,11 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
 
         if grad:
             o, state = chunk_dplr(q, k, v, a, b, g, x.scale, x.initial_state, a_scale=sa, v_scale=sv,
-                                  hh_mask=hh_mask, kda_b=kda_b)
+                                  hh_mask=hh_mask, kda_b=kda_b, offsets=offsets)
         else:  # heads below the GPU kernels' widths padded there (``padded_dplr``; a's groups kept where grouped)
             def run(q, k, v, a, b, g, h0):
                 return chunk_dplr_fwd(q, k, v, a, b, g, x.scale, h0, a_scale=sa, v_scale=sv, grouped=grouped,
-                                      hh_mask=hh_mask, kda_b=kda_b)
+                                      hh_mask=hh_mask, kda_b=kda_b, offsets=offsets)
 
             o, state = padded_dplr(run, q, k, v, a, b, g, x.initial_state,
                                    a.shape[-2] if grouped and a is not None else 1)

@@ -1205,6 +1205,59 @@ def test_cu_seqlens():
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
 
 
+@pytest.mark.parametrize("mechanism", ["gdn", "hdla", "hh"])
+def test_cu_seqlens_along_one_row(mechanism, monkeypatch):
+    """With cu_seqlens the fused kernels take the sequences along one row, each from a multiple of 64 tokens
+    (``_inputs.varlen_aligned``; the state kernels walk each sequence's chunks from its own initial state,
+    ``chunk_state._segment``'s VARLEN), not padded to the longest: sequences of 70, 0, 5 and 125 tokens, several
+    chunks each, lie on 320 tokens (not 4 x 125). Gated DeltaNet (64-token chunks), HDLA (a per-channel gate, 16)
+    and Head-in-Head (its rows); strong decays and β up to 2; the output, final states and every gradient, the
+    initial states' included, against mode="chunk", with autograd and without."""
+    import rankdecay.ops.triton as kernels
+    from rankdecay.ops.triton import chunk_bwd
+
+    seen = []
+    forward = chunk_bwd.chunk_dplr_fwd
+    for module in (kernels, chunk_bwd):  # (the forward alone, and the autograd Function's)
+        monkeypatch.setattr(module, "chunk_dplr_fwd", lambda *a, **kw: seen.append(kw.get("offsets")) or forward(*a,
+                                                                                                            **kw))
+    gen = torch.Generator().manual_seed(4)
+    lengths, H, K, V = [70, 0, 5, 125], 2, 16, 8
+    T, N = sum(lengths), len(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    q, v = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, V, generator=gen)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    g = -30 * torch.rand(1, T, H, *((K,) if mechanism == "hdla" else ()), generator=gen)
+    g[:, 100] = -1e4
+    beta = 2 * torch.rand(1, T, H, generator=gen)
+    h0 = torch.randn(N, H, K, V, generator=gen)
+    mask = ops.head_in_head_mask(torch.rand(H, 2, 2, generator=gen) + 0.5)
+
+    def call(mode, xs):
+        q, k, v, g, beta, h0 = xs
+        kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, mode=mode)
+        if mechanism == "gdn":
+            return ops.gated_delta_rule(q, k, v, g, beta, **kw)
+        if mechanism == "hdla":
+            return ops.hdla(q, k, v, g, beta, **kw)
+        return ops.hh_delta_rule(q, k, v, beta, mask.to(DEVICE), g, **kw)
+
+    for grad in (False, True):
+        results = []
+        for mode in ("triton", "chunk"):
+            xs = [x.to(DEVICE).clone().requires_grad_(grad) for x in (q, k, v, g, beta, h0)]
+            with torch.set_grad_enabled(grad):
+                o, s = call(mode, xs)
+                if grad:
+                    ((o * torch.linspace(-1, 1, V, device=o.device)).sum() + s.sin().sum()).backward()
+            results.append([o.detach(), s.detach()] + ([x.grad for x in xs] if grad else []))
+        labels = ["o", "final_state"] + (["dq", "dk", "dv", "dg", "dbeta", "dh0"] if grad else [])
+        for name, x, y in zip(labels, *results, strict=True):
+            assert torch.isfinite(x).all(), name
+            assert_matches(x, y, 1e-5, f"{mechanism} cu_seqlens autograd={grad}: {name}")
+    assert len(seen) == 2 and all(x is not None and x.tolist() == [0, 128, 128, 192, 320] for x in seen), seen
+
+
 def test_kda_cu_seqlens_without_and_with_autograd(monkeypatch):
     """kda with cu_seqlens on the kernels against mode="chunk": with autograd or without, its b is a placeholder that
     the sequences' packing leaves alone and the fused kernels never read (``chunk_dplr_fwd``'s kda_b), and a stays k

@@ -69,3 +69,31 @@ def test_varlen_mechanisms_with_rank_writes():
                         beta[:, start * nh:end * nh:nh], output_final_state=True)
         assert_matches(o2[:, start:end], o_n, 1e-10, f"hdla sequence {n} output")
         assert_matches(s2[n:n + 1], s_n, 1e-10, f"hdla sequence {n} state")
+
+
+def test_varlen_aligned_layout():
+    """The fused kernels' layout of cu_seqlens (``_inputs.varlen_aligned``): each sequence from a multiple of 64
+    tokens along one row, zeros between, in order; unpacking gives the tokens back."""
+    from rankdecay.ops._inputs import pack_varlen, unpack_varlen, varlen_aligned
+
+    lengths = [70, 0, 5, 125, 64]
+    index, valid, offsets = varlen_aligned(lengths, 64, "cpu")
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 128, 128, 192, 320, 384]
+    x = torch.arange(1.0, sum(lengths) + 1)[None, :, None].expand(1, -1, 3)
+    packed = pack_varlen(x, index, valid)
+    assert packed.shape == (1, 384, 3)
+    starts = torch.tensor([0] + lengths).cumsum(0).tolist()
+    for n, length in enumerate(lengths):
+        piece = packed[0, offsets[n]:offsets[n + 1]]
+        assert torch.equal(piece[:length], x[0, starts[n]:starts[n] + length]), n
+        assert not piece[length:].any(), n
+    assert torch.equal(unpack_varlen(packed, valid), x)
+
+
+def test_varlen_benchmark_boundaries():
+    """``benchmarks/varlen_speed.py``'s batch: windows cut at every window and at documents' ends."""
+    from benchmarks.varlen_speed import boundaries
+
+    cu = boundaries(4, 256, 50, seed=0)
+    assert cu[0] == 0 and cu[-1] == 1024 and all(w in cu for w in range(0, 1024, 256))
+    assert all(a < b for a, b in zip(cu[:-1], cu[1:])) and len(cu) > 10

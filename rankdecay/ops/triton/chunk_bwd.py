@@ -39,7 +39,7 @@ from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
 from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows, _lowp, _row_factor, _rows,
                         _scalar_cumsums, carries_kda_rows, chain_segments, chunk_dplr_fwd, hdla_fused_products,
-                        kda_b_formed, segments, ties_keys)
+                        kda_b_formed, segments, ties_keys, varlen_sequences)
 from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
                       placeholder, rows_dtype)
 from .fused_recurrent import _cdiv, _pow2, gate_kind
@@ -1076,29 +1076,30 @@ def _grad_inputs_kernel(
 @opaque_function(2)
 class _ChunkDPLR(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False, kda_rows=False):
+    def forward(ctx, q, k, v, a, b, g, h0, scale, a_scale, v_scale, tied, hh_mask=None, kda_b=False, kda_rows=False,
+                offsets=None):
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no [B, H, K, V] zeros
         # tied: a = b = k (a and b are None here), their gradients returned as k's. hh_mask: a and b are
         # Head-in-Head's rows of k and this mask (``chunk_dplr``), whose gradients go to k and the mask. kda_b: b is
         # e^g ⊙ k (``chunk_dplr``); kda_rows: and a is k, and their gradients go to k and g (da and db None)
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale,
-                                      hh_mask=hh_mask, kda_b=kda_b)
-        ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask)
+                                      hh_mask=hh_mask, kda_b=kda_b, offsets=offsets)
+        ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask, offsets)
         ctx.scale, ctx.C, ctx.tied, ctx.paired, ctx.kda_rows = scale, saved["TC"], tied, saved["paired"], kda_rows
         ctx.ut = saved["ut"]
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        *tensors, hh_mask = ctx.saved_tensors
+        *tensors, hh_mask, offsets = ctx.saved_tensors
         grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask,
-                          kda_rows=ctx.kda_rows, ut=ctx.ut)
-        return grads + (None, None) if hh_mask is not None else grads + (None, None, None)
+                          kda_rows=ctx.kda_rows, ut=ctx.ut, offsets=offsets)
+        return grads + (None,) * (3 if hh_mask is not None else 4)
 
 
 def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdla_beta=None, hdla_c=None,
-              paired: bool = False, hh_mask=None, kda_rows: bool = False, ut: bool = False):
+              paired: bool = False, hh_mask=None, kda_rows: bool = False, ut: bool = False, offsets=None):
     """The gradients of ``chunk_dplr_fwd``'s inputs from its saved tensors (``_ChunkDPLR``'s order), in the
     order of ``_ChunkDPLR.forward``'s arguments. ``fold`` (``_GatedDeltaRule``): β [B, T, H] as given, whose
     gradient then comes from a_scale's and v_scale's (a_scale = β e^g, v_scale = β; with a gate, in the gate's
@@ -1117,7 +1118,8 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
     ranks 1, a = k with a_scale, b = e^g ⊙ k): step 4 reads no b, forms it from k and g, and carries a's and b's
     gradients on to dk and dg; da and db come back None. ``ut``: the forward formed U_n from T in its state kernel
     (its saved "ut", ``chunk_fwd.u_from_t``): w holds B̃, and the state kernel here forms dX_n = Tᵀ dU_n for the
-    values kernel."""
+    values kernel. ``offsets``: the forward's (``chunk_fwd.chunk_dplr_fwd``'s packed sequences), dh0 and dht
+    [N, H, K, V]."""
     q, k, v, a, b, g, h0, sa, sv, *saved = tensors
     hdla_beta = hdla_beta.contiguous() if hdla_beta is not None else None
     if tied:
@@ -1152,17 +1154,18 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                  num_warps=blocks["num_warps"], num_stages=blocks["num_stages"], UT=ut, tinv=tinv if ut else None,
                  **_maxnreg(_CONFIG["state_bwd_maxnreg"]))
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
-    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"), K=K)
-    dh0 = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
+    N = B if offsets is None else varlen_sequences(offsets, B, C)
+    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"), K=K) if offsets is None else (1, 0)
+    dh0 = torch.empty(ns, N, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
     if ns > 1:
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk
         _state_bwd_kernel[(_cdiv(V + K, blocks["BV"]), B * H * ns)](
             dummy, *rows, dummy, dummy, dummy, dummy, ends, *outs, HAS_DHT=False, NS=ns, LS=ls, VS=V + K, EYE=True,
             STORE=False, **kinds)
         dht = chain_segments(dht, ends, K, V, blocks["BK"], reverse=True)
-    _state_bwd_kernel[(_cdiv(V, blocks["BV"]), B * H * ns)](
+    _state_bwd_kernel[(_cdiv(V, blocks["BV"]), N * H * ns)](
         opt(dht), *rows, dummy, dummy, dhn, opt(du if Rab else None), dh0, *outs, HAS_DHT=dht is not None, NS=ns,
-        LS=ls, **kinds)
+        LS=ls, cs=offsets, VARLEN=offsets is not None, **kinds)
     dh0 = dh0[0]
     # dV and dX = Tᵀ dU
     like = lambda x: torch.empty(x.shape, dtype=_out_dtype(x), device=x.device)  # noqa: E731
@@ -1540,8 +1543,9 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
 
 @opaque_entry(2)
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
-               kda_b: bool = False):
-    """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments and results.
+               kda_b: bool = False, offsets=None):
+    """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments (``offsets``: sequences packed along
+    the row, ``chunk_dplr_fwd``'s) and results.
 
     When a and b are k itself (``ties_keys``), k's three gradients are formed as one. ``hh_mask``: a and b are
     Head-in-Head's rows of k and this mask (``factors.hh_factors``' a and b; [H, r, r] or [B, T, H, r, r]; a scalar
@@ -1557,15 +1561,16 @@ def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_sc
     if narrow_heads(k, v, groups):
         # (KDA's b = e^g ⊙ k still holds on the padded channels: k and b are 0 there)
         return padded_dplr(lambda q, k, v, a, b, g, h0: chunk_dplr(q, k, v, a, b, g, scale, h0, a_scale, v_scale,
-                                                                   hh_mask, kda_b), q, k, v, a, b, g, initial_state,
-                           groups)
+                                                                   hh_mask, kda_b, offsets), q, k, v, a, b, g,
+                           initial_state, groups)
     if hh_mask is not None:
         return _ChunkDPLR.apply(q, k, v, a.detach(), b.detach(), g, initial_state, scale, a_scale, v_scale, False,
-                                hh_mask.contiguous())
+                                hh_mask.contiguous(), False, False, offsets)
     if ties_keys(k, a, b, g, a_scale):
-        return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True)
+        return _ChunkDPLR.apply(q, k, v, None, None, g, initial_state, scale, a_scale, v_scale, True, None, False,
+                                False, offsets)
     if kda_b and not kda_b_formed(k, a, g, a_scale):  # something reads b: built (a placeholder's contents never are)
         b = kda_factor(k, g.unsqueeze(-2), dtype=b.dtype)
     kda_rows = carries_kda_rows(k, a, g, a_scale, kda_b)
     return _ChunkDPLR.apply(q, k, v, a, b.detach() if kda_rows else b, g, initial_state, scale, a_scale, v_scale,
-                            False, None, kda_b, kda_rows)
+                            False, None, kda_b, kda_rows, offsets)

@@ -1052,6 +1052,18 @@ def grouped_update(grouped: bool, raw: bool, Rab: int, Rkv: int, a_scaled: bool,
             and (knob is None or bool(knob)))
 
 
+VARLEN_ALIGN = 64  # packed sequences start at multiples of this many tokens: of every fused chunk size
+
+
+def varlen_sequences(offsets: torch.Tensor, B: int, TC: int) -> int:
+    """The number of sequences N of ``chunk_dplr_fwd``'s ``offsets`` (int32 [N + 1], their first tokens' multiples
+    of ``VARLEN_ALIGN``, which the chunk size TC must divide), with B = 1."""
+    if B != 1 or offsets.dim() != 1 or offsets.dtype != torch.int32 or VARLEN_ALIGN % TC:
+        raise ValueError(f"offsets: int32 [N + 1] with B = 1 and chunks dividing {VARLEN_ALIGN} tokens, got "
+                         f"{offsets.dtype} {list(offsets.shape)}, B = {B}, chunks of {TC}")
+    return offsets.shape[0] - 1
+
+
 def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None, K: int = 128) -> tuple[int, int]:
     """How many segments of each sequence's chunks the state kernels (the forward's, and the backward's in reverse)
     walk in parallel, and the chunks of each: (1, 0) but for long walks on a grid that leaves SMs idle.
@@ -1183,7 +1195,7 @@ def kda_b_formed(k, a, g, a_scale, cfg: dict | None = None) -> bool:
 @opaque(2)  # (``save`` is for the autograd Functions, which call it eagerly)
 def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = False,
                    _config: dict | None = None, a_scale=None, v_scale=None, hdla_beta=None, grouped: bool = False,
-                   hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False):
+                   hh_mask=None, hdla_form_a2: bool = False, kda_b: bool = False, offsets=None):
     """Forward of the chunked algorithm in three Triton kernels (no autograd).
 
     Canonical inputs (``rankdecay.ops._inputs``): q [B, T, H, K], k [B, T, H, Rkv, K],
@@ -1212,6 +1224,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     apart), without ``save`` it is built here (``factors.kda_factor``). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with
     ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs
     ``fused_chunk_size(Rab, Rkv)``.
+
+    ``offsets`` (int32 [N + 1], on q's device): N sequences lie along one row (B = 1), sequence i on tokens
+    [offsets[i], offsets[i + 1]), each starting at a multiple of ``VARLEN_ALIGN`` (zero tokens between: the identity
+    step; ``dplr``'s ``cu_seqlens`` laid out so, ``_inputs.varlen_aligned``). The state restarts at each, from
+    initial_state [N, H, K, V], and the final state is [N, H, K, V]: only the state kernel's walk differs (a chunk's
+    other work is its own), one program per (sequence, head) over its chunks. No segments (``segments``).
     """
     check_knobs(_KNOBS)
     check_knobs(_config or {}, "_config")
@@ -1431,8 +1449,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     s0 = torch.empty(B, H, NC, K, V, **sst) if store else None
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K)
-    ht = torch.empty(ns, B, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
+    N = B if offsets is None else varlen_sequences(offsets, B, TC)
+    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K) if offsets is None else (1, 0)
+    ht = torch.empty(ns, N, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and same_memory(a, k) and a.shape == k.shape and a.stride() == k.stride()
                and a.dtype == k.dtype and blocks["BCR"] == NK and blocks["BCA"] == NA) if Rab else False
@@ -1454,11 +1473,12 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
             dummy, *rows, dummy, dummy, ends, NC, opt(kf), opt(af), T, HAS_H0=False, o=dummy, FUSE_O=False,
             STORE=False, NS=ns, LS=ls, VS=V + K, EYE=True, **kinds, **out, **blocks)
         h0 = chain_segments(h0, ends, K, V, blocks["BK"])
-    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], B * H * ns, V, q.device,
+    blocks["BV"] = cfg.get("state_bv") or state_value_block(scalable and fuse, blocks["BV"], N * H * ns, V, q.device,
                                                             tied and save, K)
-    _state_fwd_kernel[(_cdiv(V, blocks["BV"]), B * H * ns)](
+    _state_fwd_kernel[(_cdiv(V, blocks["BV"]), N * H * ns)](
         opt(h0), *rows, opt(s0), opt(u), ht, NC, opt(kf), opt(af), T, HAS_H0=h0 is not None, o=o,
         FUSE_O=fuse, STORE=store, NS=ns, LS=ls, **kinds, **out, **blocks, **_maxnreg(cfg.get("state_maxnreg")),
+        cs=offsets, VARLEN=offsets is not None,
     )
     ht = ht[-1]
     if not fuse:

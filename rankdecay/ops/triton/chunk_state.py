@@ -183,22 +183,34 @@ def _query_state(qd, qf, S, c, i_bh, n, T, H: tl.constexpr, TC: tl.constexpr, K:
 
 
 @triton.jit
-def _segment(NS, LS, NC, EYE: tl.constexpr, SKIP_LAST: tl.constexpr):
+def _segment(NS, LS, NC, EYE: tl.constexpr, SKIP_LAST: tl.constexpr, cs=None, VARLEN: tl.constexpr = False,
+             H: tl.constexpr = 1, TC: tl.constexpr = 16):
     """A state kernel's program on axis 1 as (sequence x head, segment) (``chunk_fwd.segments``): returns its sequence
     x head, the row of its segment's entering / leaving state in [NS, B, H, ...] (segment major), and the chunks
     [n0, n1) it walks (LS 0: all NC). In the EYE walk the segment whose transition is not needed (SKIP_LAST: the last,
-    as the forward goes; else the first) walks nothing."""
+    as the forward goes; else the first) walks nothing.
+
+    VARLEN (NS 1): the sequences lie along one row (B = 1), each from a chunk's first token (``chunk_fwd``'s
+    ``offsets``); the program (sequence, head) walks its sequence's chunks [cs[i] / TC, cs[i + 1] / TC) of that
+    row, and its entering / leaving state is the sequence's."""
     i_bs = tl.program_id(1)
-    seg = i_bs % NS
-    i_bh = i_bs // NS
-    n0 = seg * LS
-    n1 = NC
-    if LS > 0:
-        n1 = tl.minimum(n0 + LS, NC)
-    if EYE:
-        if seg == (NS - 1 if SKIP_LAST else 0):
-            n1 = n0
-    return i_bh, seg * (tl.num_programs(1) // NS) + i_bh, n0, n1
+    if VARLEN:
+        i_bh = i_bs % H
+        i_st = i_bs
+        n0 = tl.load(cs + i_bs // H) // TC
+        n1 = tl.load(cs + i_bs // H + 1) // TC
+    else:
+        seg = i_bs % NS
+        i_bh = i_bs // NS
+        i_st = seg * (tl.num_programs(1) // NS) + i_bh
+        n0 = seg * LS
+        n1 = NC
+        if LS > 0:
+            n1 = tl.minimum(n0 + LS, NC)
+        if EYE:
+            if seg == (NS - 1 if SKIP_LAST else 0):
+                n1 = n0
+    return i_bh, i_st, n0, n1
 
 
 @triton.jit
@@ -215,6 +227,7 @@ def _state_fwd_kernel(
     E_Q: tl.constexpr = False, E_V: tl.constexpr = False, SCALED: tl.constexpr = False, kg=None,
     GROUPED: tl.constexpr = False, bb=None, E_B: tl.constexpr = False, HDLA: tl.constexpr = False,
     NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False, UT: tl.constexpr = False, lbk=None,
+    cs=None, VARLEN: tl.constexpr = False,
 ):
     # Rows of K̃/V (CR = C*Rkv) and of W/Ũ/Ã (CA = C*Rab) are taken BCR / BCA at a time,
     # so that the tiles in shared memory stay small whatever the ranks.
@@ -249,9 +262,10 @@ def _state_fwd_kernel(
     # read as 0). EYE (VS = V + K, no h0, nothing stored): the state's column V + j starts as the identity's column
     # j, so that the walk ends on [H | P], the segment's state from 0 and its transition: from an entering state S
     # it leaves P S + H. The last segment's is not needed, and its programs stop at once (``_segment``).
+    # VARLEN: cs [N + 1] (``_segment``'s): program axis 1 is (sequence x head), h0 / ht hold each sequence's state.
     VW: tl.constexpr = V if VS == 0 else VS
     i_v = tl.program_id(0)
-    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, True)
+    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, True, cs, VARLEN, H, TC)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -450,7 +464,7 @@ def _state_bwd_kernel(
     RAW: tl.constexpr = False, RAB: tl.constexpr = 1, RABP: tl.constexpr = 1, E_Q: tl.constexpr = False,
     E_A: tl.constexpr = False, GROUPED: tl.constexpr = False,
     NS=1, LS=0, VS: tl.constexpr = 0, EYE: tl.constexpr = False, STORE: tl.constexpr = True,
-    UT: tl.constexpr = False, tinv=None,
+    UT: tl.constexpr = False, tinv=None, cs=None, VARLEN: tl.constexpr = False,
 ):
     # NS, LS, VS, EYE: ``_state_fwd_kernel``'s, the walk in reverse: dht / dh0 hold each segment's entering (at its
     # last chunk) / leaving (before its first) dS [NS, B, H, K, VS], and the first segment's transition is the one
@@ -464,10 +478,10 @@ def _state_bwd_kernel(
     # split into RAB groups of channels (Head-in-Head's), formed here from k, which ad is (``_group_rows``).
     # UT (``_state_fwd_kernel``'s: w holds B̃, not W = T B̃; one row block, BCA = CA): Wᵀ dU_n = B̃ᵀ dX_n with
     # dX_n = Tᵀ dU_n (T in tinv [CA, CA]: fp32, or the 16-bit copy of ``chunk_fwd.u_from_t_16``), and dX_n is
-    # stored in du_tot (the values kernel then reads it).
+    # stored in du_tot (the values kernel then reads it). VARLEN, cs: ``_state_fwd_kernel``'s.
     VW: tl.constexpr = V if VS == 0 else VS
     i_v = tl.program_id(0)
-    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, False)
+    i_bh, i_st, n0, n1 = _segment(NS, LS, NC, EYE, False, cs, VARLEN, H, TC)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V

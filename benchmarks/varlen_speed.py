@@ -1,0 +1,122 @@
+"""Packed sequences (``cu_seqlens``) on the GPU kernels: milliseconds against the same tokens as one sequence.
+
+    python benchmarks/varlen_speed.py [--mechanisms gdn hdla hh-gdn kda] [--windows 8] [--window 2048]
+                                      [--mean-doc 600] [--matmul-precision highest] [--json out.json]
+
+The batch is what ``rankdecay train --pack varlen`` makes: ``--windows`` windows of ``--window`` tokens along one
+row, cut at every window and at every document's end (documents of geometric lengths, mean ``--mean-doc``), so
+each window holds several sequences. Each mechanism runs forward and forward+backward (bf16, H=16, K=V=128 unless
+told) with those ``cu_seqlens``, and without them on the same tokens (one sequence: no restart, the floor). The
+table also gives the tokens the fused kernels walk (the sequences laid from multiples of 64 tokens) and what a
+layout padding every sequence to the longest would walk (N x max length).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+import torch.nn.functional as F
+
+from rankdecay import ops
+
+try:
+    from benchmarks.kernels import bench
+except ImportError:  # run from benchmarks/
+    from kernels import bench
+
+
+def boundaries(windows: int, window: int, mean_doc: float, seed: int) -> list[int]:
+    """cu_seqlens of ``windows`` windows of ``window`` tokens cut at documents' ends (geometric lengths)."""
+    rng = random.Random(seed)
+    T = windows * window
+    cuts, t = set(range(0, T, window)), 0
+    while t < T:
+        t += 1 + int(rng.expovariate(1 / mean_doc))
+        if t < T:
+            cuts.add(t)
+    return sorted(cuts) + [T]
+
+
+def inputs(mechanism: str, T: int, H: int, K: int, V: int, dtype) -> dict:
+    dev = "cuda"
+    q = torch.randn(1, T, H, K, device=dev, dtype=dtype)
+    k = F.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).to(dtype)
+    v = torch.randn(1, T, H, V, device=dev, dtype=dtype)
+    beta = torch.rand(1, T, H, device=dev, dtype=dtype)
+    if mechanism in ("hdla", "kda"):
+        g = F.logsigmoid(torch.randn(1, T, H, K, device=dev) + 3)
+    else:
+        g = F.logsigmoid(torch.randn(1, T, H, device=dev) + 3)
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
+    if mechanism == "hh-gdn":
+        x["mask"] = ops.head_in_head_mask(torch.rand(H, 4, 4, device=dev) + 0.5)
+    return x
+
+
+def call(mechanism: str, x: dict, cu):
+    if mechanism == "gdn":
+        return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+    if mechanism == "hdla":
+        return ops.hdla(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+    if mechanism == "kda":
+        return ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+    if mechanism == "hh-gdn":
+        return ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"], cu_seqlens=cu)[0]
+    raise ValueError(f"--mechanisms: gdn, hdla, kda or hh-gdn, got {mechanism!r}")
+
+
+def timed(mechanism: str, x: dict, cu) -> tuple[float, float]:
+    with torch.no_grad():
+        fwd = bench(lambda: call(mechanism, x, cu))["ms"]
+    leaves = {n: t.detach().requires_grad_(t.is_floating_point() and n != "mask") for n, t in x.items()}
+    do = torch.randn_like(x["v"])
+
+    def step():
+        call(mechanism, leaves, cu).backward(do)
+
+    return fwd, bench(step)["ms"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mechanisms", nargs="+", default=["gdn", "hdla", "kda", "hh-gdn"])
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--mean-doc", type=float, default=600)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                   help="torch.set_float32_matmul_precision, as benchmarks/kernels.py takes it")
+    p.add_argument("--json")
+    a = p.parse_args()
+    torch.set_float32_matmul_precision(a.matmul_precision)
+    cu_list = boundaries(a.windows, a.window, a.mean_doc, a.seed)
+    lengths = [e - s for s, e in zip(cu_list[:-1], cu_list[1:])]
+    T, N = cu_list[-1], len(lengths)
+    aligned = sum(-(-n // 64) * 64 for n in lengths)
+    cu = torch.tensor(cu_list, device="cuda", dtype=torch.int32)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, matmul precision {a.matmul_precision}; T = "
+          f"{T} tokens in {N} sequences (longest {max(lengths)}): {aligned} tokens from multiples of 64, "
+          f"{N * max(lengths)} padded to the longest")
+    rows = []
+    for m in a.mechanisms:
+        x = inputs(m, T, a.heads, a.head_dim, a.head_dim, torch.bfloat16)
+        packed, whole = timed(m, x, cu), timed(m, x, None)
+        rows.append(dict(mechanism=m, T=T, N=N, fwd_ms=packed[0], fwd_bwd_ms=packed[1], one_sequence_fwd_ms=whole[0],
+                         one_sequence_fwd_bwd_ms=whole[1]))
+        print(f"{m}: packed {packed[0]:.3f} / {packed[1]:.3f} ms, one sequence {whole[0]:.3f} / {whole[1]:.3f} ms",
+              flush=True)
+    print("\n| mechanism | cu_seqlens fwd | fwd+bwd | one sequence fwd | fwd+bwd |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['mechanism']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['one_sequence_fwd_ms']:.3f} | "
+              f"{r['one_sequence_fwd_bwd_ms']:.3f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(cu_seqlens=cu_list, aligned_tokens=aligned, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
