@@ -111,7 +111,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     a_is_k = a is k
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
-    if x.lengths is not None:
+    packed = x.lengths is not None and len(x.lengths) > 1  # one sequence is the plain [1, T] (no gathers; segments)
+    if packed:
         if fused:
             from .triton.chunk_fwd import VARLEN_ALIGN
 
@@ -161,7 +162,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
                                    use_triton=mode == "triton")
 
-    if x.lengths is not None:
+    if packed:
         o = unpack_varlen(o, valid)
     if inplace_final_state and state is not initial_state:
         state = initial_state.copy_(state)

@@ -1258,6 +1258,23 @@ def test_cu_seqlens_along_one_row(mechanism, monkeypatch):
     assert len(seen) == 2 and all(x is not None and x.tolist() == [0, 128, 128, 192, 320] for x in seen), seen
 
 
+def test_cu_seqlens_of_one_sequence_is_the_plain_call(monkeypatch):
+    """cu_seqlens = [0, T] runs as the call without it: no packing, no ``offsets``, so that on a GPU one long
+    sequence keeps its walk in segments (``chunk_fwd.segments``, which a packed row goes without); the same
+    output and final state, bit for bit."""
+    import rankdecay.ops.triton as kernels
+
+    seen = []
+    forward = kernels.chunk_dplr_fwd
+    monkeypatch.setattr(kernels, "chunk_dplr_fwd", lambda *a, **kw: seen.append(kw.get("offsets")) or forward(*a, **kw))
+    q, k, v, g, beta, h0 = (x.to(DEVICE) for x in _kda_inputs(seed=5, strong=False))
+    kw = dict(initial_state=h0, output_final_state=True, mode="triton")
+    with torch.no_grad():
+        plain = ops.hdla(q, k, v, g, beta, **kw)
+        packed = ops.hdla(q, k, v, g, beta, cu_seqlens=torch.tensor([0, q.shape[1]], device=DEVICE), **kw)
+    assert seen == [None] and torch.equal(plain[0], packed[0]) and torch.equal(plain[1], packed[1]), seen
+
+
 def test_kda_cu_seqlens_without_and_with_autograd(monkeypatch):
     """kda with cu_seqlens on the kernels against mode="chunk": with autograd or without, its b is a placeholder that
     the sequences' packing leaves alone and the fused kernels never read (``chunk_dplr_fwd``'s kda_b), and a stays k
