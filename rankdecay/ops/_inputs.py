@@ -230,12 +230,11 @@ def varlen_aligned(lengths: list[int], align: int, device) -> tuple[torch.Tensor
     gather index and mask [1, T_pad] for :func:`pack_varlen` (zero tokens, the identity step, between them), and
     the sequences' first tokens there, int32 [N + 1]. T_pad <= T + N (align - 1), against N max(lengths) for
     :func:`varlen_index`'s layout."""
-    lens = torch.tensor(lengths, device=device)
-    padded = (lens + align - 1) // align * align
+    rounded = [-(-n // align) * align for n in lengths]  # (on the host: T_pad sizes tensors without a sync)
+    lens, padded = torch.tensor(lengths, device=device), torch.tensor(rounded, device=device)
     offsets = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
-    total = sum(-(-n // align) * align for n in lengths)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), padded, output_size=total)
-    pos = torch.arange(total, device=device) - offsets[seq]
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), padded, output_size=sum(rounded))
+    pos = torch.arange(sum(rounded), device=device) - offsets[seq]
     valid = pos < lens[seq]
     index = torch.where(valid, (torch.cumsum(lens, 0) - lens)[seq] + pos, 0)
     return index[None], valid[None], offsets.to(torch.int32)

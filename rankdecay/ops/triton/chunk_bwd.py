@@ -1155,7 +1155,7 @@ def _backward(tensors, scale: float, C: int, tied: bool, do, dht, fold=None, hdl
                  **_maxnreg(_CONFIG["state_bwd_maxnreg"]))
     # long walks on few programs: segments walked in parallel, twice, as in the forward (``chunk_fwd.segments``)
     N = B if offsets is None else varlen_sequences(offsets, B, C)
-    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"), K=K) if offsets is None else (1, 0)
+    ns, ls = segments(NC, B * H, V, q.device, _KNOBS.get("segments"), K=K, packed=offsets is not None)
     dh0 = torch.empty(ns, N, H, K, V, **f32)  # each segment's leaving dS; the first one's is dh0
     if ns > 1:
         ends = torch.empty(ns, B, H, K, V + K, **f32)  # each segment's [H | P], from the EYE walk

@@ -1064,7 +1064,8 @@ def varlen_sequences(offsets: torch.Tensor, B: int, TC: int) -> int:
     return offsets.shape[0] - 1
 
 
-def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None, K: int = 128) -> tuple[int, int]:
+def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=None, K: int = 128,
+             packed: bool = False) -> tuple[int, int]:
     """How many segments of each sequence's chunks the state kernels (the forward's, and the backward's in reverse)
     walk in parallel, and the chunks of each: (1, 0) but for long walks on a grid that leaves SMs idle.
 
@@ -1078,8 +1079,11 @@ def segments(NC: int, sequences_heads: int, V: int, device: torch.device, knob=N
     and the chaining's [K, K] products cost more than the segments save: H200, K = V = 256, B1 T32768 H16, Gated
     DeltaNet's forward 31.4 -> 10.9 ms and forward+backward 47.7 -> 23.8 without them, HDLA's 21.4 -> 15.8 and
     72.5 -> 57.1, Head-in-Head's forward 64.6 -> 28.7 (BENCHMARKS.md session 60).
-    ``knob`` (``_KNOBS["segments"]``) forces NS (1: off)."""
-    if knob is not None:
+    ``knob`` (``_KNOBS["segments"]``) forces NS (1: off). ``packed`` (``chunk_dplr_fwd``'s ``offsets``): none, the
+    programs walk each packed sequence's own chunks instead."""
+    if packed:
+        ns = 1
+    elif knob is not None:
         ns = max(1, min(int(knob), NC))
     elif device.type != "cuda" or NC < _SEGMENT_RULE["min_chunks"] or K > _SEGMENT_RULE["max_keys"]:
         ns = 1
@@ -1450,7 +1454,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     u = torch.empty(B, H, NC, NA, V, **sst) if store else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     N = B if offsets is None else varlen_sequences(offsets, B, TC)
-    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K) if offsets is None else (1, 0)
+    ns, ls = segments(NC, B * H, V, q.device, cfg.get("segments"), K=K, packed=offsets is not None)
     ht = torch.empty(ns, N, H, K, V, **f32)  # each segment's leaving state; the last one's is the final state
     # a is k (the delta rule), one row block each: the state kernel's SAME_AK
     same_ak = (raw and Rab == Rkv and same_memory(a, k) and a.shape == k.shape and a.stride() == k.stride()
