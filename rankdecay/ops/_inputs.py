@@ -215,44 +215,88 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
                      a_scale, v_scale)
 
 
-def varlen_index(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather index [N, t_max] into the packed T axis, and the mask of real tokens."""
+@dataclass(frozen=True)
+class Packing:
+    """Where ``cu_seqlens``' tokens go when the sequences are laid out for the kernels: the packed input's token i
+    goes to row ``dest[i] // cols``, column ``dest[i] % cols`` of a [rows, cols] layout whose other places are zero
+    tokens (the identity step of the recurrence: no write, no low-rank term, no decay; so a state after them is the
+    state at its sequence's end). ``dest`` is an injection, so both directions are an ``index_select`` and an
+    ``index_copy_`` (no accumulating scatter, as indexing's backward would be). ``offsets``: the sequences' first
+    places along the one row of :func:`varlen_aligned`'s layout, int32 [N + 1] (the fused kernels'), and ``starts``
+    the same on the host (the PyTorch chunked path's); both None for :func:`varlen_index`'s."""
+    dest: torch.Tensor
+    rows: int
+    cols: int
+    offsets: torch.Tensor | None = None
+    starts: tuple[int, ...] | None = None
+
+
+def _destinations(lengths: list[int], starts: torch.Tensor, device) -> torch.Tensor:
+    """dest [sum(lengths)]: sequence n's p-th token to ``starts[n] + p``."""
     lens = torch.tensor(lengths, device=device)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(max(max(lengths), 1), device=device)
-    valid = pos[None, :] < lens[:, None]
-    index = torch.where(valid, starts[:, None] + pos[None, :], 0)
-    return index, valid
+    T = sum(lengths)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=T)
+    first = torch.cumsum(lens, 0) - lens
+    return starts[seq] + torch.arange(T, device=device) - first[seq]
 
 
-def varlen_aligned(lengths: list[int], align: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed sequences laid along one row, each from a multiple of ``align`` (the fused kernels' ``offsets``):
-    gather index and mask [1, T_pad] for :func:`pack_varlen` (zero tokens, the identity step, between them), and
-    the sequences' first tokens there, int32 [N + 1]. T_pad <= T + N (align - 1), against N max(lengths) for
+def varlen_index(lengths: list[int], device) -> Packing:
+    """The packed sequences as a batch [N, max(lengths)], each right-padded with zero tokens."""
+    cols = max(max(lengths), 1)
+    starts = torch.arange(len(lengths), device=device) * cols
+    return Packing(_destinations(lengths, starts, device), len(lengths), cols)
+
+
+def varlen_aligned(lengths: list[int], align: int, device) -> Packing:
+    """The packed sequences laid along one row, each from a multiple of ``align`` (the fused kernels' ``offsets``),
+    zero tokens between them. Its length is at most T + N (align - 1), against N max(lengths) for
     :func:`varlen_index`'s layout."""
-    rounded = [-(-n // align) * align for n in lengths]  # (on the host: T_pad sizes tensors without a sync)
-    lens, padded = torch.tensor(lengths, device=device), torch.tensor(rounded, device=device)
-    offsets = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), padded, output_size=sum(rounded))
-    pos = torch.arange(sum(rounded), device=device) - offsets[seq]
-    valid = pos < lens[seq]
-    index = torch.where(valid, (torch.cumsum(lens, 0) - lens)[seq] + pos, 0)
-    return index[None], valid[None], offsets.to(torch.int32)
+    starts = [0]  # on the host: the row's length sizes tensors without a sync
+    for n in lengths:
+        starts.append(starts[-1] - (-n // align) * align)
+    offsets = torch.tensor(starts, device=device)
+    return Packing(_destinations(lengths, offsets, device), 1, starts[-1], offsets.to(torch.int32), tuple(starts))
 
 
-def pack_varlen(x: torch.Tensor | None, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
-    """[1, T, ...] packed sequences -> [N, t_max, ...], right-padded with zeros.
+class _Spread(torch.autograd.Function):
+    """[1, T, ...] -> [rows, cols, ...]: token i to place dest[i], zeros elsewhere."""
 
-    Zero padding is the identity step of the recurrence: no write (k = 0), no
-    low-rank term (a = b = 0), no decay (g = 0); so the state after the padding is
-    the state at the end of each sequence.
-    """
+    @staticmethod
+    def forward(ctx, x, dest, rows, cols):
+        ctx.save_for_backward(dest)
+        out = x.new_zeros((rows * cols,) + x.shape[2:])
+        return out.index_copy_(0, dest, x[0]).view((rows, cols) + x.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        return grad.flatten(0, 1).index_select(0, dest)[None], None, None, None
+
+
+class _Collect(torch.autograd.Function):
+    """[rows, cols, ...] -> [1, T, ...]: the inverse of :class:`_Spread`."""
+
+    @staticmethod
+    def forward(ctx, x, dest):
+        ctx.save_for_backward(dest)
+        ctx.layout = x.shape[:2]
+        return x.flatten(0, 1).index_select(0, dest)[None]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        rows, cols = ctx.layout
+        out = grad.new_zeros((rows * cols,) + grad.shape[2:])
+        return out.index_copy_(0, dest, grad[0]).view((rows, cols) + grad.shape[2:]), None
+
+
+def pack_varlen(x: torch.Tensor | None, packing: Packing) -> torch.Tensor | None:
+    """[1, T, ...] packed sequences -> [rows, cols, ...] in ``packing``'s layout, zero tokens between them."""
     if x is None:
         return None
-    mask = valid.reshape(valid.shape + (1,) * (x.dim() - 2))
-    return torch.where(mask, x[0][index], 0)
+    return _Spread.apply(x, packing.dest, packing.rows, packing.cols)
 
 
-def unpack_varlen(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[N, t_max, ...] -> [1, T, ...], the inverse of :func:`pack_varlen`."""
-    return x[valid].unsqueeze(0)
+def unpack_varlen(x: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """[rows, cols, ...] -> [1, T, ...], the inverse of :func:`pack_varlen`."""
+    return _Collect.apply(x, packing.dest)

@@ -154,19 +154,27 @@ def chunk_dplr_core(
     dtype: torch.dtype,
     chunk_size: int = 64,
     use_triton: bool = False,
+    chunk_bounds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical inputs (see ``_inputs``) -> (o [B, T, H, V], S_T [B, H, K, V]), both in ``dtype``.
 
     Memory is linear in T: per chunk it keeps [C, C*R] products and one [K, V] state.
     ``use_triton`` runs the chunk-to-chunk state passing (forward and backward) as one
     Triton kernel instead of a Python loop over chunks (fp32 only).
+    ``chunk_bounds``: B = 1 holds N sequences along its row, sequence n in chunks
+    ``chunk_bounds[n]`` up to ``chunk_bounds[n + 1]`` (zero tokens after its end); each starts
+    from ``initial_state[n]``, and S_T is [N, H, K, V] (``_inputs.varlen_aligned``'s layout).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NC = -(-T // C)
     pad = NC * C - T
-    S = q.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    N = B if chunk_bounds is None else len(chunk_bounds) - 1
+    if chunk_bounds is not None and (B != 1 or use_triton or chunk_bounds[0] != 0 or chunk_bounds[-1] != NC):
+        raise ValueError(f"chunk_bounds {chunk_bounds} must split the {NC} chunks of one row (B = {B}) on the "
+                         "PyTorch state passing")
+    S = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     if T == 0:
         return q.new_zeros(B, 0, H, V, dtype=dtype), S
 
@@ -228,7 +236,7 @@ def chunk_dplr_core(
         d = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
         S0, U, S = chunk_state_passing(S, d, k_dec, v_flat, W, U_v, a_dec)
     else:
-        S0, U, S = _state_passing(S, None if G is None else chunk_decay, k_dec, v_flat, W, U_v, a_dec)
+        S0, U, S = _state_passing(S, None if G is None else chunk_decay, k_dec, v_flat, W, U_v, a_dec, chunk_bounds)
     o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
     if a is not None:
         o = o - M_qa @ U
@@ -236,11 +244,13 @@ def chunk_dplr_core(
     return o, S
 
 
-def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
+def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec, bounds=None):
     """HDLA eq. 17, one chunk at a time: (states entering each chunk, pseudo-values U, final state).
 
     S [B, H, K, V]; chunk_decay [B, H, NC, Kg, 1] or None; k_dec [B, H, NC, C*Rkv, K];
     v_flat [B, H, NC, C*Rkv, V]; W, a_dec [B, H, NC, C*Rab, K] and U_v [.., C*Rab, V] or None.
+    ``bounds``: N sequences along one row (B = 1), sequence n in chunks ``bounds[n]`` up to
+    ``bounds[n + 1]`` from S[n]; the final state is then [N, H, K, V].
     """
     # Every chunk's write k_decᵀ v in one batched product, and each chunk's slices by unbind: chunk n taken by
     # indexing inside the loop made autograd's backward allocate and zero-fill the whole tensor once per index
@@ -249,15 +259,19 @@ def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
     decays = chunk_decay.unbind(2) if chunk_decay is not None else None
     if W is not None:
         W, U_v, a_dec = W.unbind(2), U_v.unbind(2), a_dec.unbind(2)
-    starts, pseudo_values = [], []
-    for n in range(len(writes)):
-        starts.append(S)
-        S_next = S if decays is None else decays[n] * S
-        S_next = S_next + writes[n]
-        if W is not None:
-            U = W[n] @ S + U_v[n]
-            pseudo_values.append(U)
-            S_next = S_next - a_dec[n].transpose(-1, -2) @ U
-        S = S_next
+    sequences = [(0, len(writes), S)] if bounds is None else [(bounds[i], bounds[i + 1], S[i:i + 1])
+                                                              for i in range(len(bounds) - 1)]
+    starts, pseudo_values, finals = [], [], []
+    for first, end, S in sequences:
+        for n in range(first, end):
+            starts.append(S)
+            S_next = S if decays is None else decays[n] * S
+            S_next = S_next + writes[n]
+            if W is not None:
+                U = W[n] @ S + U_v[n]
+                pseudo_values.append(U)
+                S_next = S_next - a_dec[n].transpose(-1, -2) @ U
+            S = S_next
+        finals.append(S)
     U = torch.stack(pseudo_values, dim=2) if pseudo_values else None
-    return torch.stack(starts, dim=2), U, S
+    return torch.stack(starts, dim=2), U, finals[0] if bounds is None else torch.cat(finals)

@@ -111,24 +111,29 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     a_is_k = a is k
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
+    bounds = None  # and the PyTorch chunked path, each from one of its chunks: their first chunks there, [N + 1]
     packed = x.lengths is not None and len(x.lengths) > 1  # one sequence is the plain [1, T] (no gathers; segments)
     if packed:
         if fused:
             from .triton.chunk_fwd import VARLEN_ALIGN
 
-            index, valid, offsets = varlen_aligned(x.lengths, VARLEN_ALIGN, q.device)
-        else:  # [N, max(lengths)]
-            index, valid = varlen_index(x.lengths, q.device)
-        q, k, v, g, sa, sv = (pack_varlen(t, index, valid) for t in (q, k, v, g, sa, sv))
+            packing = varlen_aligned(x.lengths, VARLEN_ALIGN, q.device)
+            offsets = packing.offsets
+        elif mode == "chunk":
+            packing = varlen_aligned(x.lengths, chunk_size, q.device)
+            bounds = [start // chunk_size for start in packing.starts]
+        else:  # [N, max(lengths)]: the per-token paths, and the unfused Triton path's state kernel
+            packing = varlen_index(x.lengths, q.device)
+        q, k, v, g, sa, sv = (pack_varlen(t, packing) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
-            b = pack_varlen(b, index, valid) if hh_rows_b else b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
+            b = pack_varlen(b, packing) if hh_rows_b else b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
         elif kda_b:  # KDA's b is never read as given (a placeholder): not packed; a stays k, so the pairing holds
-            a, b = k if a_is_k else pack_varlen(a, index, valid), b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
+            a, b = k if a_is_k else pack_varlen(a, packing), b.new_zeros(()).expand(*q.shape[:3], *b.shape[3:])
         else:
-            a, b = (k, k) if tied else (pack_varlen(a, index, valid), pack_varlen(b, index, valid))
+            a, b = (k, k) if tied else (pack_varlen(a, packing), pack_varlen(b, packing))
         if hh_mask is not None and hh_mask.dim() == 5:  # a mask per token
-            hh_mask = pack_varlen(hh_mask, index, valid)
+            hh_mask = pack_varlen(hh_mask, packing)
     if hh_mask is not None and not fused:
         raise RuntimeError("hh_mask: Head-in-Head's rows are formed in the fused kernels, which these inputs miss")
     if kda_b and not fused:  # b a placeholder that only the fused kernels form
@@ -160,10 +165,10 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
                                    a.shape[-2] if grouped and a is not None else 1)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
-                                   use_triton=mode == "triton")
+                                   use_triton=mode == "triton", chunk_bounds=bounds)
 
     if packed:
-        o = unpack_varlen(o, valid)
+        o = unpack_varlen(o, packing)
     if inplace_final_state and state is not initial_state:
         state = initial_state.copy_(state)
     return o.to(x.q.dtype), (state if output_final_state else None)

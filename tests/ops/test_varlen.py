@@ -47,6 +47,37 @@ def test_varlen_equals_loop_over_sequences(mode, gate):
         assert_matches(g1, g2, 1e-10, "gradient")
 
 
+def test_chunk_path_walks_sequences_along_one_row(monkeypatch):
+    """The PyTorch chunked path takes cu_seqlens along one row, each sequence from one of its chunks (not padded to
+    the longest): its rows hold sum(ceil(length / C)) chunks, and each sequence's state walk starts from its own
+    initial state (the result is checked against a loop over the sequences in the test above)."""
+    import sys
+
+    dplr_module = sys.modules["rankdecay.ops.dplr"]  # (the package's name dplr is the function)
+
+    seen = []
+
+    def spy(q, *args, **kwargs):
+        seen.append((tuple(q.shape), kwargs.get("chunk_bounds")))
+        return core(q, *args, **kwargs)
+
+    core = dplr_module.chunk_dplr_core
+    monkeypatch.setattr(dplr_module, "chunk_dplr_core", spy)
+    lengths, H, K, V = [5, 70, 0, 33, 16], 2, 8, 6
+    T = sum(lengths)
+    q, k = torch.randn(1, T, H, K, dtype=f64), F.normalize(torch.randn(1, T, H, K, dtype=f64), dim=-1)
+    v, g = torch.randn(1, T, H, V, dtype=f64), -torch.rand(1, T, H, dtype=f64)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    o, s = dplr(q, k, v, None, None, g, output_final_state=True, cu_seqlens=cu, mode="chunk", chunk_size=16)
+    assert seen == [((1, 16 * (1 + 5 + 0 + 3 + 1), H, K), [0, 1, 6, 6, 9, 10])]
+    assert o.shape == (1, T, H, V) and s.shape == (len(lengths), H, K, V)
+    o_ref, s_ref = dplr(q, k, v, None, None, g, output_final_state=True, cu_seqlens=cu, mode="naive")
+    assert_matches(o, o_ref, 1e-10, "output")
+    assert_matches(s, s_ref, 1e-10, "final states")
+    with pytest.raises(ValueError, match="chunk_bounds"):
+        core(q, k, v, None, None, g, 1.0, None, f64, 16, chunk_bounds=[0, 3])
+
+
 def test_varlen_mechanisms_with_rank_writes():
     """Gated DeltaProduct (rank-2 writes, k has T * n_h rows) and HDLA with cu_seqlens."""
     lengths, H, K, V, nh = [9, 30, 4], 2, 8, 8, 2
@@ -77,17 +108,18 @@ def test_varlen_aligned_layout():
     from rankdecay.ops._inputs import pack_varlen, unpack_varlen, varlen_aligned
 
     lengths = [70, 0, 5, 125, 64]
-    index, valid, offsets = varlen_aligned(lengths, 64, "cpu")
+    packing = varlen_aligned(lengths, 64, "cpu")
+    offsets = packing.offsets
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 128, 128, 192, 320, 384]
     x = torch.arange(1.0, sum(lengths) + 1)[None, :, None].expand(1, -1, 3)
-    packed = pack_varlen(x, index, valid)
+    packed = pack_varlen(x, packing)
     assert packed.shape == (1, 384, 3)
     starts = torch.tensor([0] + lengths).cumsum(0).tolist()
     for n, length in enumerate(lengths):
         piece = packed[0, offsets[n]:offsets[n + 1]]
         assert torch.equal(piece[:length], x[0, starts[n]:starts[n] + length]), n
         assert not piece[length:].any(), n
-    assert torch.equal(unpack_varlen(packed, valid), x)
+    assert torch.equal(unpack_varlen(packed, packing), x)
 
 
 def test_varlen_benchmark_boundaries():
