@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                                  # tiny preset, CPU
     python benchmarks/train_throughput.py --preset 340m --batch-size 8 --steps 30 --warmup 10   # GPU
     python benchmarks/train_throughput.py --compile ...                    # the model through torch.compile
+    python benchmarks/train_throughput.py --pack varlen ...                # documents packed with cu_seqlens
 
 Runs the real trainer (the same code as `rankdecay train`: data, autocast, AdamW, clipping)
 for each mixer on the embedded corpus, and reports the steady-state throughput: the
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model overrides")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (`rankdecay train --compile`)")
+    parser.add_argument("--pack", choices=["concat", "varlen"], default=None,
+                        help="`rankdecay train --pack`: varlen restarts the state at every document (cu_seqlens)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -46,7 +49,8 @@ def main() -> None:
             overrides = dict(preset=args.preset, mixer=mixer, steps=args.steps, warmup_steps=min(10, args.steps),
                              out_dir=out, eval_every=0, save_every=0, eval_batches=1, log_every=args.warmup,
                              progress=False, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                             seq_len=args.seq_len, model=model, compile=args.compile or None)
+                             seq_len=args.seq_len, model=model, compile=args.compile or None,
+                             pack=args.pack)
             cfg = TrainConfig.from_sources(overrides={k: v for k, v in overrides.items() if v is not None})
             if cfg.steps % cfg.log_every:
                 raise SystemExit("--steps - --warmup must be a multiple of --warmup so the last window is whole")
@@ -62,7 +66,8 @@ def main() -> None:
                     print(f"out of memory: retrying {mixer} with micro_batch_size {cfg.micro_batch_size}")
                     torch.cuda.empty_cache()
             peak_mb = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-            rows.append({"mixer": mixer + (" (compiled)" if args.compile else ""), "preset": args.preset,
+            label = mixer + (" (compiled)" if args.compile else "") + (f", --pack {args.pack}" if args.pack else "")
+            rows.append({"mixer": label, "preset": args.preset,
                          "batch_size": cfg.batch_size,
                          "micro_batch_size": cfg.micro_batch_size or cfg.batch_size, "seq_len": cfg.seq_len,
                          "tokens_per_s": res["tokens_per_s"], "mfu": res.get("mfu"), "peak_mem_mb": peak_mb,

@@ -52,7 +52,7 @@ class Canonical:
     scale: float
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
-    lengths: list[int] | None  # per-sequence lengths when cu_seqlens is given
+    lengths: list[int] | None  # per-sequence lengths when cu_seqlens is given, but not while compiling (``host_lengths``)
     kv_rank_axis: bool  # whether k/v came with an explicit rank axis
     a_scale: torch.Tensor | None = None  # a's rows are a_scale[..., None] * a
     v_scale: torch.Tensor | None = None  # v's rows are v_scale[..., None] * v
@@ -126,6 +126,10 @@ def _row_scale(x, name: str, of: str, shape: tuple, rank_axis: bool) -> torch.Te
     return x
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size, mode,
                  a_scale=None, v_scale=None) -> Canonical:
     """Validate the arguments of :func:`rankdecay.ops.dplr` and bring them to canonical form."""
@@ -191,13 +195,15 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
             raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offsets[0]} ... {offsets[-1]}")
-        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
-        if min(lengths) < 0:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
-        N = len(lengths)
+        N = cu_seqlens.shape[0] - 1
+        if _compiling():
+            # Reading the values on the host would break the graph here and make each new packing a constant of the
+            # graph after it (a compile per packing); the fused kernels' layout needs none of them (varlen_aligned)
+            lens = cu_seqlens[1:] - cu_seqlens[:-1]
+            torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (lens >= 0).all(),
+                                 "cu_seqlens must start at 0, end at T and be non-decreasing")
+        else:
+            lengths = host_lengths(cu_seqlens, T)
 
     if initial_state is not None:
         check_float(initial_state, "initial_state")
@@ -222,40 +228,65 @@ class Packing:
     tokens (the identity step of the recurrence: no write, no low-rank term, no decay; so a state after them is the
     state at its sequence's end). ``dest`` is an injection, so both directions are an ``index_select`` and an
     ``index_copy_`` (no accumulating scatter, as indexing's backward would be). ``offsets``: the sequences' first
-    places along the one row of :func:`varlen_aligned`'s layout, int32 [N + 1] (the fused kernels'), and ``starts``
-    the same on the host (the PyTorch chunked path's); both None for :func:`varlen_index`'s."""
+    places along the one row of :func:`varlen_aligned`'s layout, int32 [N + 1], and None for
+    :func:`varlen_index`'s."""
     dest: torch.Tensor
     rows: int
     cols: int
     offsets: torch.Tensor | None = None
-    starts: tuple[int, ...] | None = None
 
 
-def _destinations(lengths: list[int], starts: torch.Tensor, device) -> torch.Tensor:
-    """dest [sum(lengths)]: sequence n's p-th token to ``starts[n] + p``."""
-    lens = torch.tensor(lengths, device=device)
-    T = sum(lengths)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=T)
-    first = torch.cumsum(lens, 0) - lens
-    return starts[seq] + torch.arange(T, device=device) - first[seq]
+def _destinations(cu: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
+    """dest [T]: sequence n's p-th token (``cu`` [N + 1], int64, its offsets) to ``starts[n] + p``; on the device."""
+    seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=cu.device), cu[1:] - cu[:-1], output_size=T)
+    return starts[seq] + torch.arange(T, device=cu.device) - cu[seq]
 
 
-def varlen_index(lengths: list[int], device) -> Packing:
-    """The packed sequences as a batch [N, max(lengths)], each right-padded with zero tokens."""
-    cols = max(max(lengths), 1)
-    starts = torch.arange(len(lengths), device=device) * cols
-    return Packing(_destinations(lengths, starts, device), len(lengths), cols)
+def host_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """The sequences' lengths from ``cu_seqlens`` [N + 1] (checked: from 0 to T, non-decreasing), on the host."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offsets[0]} ... {offsets[-1]}")
+    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    return lengths
 
 
-def varlen_aligned(lengths: list[int], align: int, device) -> Packing:
-    """The packed sequences laid along one row, each from a multiple of ``align`` (the fused kernels' ``offsets``),
-    zero tokens between them. Its length is at most T + N (align - 1), against N max(lengths) for
-    :func:`varlen_index`'s layout."""
-    starts = [0]  # on the host: the row's length sizes tensors without a sync
+def aligned_starts(lengths: list[int], align: int) -> list[int]:
+    """Where :func:`varlen_aligned` lays each sequence, and the row's end: [N + 1], on the host."""
+    starts = [0]
     for n in lengths:
         starts.append(starts[-1] - (-n // align) * align)
-    offsets = torch.tensor(starts, device=device)
-    return Packing(_destinations(lengths, offsets, device), 1, starts[-1], offsets.to(torch.int32), tuple(starts))
+    return starts
+
+
+def aligned_row(T: int, N: int, align: int) -> int:
+    """A row that holds any N sequences of T tokens in all laid by :func:`varlen_aligned`, from their sizes alone:
+    each sequence's rounding adds at most ``align - 1`` tokens."""
+    return -(-(T + N * (align - 1)) // align) * align
+
+
+def varlen_index(cu_seqlens: torch.Tensor, lengths: list[int], device) -> Packing:
+    """The packed sequences as a batch [N, max(lengths)], each right-padded with zero tokens."""
+    cols = max(max(lengths), 1)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    return Packing(_destinations(cu, torch.arange(len(lengths), device=device) * cols, sum(lengths)), len(lengths),
+                   cols)
+
+
+def varlen_aligned(cu_seqlens: torch.Tensor, T: int, align: int, row: int, device) -> Packing:
+    """The packed sequences laid along one row of ``row`` tokens, each from the multiple of ``align`` after the
+    previous one (the fused kernels' ``offsets``), zero tokens between them and after the last, which extends to
+    the row's end (its walk goes on over identity steps, so that every chunk of the row is walked). ``row``: at
+    least ``aligned_starts(lengths, align)[-1]``, which it is when the lengths are known on the host, else
+    :func:`aligned_row` (T + N (align - 1) at most, against N max(lengths) for :func:`varlen_index`'s layout).
+    Computed on the device from ``cu_seqlens`` alone: no sync, and under ``torch.compile`` no graph break."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    ends = torch.cumsum(-torch.div(cu[:-1] - cu[1:], align, rounding_mode="floor") * align, 0)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    offsets = torch.where(torch.arange(offsets.shape[0], device=device) == offsets.shape[0] - 1, row, offsets)
+    return Packing(_destinations(cu, offsets, T), 1, row, offsets.to(torch.int32))
 
 
 class _Spread(torch.autograd.Function):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from .backends import check_triton_mode, needs_grad, resolve_mode
-from ._inputs import canonicalize, check_inplace_state, pack_varlen, unpack_varlen, varlen_aligned, varlen_index
+from ._inputs import (aligned_row, aligned_starts, canonicalize, check_inplace_state, host_lengths, pack_varlen,
+                      unpack_varlen, varlen_aligned, varlen_index)
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
 
@@ -112,18 +113,25 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
     bounds = None  # and the PyTorch chunked path, each from one of its chunks: their first chunks there, [N + 1]
-    packed = x.lengths is not None and len(x.lengths) > 1  # one sequence is the plain [1, T] (no gathers; segments)
+    # one sequence is the plain [1, T] (no gathers; segments)
+    packed = x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2
     if packed:
-        if fused:
+        T = q.shape[1]
+        if fused:  # on the device alone (the lengths are not on the host while compiling: ``canonicalize``)
             from .triton.chunk_fwd import VARLEN_ALIGN
 
-            packing = varlen_aligned(x.lengths, VARLEN_ALIGN, q.device)
+            N = x.cu_seqlens.shape[0] - 1
+            row = aligned_row(T, N, VARLEN_ALIGN) if x.lengths is None else aligned_starts(x.lengths, VARLEN_ALIGN)[-1]
+            packing = varlen_aligned(x.cu_seqlens, T, VARLEN_ALIGN, row, q.device)
             offsets = packing.offsets
-        elif mode == "chunk":
-            packing = varlen_aligned(x.lengths, chunk_size, q.device)
-            bounds = [start // chunk_size for start in packing.starts]
-        else:  # [N, max(lengths)]: the per-token paths, and the unfused Triton path's state kernel
-            packing = varlen_index(x.lengths, q.device)
+        else:  # the other paths need the lengths on the host (compiled: a graph break)
+            lengths = host_lengths(x.cu_seqlens, T) if x.lengths is None else x.lengths
+            if mode == "chunk":
+                starts = aligned_starts(lengths, chunk_size)
+                packing = varlen_aligned(x.cu_seqlens, T, chunk_size, starts[-1], q.device)
+                bounds = [start // chunk_size for start in starts]
+            else:  # [N, max(lengths)]: the per-token paths, and the unfused Triton path's state kernel
+                packing = varlen_index(x.cu_seqlens, lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, packing) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])

@@ -58,6 +58,27 @@ def test_torch_compile_takes_new_lengths_in_one_graph(mixer):
         torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mixers reach the Triton kernels on a CUDA GPU; the "
+                    "op's part is tests/ops/test_triton.py's cu_seqlens compile test, in the interpreter")
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_torch_compile_takes_new_packings_in_one_graph(mixer):
+    """A compiled training step over packed documents (``cu_seqlens``, as ``rankdecay train --pack varlen`` gives
+    them) makes one graph, and compiles again at its second packing (the number of sequences a symbol) and not at the
+    third. Until session 74 the mixers' ops read the lengths on the host: a graph break in every layer and a compile
+    per packing until Dynamo's recompile limit. Dynamo alone: no C++ compiler."""
+    model = tiny_model(mixer).train().cuda()
+    step = torch.compile(lambda x, cu: model(x, labels=x, cu_seqlens=cu, use_cache=False).loss, backend="eager",
+                         fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for i, lengths in enumerate([[70, 30, 50, 106], [20, 100, 100, 16, 20], [128, 64, 64]]):
+            cu = torch.tensor([0] + lengths).cumsum(0).cuda()
+            with torch._dynamo.config.patch(error_on_recompile=i == 2):
+                step(random_ids(1, 256).cuda(), cu).backward()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_labels_are_shifted_and_ignore_index():
     model = tiny_model("gdn")
     ids = random_ids(2, 12)

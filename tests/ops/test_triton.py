@@ -1205,16 +1205,24 @@ def test_cu_seqlens():
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
 
 
-@pytest.mark.parametrize("mechanism", ["gdn", "hdla", "hh"])
-def test_cu_seqlens_along_one_row(mechanism, monkeypatch):
+@pytest.mark.parametrize("mechanism, host", [("gdn", True), ("hdla", True), ("hh", True), ("gdn", False),
+                                             ("hh", False)], ids=["gdn", "hdla", "hh", "gdn-compiling", "hh-compiling"])
+def test_cu_seqlens_along_one_row(mechanism, host, monkeypatch):
     """With cu_seqlens the fused kernels take the sequences along one row, each from a multiple of 64 tokens
     (``_inputs.varlen_aligned``; the state kernels walk each sequence's chunks from its own initial state,
     ``chunk_state._segment``'s VARLEN), not padded to the longest: sequences of 70, 0, 5 and 125 tokens, several
     chunks each, lie on 320 tokens (not 4 x 125). Gated DeltaNet (64-token chunks), HDLA (a per-channel gate, 16)
     and Head-in-Head (its rows); strong decays and β up to 2; the output, final states and every gradient, the
-    initial states' included, against mode="chunk", with autograd and without."""
+    initial states' included, against mode="chunk", with autograd and without. While compiling (``host`` False:
+    ``canonicalize`` keeps the lengths off the host) the row is as long as any 4 sequences of these 200 tokens may
+    need, 512, and the last sequence walks on over the zero tokens to its end (every chunk is walked; Gated DeltaNet,
+    and Head-in-Head, whose mask's gradient sums over every chunk)."""
+    import rankdecay.ops._inputs as inputs
     import rankdecay.ops.triton as kernels
     from rankdecay.ops.triton import chunk_bwd
+
+    if not host:
+        monkeypatch.setattr(inputs, "_compiling", lambda: True)
 
     seen = []
     forward = chunk_bwd.chunk_dplr_fwd
@@ -1255,7 +1263,8 @@ def test_cu_seqlens_along_one_row(mechanism, monkeypatch):
         for name, x, y in zip(labels, *results, strict=True):
             assert torch.isfinite(x).all(), name
             assert_matches(x, y, 1e-5, f"{mechanism} cu_seqlens autograd={grad}: {name}")
-    assert len(seen) == 2 and all(x is not None and x.tolist() == [0, 128, 128, 192, 320] for x in seen), seen
+    row = 320 if host else 512
+    assert len(seen) == 2 and all(x is not None and x.tolist() == [0, 128, 128, 192, row] for x in seen), seen
 
 
 def test_cu_seqlens_of_one_sequence_is_the_plain_call(monkeypatch):
@@ -3377,6 +3386,39 @@ def test_kernels_under_torch_compile_symbolic_lengths():
     (with its update rows' kernel without autograd) and the rank-5 path: every kind of operator, in half the
     interpreter's time."""
     _compiled_matches("aot_eager", (70, 90), every=False, dynamic=True)
+
+
+def test_cu_seqlens_under_torch_compile_new_packings_in_one_graph():
+    """Gated DeltaNet with cu_seqlens on the kernels through ``torch.compile(fullgraph=True)``: no graph break (the
+    lengths are never read on the host while compiling: ``canonicalize`` checks them on the device and the row is
+    as long as any packing of T tokens in N sequences needs, ``_inputs.aligned_row``), a second compile at the
+    second packing (its N a symbol), none at the third; the loss and every gradient as eagerly. Until session 74
+    the lengths' ``.tolist()`` broke the graph and the pieces after it compiled again for each new packing."""
+    def loss(q, k, v, g, beta, cu):
+        o, s = ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, mode="triton")
+        return (o * o).sum() + s.sin().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    T, H, K = 200, 2, 16
+    torch._dynamo.reset()
+    try:
+        for i, lengths in enumerate([[70, 0, 5, 125], [100, 50, 30, 10, 10], [64, 64, 72]]):
+            cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+            gen = torch.Generator().manual_seed(i)
+            x = [torch.randn(1, T, H, K, generator=gen), F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1),
+                 torch.randn(1, T, H, K, generator=gen), -5 * torch.rand(1, T, H, generator=gen),
+                 2 * torch.rand(1, T, H, generator=gen)]
+            results = []
+            for fn in (compiled, loss):
+                leaves = [t.to(DEVICE).requires_grad_() for t in x]
+                with torch._dynamo.config.patch(error_on_recompile=i == 2):
+                    value = fn(*leaves, cu)
+                value.backward()
+                results.append([value.detach()] + [t.grad for t in leaves])
+            for name, got, want in zip(["loss", "dq", "dk", "dv", "dg", "dbeta"], *results, strict=True):
+                assert_matches(got, want, 1e-6, f"packing {i}: {name}")
+    finally:
+        torch._dynamo.reset()
 
 
 def test_mechanisms_trace_whole_on_the_kernels():

@@ -102,24 +102,36 @@ def test_varlen_mechanisms_with_rank_writes():
         assert_matches(s2[n:n + 1], s_n, 1e-10, f"hdla sequence {n} state")
 
 
-def test_varlen_aligned_layout():
+@pytest.mark.parametrize("host", [True, False], ids=["lengths-on-host", "compiling"])
+def test_varlen_aligned_layout(host):
     """The fused kernels' layout of cu_seqlens (``_inputs.varlen_aligned``): each sequence from a multiple of 64
-    tokens along one row, zeros between, in order; unpacking gives the tokens back."""
-    from rankdecay.ops._inputs import pack_varlen, unpack_varlen, varlen_aligned
+    tokens along one row, zeros between, in order; unpacking gives the tokens back, and the gradient of each
+    direction is the other. With the lengths on the host the row ends where the last sequence's rounding does; while
+    compiling it is as long as any 5 sequences of these 264 tokens may need (``aligned_row``: 640), the last
+    sequence extended to its end (every chunk is then walked: no chunk's entering state is left unwritten)."""
+    from rankdecay.ops._inputs import aligned_row, aligned_starts, pack_varlen, unpack_varlen, varlen_aligned
 
     lengths = [70, 0, 5, 125, 64]
-    packing = varlen_aligned(lengths, 64, "cpu")
+    T, cu = sum(lengths), torch.tensor([0] + lengths).cumsum(0)
+    row = aligned_starts(lengths, 64)[-1] if host else aligned_row(T, len(lengths), 64)
+    packing = varlen_aligned(cu, T, 64, row, "cpu")
     offsets = packing.offsets
-    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 128, 128, 192, 320, 384]
-    x = torch.arange(1.0, sum(lengths) + 1)[None, :, None].expand(1, -1, 3)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 128, 128, 192, 320, 384 if host else 640]
+    x = torch.arange(1.0, T + 1, dtype=f64)[None, :, None].repeat(1, 1, 3).requires_grad_()
     packed = pack_varlen(x, packing)
-    assert packed.shape == (1, 384, 3)
-    starts = torch.tensor([0] + lengths).cumsum(0).tolist()
+    assert packed.shape == (1, row, 3)
+    starts = cu.tolist()
     for n, length in enumerate(lengths):
         piece = packed[0, offsets[n]:offsets[n + 1]]
         assert torch.equal(piece[:length], x[0, starts[n]:starts[n] + length]), n
         assert not piece[length:].any(), n
     assert torch.equal(unpack_varlen(packed, packing), x)
+    torch.autograd.gradcheck(lambda t: pack_varlen(t, packing), (x,))
+    torch.autograd.gradcheck(lambda t: unpack_varlen(t, packing), (packed.detach().requires_grad_(),))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):  # the bound holds for any lengths
+        lengths = torch.randint(0, 300, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+        assert aligned_starts(lengths, 64)[-1] <= aligned_row(sum(lengths), len(lengths), 64), lengths
 
 
 def test_varlen_benchmark_boundaries():
