@@ -160,8 +160,8 @@ def chunk_dplr_core(
 
     Memory is linear in T: per chunk it keeps [C, C*R] products and one [K, V] state.
     ``use_triton`` runs the chunk-to-chunk state passing (forward and backward) as one
-    Triton kernel instead of a Python loop over chunks (fp32 only).
-    ``chunk_bounds``: B = 1 holds N sequences along its row, sequence n in chunks
+    Triton kernel instead of a Python loop over chunks (fp32 only; with ``chunk_bounds``
+    one kernel for each sequence). ``chunk_bounds``: B = 1 holds N sequences along its row, sequence n in chunks
     ``chunk_bounds[n]`` up to ``chunk_bounds[n + 1]`` (zero tokens after its end); each starts
     from ``initial_state[n]``, and S_T is [N, H, K, V] (``_inputs.varlen_aligned``'s layout).
     """
@@ -171,9 +171,8 @@ def chunk_dplr_core(
     NC = -(-T // C)
     pad = NC * C - T
     N = B if chunk_bounds is None else len(chunk_bounds) - 1
-    if chunk_bounds is not None and (B != 1 or use_triton or chunk_bounds[0] != 0 or chunk_bounds[-1] != NC):
-        raise ValueError(f"chunk_bounds {chunk_bounds} must split the {NC} chunks of one row (B = {B}) on the "
-                         "PyTorch state passing")
+    if chunk_bounds is not None and (B != 1 or chunk_bounds[0] != 0 or chunk_bounds[-1] != NC):
+        raise ValueError(f"chunk_bounds {chunk_bounds} must split the {NC} chunks of one row (B = {B})")
     S = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     if T == 0:
         return q.new_zeros(B, 0, H, V, dtype=dtype), S
@@ -234,7 +233,9 @@ def chunk_dplr_core(
         from .triton import chunk_state_passing
 
         d = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
-        S0, U, S = chunk_state_passing(S, d, k_dec, v_flat, W, U_v, a_dec)
+        walk = (S, d, k_dec, v_flat, W, U_v, a_dec)
+        S0, U, S = chunk_state_passing(*walk) if chunk_bounds is None else _walks(chunk_state_passing, chunk_bounds,
+                                                                                  *walk)
     else:
         S0, U, S = _state_passing(S, None if G is None else chunk_decay, k_dec, v_flat, W, U_v, a_dec, chunk_bounds)
     o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
@@ -242,6 +243,25 @@ def chunk_dplr_core(
         o = o - M_qa @ U
     o = o.flatten(2, 3)[:, :, :T].transpose(1, 2)
     return o, S
+
+
+def _walks(walk, bounds, S, *chunked):
+    """``walk`` (``triton.chunk_state_passing``'s arguments and results) once for each sequence along one row:
+    sequence i on chunks ``bounds[i]`` up to ``bounds[i + 1]`` of the [1, H, NC, ...] tensors ``chunked``, from
+    ``S[i]``. The pieces are taken by one ``split`` each (its backward is one concatenation)."""
+    sizes = [end - first for first, end in zip(bounds[:-1], bounds[1:])]
+    pieces = [(None,) * len(sizes) if t is None else t.split(sizes, dim=2) for t in chunked]
+    starts, pseudo_values, finals = [], [], []
+    for i, n in enumerate(sizes):
+        if n == 0:  # an empty sequence passes its state through
+            finals.append(S[i:i + 1])
+            continue
+        S0, U, S_final = walk(S[i:i + 1], *(p[i] for p in pieces))
+        starts.append(S0)
+        finals.append(S_final)
+        if U is not None:
+            pseudo_values.append(U)
+    return torch.cat(starts, dim=2), torch.cat(pseudo_values, dim=2) if pseudo_values else None, torch.cat(finals)
 
 
 def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec, bounds=None):

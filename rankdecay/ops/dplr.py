@@ -112,7 +112,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     a_is_k = a is k
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
-    bounds = None  # and the PyTorch chunked path, each from one of its chunks: their first chunks there, [N + 1]
+    bounds = None  # and the chunked path (``chunk_dplr_core``), each from one of its chunks: their first chunks, [N + 1]
     # one sequence is the plain [1, T] (no gathers; segments)
     packed = x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2
     if packed:
@@ -126,11 +126,11 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
             offsets = packing.offsets
         else:  # the other paths need the lengths on the host (compiled: a graph break)
             lengths = host_lengths(x.cu_seqlens, T) if x.lengths is None else x.lengths
-            if mode == "chunk":
+            if mode in ("chunk", "triton"):  # the PyTorch chunked path, and the unfused Triton path (ranks above 4)
                 starts = aligned_starts(lengths, chunk_size)
                 packing = varlen_aligned(x.cu_seqlens, T, chunk_size, starts[-1], q.device)
                 bounds = [start // chunk_size for start in starts]
-            else:  # [N, max(lengths)]: the per-token paths, and the unfused Triton path's state kernel
+            else:  # [N, max(lengths)]: the per-token paths
                 packing = varlen_index(x.cu_seqlens, lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, packing) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders

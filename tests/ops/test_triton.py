@@ -1195,14 +1195,26 @@ def test_row_scales_checked():
         ops.dplr(q, k[..., 0, :], v[..., 0, :], v_scale=torch.ones(1, 5, 2, 2, device=DEVICE))
 
 
-def test_cu_seqlens():
-    inputs = random_inputs(1, 50, 2, 16, 16, 1, 1, "scalar")
-    h0 = torch.randn(3, 2, 16, 16, device=DEVICE)
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_cu_seqlens(gate, path, monkeypatch):
+    """cu_seqlens on mode="triton" against the per-token loop ("naive", which pads each sequence to the longest):
+    the fused kernels, and the unfused path (ranks above 4), where the sequences lie along one row from a chunk each
+    and the Triton state kernel walks each sequence apart (``chunk._walks``; it saw 1, 3 and 1 chunks here, none for
+    the empty sequence)."""
+    from rankdecay.ops.triton import chunk_state
+
+    seen = []
+    walk = chunk_state._ChunkStatePassing.apply
+    monkeypatch.setattr(chunk_state._ChunkStatePassing, "apply", lambda h0, d, kd, *rest: seen.append(kd.shape[2])
+                        or walk(h0, d, kd, *rest))
+    inputs = random_inputs(1, 50, 2, 16, 16, 2, 1, gate)
+    h0 = torch.randn(4, 2, 16, 16, device=DEVICE)
     inputs[-1] = h0
-    cu = torch.tensor([0, 7, 7, 50], device=DEVICE)  # an empty sequence, too
-    got, ref = run("triton", inputs, chunk_size=16, cu_seqlens=cu), run("chunk", inputs, chunk_size=16, cu_seqlens=cu)
+    cu = torch.tensor([0, 7, 7, 40, 50], device=DEVICE)  # an empty sequence, too
+    got, ref = run("triton", inputs, chunk_size=16, cu_seqlens=cu), run("naive", inputs, cu_seqlens=cu)
     for name, x, y in zip(names(inputs), got, ref):
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
+    assert seen == ([1, 3, 1] if path == "unfused" else []), seen
 
 
 @pytest.mark.parametrize("mechanism, host", [("gdn", True), ("hdla", True), ("hh", True), ("gdn", False),
