@@ -43,7 +43,7 @@ from .chunk_fwd import (_KNOBS, _channel_decays, _decays, _hdla_rows, _load_rows
 from .factors import (_hdla_finish_rows, hdla_factors_bwd, hdla_factors_finish, hdla_factors_fwd, kda_factor,
                       placeholder, rows_dtype)
 from .fused_recurrent import _cdiv, _pow2, gate_kind
-from .opaque import opaque_entry, opaque_function
+from .opaque import opaque, opaque_function
 from .chunk_state import (_blocks, _chunk_rows, _dot, _dot_ex, _dot_xe, _hh_mask_rows, _hh_rows, _is16, _maxnreg,
                           _out_dtype, _precision, _state_bwd_kernel, bwd_stages)
 
@@ -1460,7 +1460,7 @@ def narrow_heads(keys: torch.Tensor, v: torch.Tensor, groups: int = 1) -> bool:
     return bool(key_padding(keys, groups) or value_padding(v))
 
 
-@opaque_entry(2)
+@opaque(2, entry=True)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     """(Gated) DeltaNet on the fused kernels, inputs as ``ops.gated_delta_rule`` takes them and already checked:
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, beta [B, T, H], initial_state [B, H, K, V] or None.
@@ -1520,7 +1520,7 @@ class _HDLA(torch.autograd.Function):
         return dq, dk, dv.view(*dv.shape[:3], -1), dg, dbeta.to(beta.dtype), dh0, None
 
 
-@opaque_entry(2)
+@opaque(2, entry=True)
 def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     """HDLA (``ops.hdla``) on the fused kernels, inputs already checked and contiguous: q, k, g [B, T, H, K] (g
     per channel), v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None. Returns (o [B, T, H, V],
@@ -1541,7 +1541,7 @@ def chunk_hdla(q, k, v, g, beta, scale: float, initial_state=None):
     return chunk_dplr_fwd(q, k.unsqueeze(3), v.unsqueeze(3), a, b, g, scale, initial_state, hdla_beta=beta)
 
 
-@opaque_entry(2)
+@opaque(2, entry=True)
 def chunk_dplr(q, k, v, a, b, g, scale: float, initial_state, a_scale=None, v_scale=None, hh_mask=None,
                kda_b: bool = False, offsets=None):
     """The fused forward (``chunk_dplr_fwd``) with autograd; same arguments (``offsets``: sequences packed along

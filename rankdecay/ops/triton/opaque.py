@@ -15,7 +15,7 @@ operators:
 Their fake implementations (the shapes a graph is traced with) run the same Python with every Triton launch made a
 no-op (``shapes_only``): the same decisions, the same allocations, as fake tensors; nothing is written twice.
 ``compiling()`` says whether a call is being traced (and not already running inside one of these operators), which
-is when ``OpaqueFunction.apply``, ``opaque`` and ``opaque_entry`` take the operators; eagerly they call straight
+is when ``OpaqueFunction.apply`` and ``opaque`` take the operators; eagerly they call straight
 through, at no cost.
 
 The fake runs read no size as a number (``_meta`` leaves the descriptors' sizes unread there), so a dynamic sequence
@@ -37,7 +37,7 @@ import torch
 from ..backends import needs_grad
 
 _LOCAL = threading.local()  # .inside: running an operator's body; .shapes_only: its fake (shape-only) run
-_FUNCTIONS: dict[str, tuple[type, int, bool]] = {}  # name -> (autograd.Function, outputs, saves_outputs)
+_FUNCTIONS: dict[str, "OpaqueFunction"] = {}  # name -> the registered autograd Function
 _CALLS: dict[str, tuple] = {}  # name -> (function, outputs)
 
 
@@ -261,7 +261,7 @@ def _run_forward(name: str, tensors, statics: str, fake: bool) -> list[torch.Ten
         with _body(fake):
             out = fn(*_join(tensors, statics)[0])
         return [out] if outputs == 1 else list(out)
-    cls, outputs, _ = _FUNCTIONS[name]
+    cls, outputs = _FUNCTIONS[name].function, _FUNCTIONS[name].outputs
     args = _join(tensors, statics)[0]
     ctx = _Context()
     with _body(fake):
@@ -292,7 +292,7 @@ _SCHEMA_BACKWARD = ("(str name, Tensor?[] inputs, Tensor[] outs, Tensor[] saved,
 
 @torch.library.custom_op("rankdecay::opaque_backward", mutates_args=(), schema=_SCHEMA_BACKWARD, tags=_TAGS)
 def _opaque_backward(name, inputs, outs, saved, meta, grads, statics, needs):
-    cls = _FUNCTIONS[name][0]
+    cls = _FUNCTIONS[name].function
     attributes, codes = _unmeta(meta)
     args, positions = _join(inputs, statics)
     ctx = _Context(needs[j] if j >= 0 else False for j in positions)
@@ -359,7 +359,7 @@ class OpaqueFunction:
     def __init__(self, cls, outputs: int, saves_outputs: bool):
         self.function, self.name = cls, f"{cls.__module__}.{cls.__qualname__}"
         self.outputs, self.saves_outputs = outputs, saves_outputs
-        _FUNCTIONS[self.name] = (cls, outputs, saves_outputs)
+        _FUNCTIONS[self.name] = self
 
     def __getattr__(self, attribute):
         if attribute == "function":  # (not set yet: a copy being built)
@@ -403,8 +403,3 @@ def opaque(outputs: int, entry: bool = False):
             return out[0] if outputs == 1 else tuple(out)
         return call
     return wrap
-
-
-def opaque_entry(outputs: int):
-    """``opaque(outputs, entry=True)``."""
-    return opaque(outputs, entry=True)
