@@ -284,6 +284,7 @@ def varlen_aligned(cu_seqlens: torch.Tensor, T: int, align: int, row: int, devic
     Computed on the device from ``cu_seqlens`` alone: no sync, and under ``torch.compile`` no graph break."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     ends = torch.cumsum(-torch.div(cu[:-1] - cu[1:], align, rounding_mode="floor") * align, 0)
+    # the last offset set to row by a mask (not row cat'd after ends[:-1]: a size N - 1, which Dynamo specialises at 1)
     offsets = torch.cat([ends.new_zeros(1), ends])
     offsets = torch.where(torch.arange(offsets.shape[0], device=device) == offsets.shape[0] - 1, row, offsets)
     return Packing(_destinations(cu, offsets, T), 1, row, offsets.to(torch.int32))

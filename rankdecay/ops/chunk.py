@@ -230,14 +230,13 @@ def chunk_dplr_core(
     if a is None:
         W = U_v = a_dec = None
     if use_triton:
-        from .triton import chunk_state_passing
+        from .triton import chunk_state_passing as walk
 
-        d = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
-        walk = (S, d, k_dec, v_flat, W, U_v, a_dec)
-        S0, U, S = chunk_state_passing(*walk) if chunk_bounds is None else _walks(chunk_state_passing, chunk_bounds,
-                                                                                  *walk)
+        decay = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
     else:
-        S0, U, S = _state_passing(S, None if G is None else chunk_decay, k_dec, v_flat, W, U_v, a_dec, chunk_bounds)
+        walk, decay = _state_passing, None if G is None else chunk_decay
+    args = (S, decay, k_dec, v_flat, W, U_v, a_dec)
+    S0, U, S = walk(*args) if chunk_bounds is None else _walks(walk, chunk_bounds, *args)
     o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
     if a is not None:
         o = o - M_qa @ U
@@ -246,7 +245,7 @@ def chunk_dplr_core(
 
 
 def _walks(walk, bounds, S, *chunked):
-    """``walk`` (``triton.chunk_state_passing``'s arguments and results) once for each sequence along one row:
+    """``walk`` (``_state_passing`` or ``triton.chunk_state_passing``) once for each sequence along one row:
     sequence i on chunks ``bounds[i]`` up to ``bounds[i + 1]`` of the [1, H, NC, ...] tensors ``chunked``, from
     ``S[i]``. The pieces are taken by one ``split`` each (its backward is one concatenation)."""
     sizes = [end - first for first, end in zip(bounds[:-1], bounds[1:])]
@@ -264,13 +263,11 @@ def _walks(walk, bounds, S, *chunked):
     return torch.cat(starts, dim=2), torch.cat(pseudo_values, dim=2) if pseudo_values else None, torch.cat(finals)
 
 
-def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec, bounds=None):
+def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
     """HDLA eq. 17, one chunk at a time: (states entering each chunk, pseudo-values U, final state).
 
     S [B, H, K, V]; chunk_decay [B, H, NC, Kg, 1] or None; k_dec [B, H, NC, C*Rkv, K];
     v_flat [B, H, NC, C*Rkv, V]; W, a_dec [B, H, NC, C*Rab, K] and U_v [.., C*Rab, V] or None.
-    ``bounds``: N sequences along one row (B = 1), sequence n in chunks ``bounds[n]`` up to
-    ``bounds[n + 1]`` from S[n]; the final state is then [N, H, K, V].
     """
     # Every chunk's write k_decᵀ v in one batched product, and each chunk's slices by unbind: chunk n taken by
     # indexing inside the loop made autograd's backward allocate and zero-fill the whole tensor once per index
@@ -279,19 +276,15 @@ def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec, bounds=None):
     decays = chunk_decay.unbind(2) if chunk_decay is not None else None
     if W is not None:
         W, U_v, a_dec = W.unbind(2), U_v.unbind(2), a_dec.unbind(2)
-    sequences = [(0, len(writes), S)] if bounds is None else [(bounds[i], bounds[i + 1], S[i:i + 1])
-                                                              for i in range(len(bounds) - 1)]
-    starts, pseudo_values, finals = [], [], []
-    for first, end, S in sequences:
-        for n in range(first, end):
-            starts.append(S)
-            S_next = S if decays is None else decays[n] * S
-            S_next = S_next + writes[n]
-            if W is not None:
-                U = W[n] @ S + U_v[n]
-                pseudo_values.append(U)
-                S_next = S_next - a_dec[n].transpose(-1, -2) @ U
-            S = S_next
-        finals.append(S)
+    starts, pseudo_values = [], []
+    for n in range(len(writes)):
+        starts.append(S)
+        S_next = S if decays is None else decays[n] * S
+        S_next = S_next + writes[n]
+        if W is not None:
+            U = W[n] @ S + U_v[n]
+            pseudo_values.append(U)
+            S_next = S_next - a_dec[n].transpose(-1, -2) @ U
+        S = S_next
     U = torch.stack(pseudo_values, dim=2) if pseudo_values else None
-    return torch.stack(starts, dim=2), U, finals[0] if bounds is None else torch.cat(finals)
+    return torch.stack(starts, dim=2), U, S
