@@ -1,14 +1,16 @@
 """Packed sequences (``cu_seqlens``) on the GPU kernels: milliseconds against the same tokens as one sequence.
 
     python benchmarks/varlen_speed.py [--mechanisms gdn hdla hh-gdn kda] [--windows 8] [--window 2048]
-                                      [--mean-doc 600] [--matmul-precision highest] [--json out.json]
+                                      [--mean-doc 600] [--matmul-precision highest] [--decode] [--json out.json]
 
 The batch is what ``rankdecay train --pack varlen`` makes: ``--windows`` windows of ``--window`` tokens along one
 row, cut at every window and at every document's end (documents of geometric lengths, mean ``--mean-doc``), so
 each window holds several sequences. Each mechanism runs forward and forward+backward (bf16, H=16, K=V=128 unless
 told) with those ``cu_seqlens``, and without them on the same tokens (one sequence: no restart, the floor). The
 table also gives the tokens the fused kernels walk (the sequences laid from multiples of 64 tokens) and what a
-layout padding every sequence to the longest would walk (N x max length).
+layout padding every sequence to the longest would walk (N x max length). With ``--decode``, the decode kernels
+(``mode="fused_recurrent"``: each sequence walked token by token where it lies, a prefill of many prompts) forward
+only.
 """
 from __future__ import annotations
 
@@ -55,21 +57,23 @@ def inputs(mechanism: str, T: int, H: int, K: int, V: int, dtype) -> dict:
     return x
 
 
-def call(mechanism: str, x: dict, cu):
+def call(mechanism: str, x: dict, cu, mode: str = "auto"):
     if mechanism == "gdn":
-        return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+        return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, mode=mode)[0]
     if mechanism == "hdla":
-        return ops.hdla(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+        return ops.hdla(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, mode=mode)[0]
     if mechanism == "kda":
-        return ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
+        return ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, mode=mode)[0]
     if mechanism == "hh-gdn":
-        return ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"], cu_seqlens=cu)[0]
+        return ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"], cu_seqlens=cu, mode=mode)[0]
     raise ValueError(f"--mechanisms: gdn, hdla, kda or hh-gdn, got {mechanism!r}")
 
 
-def timed(mechanism: str, x: dict, cu) -> tuple[float, float]:
+def timed(mechanism: str, x: dict, cu, decode: bool = False) -> tuple[float, float | None]:
     with torch.no_grad():
-        fwd = bench(lambda: call(mechanism, x, cu))["ms"]
+        fwd = bench(lambda: call(mechanism, x, cu, "fused_recurrent" if decode else "auto"))["ms"]
+    if decode:
+        return fwd, None
     leaves = {n: t.detach().requires_grad_(t.is_floating_point() and n != "mask") for n, t in x.items()}
     do = torch.randn_like(x["v"])
 
@@ -77,6 +81,10 @@ def timed(mechanism: str, x: dict, cu) -> tuple[float, float]:
         call(mechanism, leaves, cu).backward(do)
 
     return fwd, bench(step)["ms"]
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
 
 
 def main() -> None:
@@ -90,6 +98,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                    help="torch.set_float32_matmul_precision, as benchmarks/kernels.py takes it")
+    p.add_argument("--decode", action="store_true", help="the decode kernels (mode='fused_recurrent'), forward only")
     p.add_argument("--json")
     a = p.parse_args()
     torch.set_float32_matmul_precision(a.matmul_precision)
@@ -98,21 +107,22 @@ def main() -> None:
     T, N = cu_list[-1], len(lengths)
     aligned = sum(-(-n // 64) * 64 for n in lengths)
     cu = torch.tensor(cu_list, device="cuda", dtype=torch.int32)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, matmul precision {a.matmul_precision}; T = "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, matmul precision {a.matmul_precision}"
+          f"{', decode kernels' if a.decode else ''}; T = "
           f"{T} tokens in {N} sequences (longest {max(lengths)}): {aligned} tokens from multiples of 64, "
           f"{N * max(lengths)} padded to the longest")
     rows = []
     for m in a.mechanisms:
         x = inputs(m, T, a.heads, a.head_dim, a.head_dim, torch.bfloat16)
-        packed, whole = timed(m, x, cu), timed(m, x, None)
+        packed, whole = timed(m, x, cu, a.decode), timed(m, x, None, a.decode)
         rows.append(dict(mechanism=m, T=T, N=N, fwd_ms=packed[0], fwd_bwd_ms=packed[1], one_sequence_fwd_ms=whole[0],
                          one_sequence_fwd_bwd_ms=whole[1]))
-        print(f"{m}: packed {packed[0]:.3f} / {packed[1]:.3f} ms, one sequence {whole[0]:.3f} / {whole[1]:.3f} ms",
+        print(f"{m}: packed {_ms(packed[0])} / {_ms(packed[1])} ms, one sequence {_ms(whole[0])} / {_ms(whole[1])} ms",
               flush=True)
     print("\n| mechanism | cu_seqlens fwd | fwd+bwd | one sequence fwd | fwd+bwd |\n|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['mechanism']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['one_sequence_fwd_ms']:.3f} | "
-              f"{r['one_sequence_fwd_bwd_ms']:.3f} |")
+        print(f"| {r['mechanism']} | {_ms(r['fwd_ms'])} | {_ms(r['fwd_bwd_ms'])} | {_ms(r['one_sequence_fwd_ms'])} | "
+              f"{_ms(r['one_sequence_fwd_bwd_ms'])} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(cu_seqlens=cu_list, aligned_tokens=aligned, rows=rows), f, indent=1)

@@ -185,25 +185,7 @@ def canonicalize(q, k, v, a, b, g, scale, initial_state, cu_seqlens, chunk_size,
 
     scale = resolve_scale(scale, K)
 
-    lengths = None
-    N = B
-    if cu_seqlens is not None:
-        _is_tensor(cu_seqlens, "cu_seqlens")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-        if B != 1:
-            raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
-        N = cu_seqlens.shape[0] - 1
-        if _compiling():
-            # Reading the values on the host would break the graph here and make each new packing a constant of the
-            # graph after it (a compile per packing); the fused kernels' layout needs none of them (varlen_aligned)
-            lens = cu_seqlens[1:] - cu_seqlens[:-1]
-            torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (lens >= 0).all(),
-                                 "cu_seqlens must start at 0, end at T and be non-decreasing")
-        else:
-            lengths = host_lengths(cu_seqlens, T)
+    N, lengths = check_cu_seqlens(cu_seqlens, B, T)
 
     if initial_state is not None:
         check_float(initial_state, "initial_state")
@@ -240,6 +222,29 @@ def _destinations(cu: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tenso
     """dest [T]: sequence n's p-th token (``cu`` [N + 1], int64, its offsets) to ``starts[n] + p``; on the device."""
     seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=cu.device), cu[1:] - cu[:-1], output_size=T)
     return starts[seq] + torch.arange(T, device=cu.device) - cu[seq]
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[int, list[int] | None]:
+    """The number of sequences N (B without ``cu_seqlens``) and their lengths on the host, ``cu_seqlens`` checked:
+    an int32 / int64 tensor [N + 1] from 0 to T, non-decreasing, with B = 1. The values are read on the host (one
+    sync), except under ``torch.compile``, where they are asserted on the device and the lengths are None."""
+    if cu_seqlens is None:
+        return B, None
+    _is_tensor(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
+    if _compiling():
+        # Reading the values on the host would break the graph here and make each new packing a constant of the
+        # graph after it (a compile per packing); the fused kernels' layout needs none of them (varlen_aligned)
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (lens >= 0).all(),
+                             "cu_seqlens must start at 0, end at T and be non-decreasing")
+        return cu_seqlens.shape[0] - 1, None
+    return cu_seqlens.shape[0] - 1, host_lengths(cu_seqlens, T)
 
 
 def host_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:

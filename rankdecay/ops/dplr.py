@@ -113,8 +113,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     fused = mode == "triton" and _fused_applies(q, k, a, g)
     offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
     bounds = None  # and the chunked path (``chunk_dplr_core``), each from one of its chunks: their first chunks, [N + 1]
-    # one sequence is the plain [1, T] (no gathers; segments)
-    packed = x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2
+    # one sequence is the plain [1, T] (no gathers; segments); the decode kernel walks each sequence where it lies
+    packed = x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2 and mode != "fused_recurrent"
     if packed:
         T = q.shape[1]
         if fused:  # on the device alone (the lengths are not on the host while compiling: ``canonicalize``)
@@ -130,7 +130,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
                 starts = aligned_starts(lengths, chunk_size)
                 packing = varlen_aligned(x.cu_seqlens, T, chunk_size, starts[-1], q.device)
                 bounds = [start // chunk_size for start in starts]
-            else:  # [N, max(lengths)]: the per-token paths
+            else:  # [N, max(lengths)]: the naive path
                 packing = varlen_index(x.cu_seqlens, lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, packing) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
@@ -157,7 +157,8 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     elif mode == "fused_recurrent":
         from .triton import fused_recurrent_dplr
 
-        o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state, inplace_final_state)
+        cu = x.cu_seqlens.to(q.device) if x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2 else None
+        o, state = fused_recurrent_dplr(q, k, v, a, b, g, x.scale, x.initial_state, inplace_final_state, cu)
     elif fused:
         from .triton import chunk_dplr, chunk_dplr_fwd, padded_dplr
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._inputs import (check_chunk_size, check_devices, check_float, check_inplace_state, check_shape, compute_dtype,
-                      resolve_scale)
+from ._inputs import (check_chunk_size, check_cu_seqlens, check_devices, check_float, check_inplace_state, check_shape,
+                      compute_dtype, resolve_scale)
 from .backends import check_triton_mode, needs_grad, recurrent_mode, resolve_mode, triton_runs_on
 from .dplr import _dplr, dplr
 
@@ -189,9 +189,10 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     _check_qkv(q, k, v, value_groups=groups)
     _check_beta(beta, _heads_like(q, v.shape[2]))
     _check_gate(g, _heads_like(q, v.shape[2]))
-    if mode == "fused_recurrent" and cu_seqlens is None:
+    if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state)
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state,
+                                    cu_seqlens=cu_seqlens)
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     if use_qk_l2norm_in_kernel:
@@ -248,10 +249,10 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 mode=mode, inplace_final_state=inplace_final_state,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if mode == "fused_recurrent" and cu_seqlens is None:  # the delta rule's decode kernel, decaying first
+    if mode == "fused_recurrent":  # the delta rule's decode kernel, decaying first
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state,
-                                    decay_first=True)
+                                    decay_first=True, cu_seqlens=cu_seqlens)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     k1 = k[..., None, :]
@@ -319,9 +320,9 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     _check_beta(beta, q, rows=nh)
     _check_gate(g, q)
     B, T, H, K = q.shape
-    if (g is None or g.dim() == 3) and mode == "fused_recurrent" and cu_seqlens is None:
+    if (g is None or g.dim() == 3) and mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    inplace_final_state=inplace_final_state, num_householder=nh)
+                                    inplace_final_state=inplace_final_state, num_householder=nh, cu_seqlens=cu_seqlens)
     if (g is None or g.dim() == 3) and (mode == "fused_recurrent" or _runs_triton(mode, q, (q, k, v, g, beta,
                                                                                             initial_state))):
         o, state = gated_delta_rule(
@@ -371,9 +372,9 @@ def hdla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
-    if mode == "fused_recurrent" and cu_seqlens is None:
+    if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    inplace_final_state=inplace_final_state, householder=True)
+                                    inplace_final_state=inplace_final_state, householder=True, cu_seqlens=cu_seqlens)
     if cu_seqlens is None and not inplace_final_state and _triton_factors(mode, q, (q, k, v, g, beta, initial_state)):
         # the fused kernels as one autograd node: a and b built inside, six products of token rows in place of the
         # nine of a and b, the rows' gradients carried on to k, g and β inside (``chunk_hdla``)
@@ -434,10 +435,10 @@ def hh_delta_rule(q, k, v, beta, mask, g=None, *, scale=None, initial_state=None
         raise ValueError(f"mask must have shape [H, r, r] or [B, T, H, r, r], got {list(mask.shape)}")
     if r < 1 or K % r:
         raise ValueError(f"the mask rank r = {r} must divide the key dimension K = {K}")
-    if mode == "fused_recurrent" and cu_seqlens is None and K & (K - 1) == 0 and r & (r - 1) == 0:
+    if mode == "fused_recurrent" and K & (K - 1) == 0 and r & (r - 1) == 0:
         # decoding: the delta rule's decode kernel with the mask between the key's groups, no factors built
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    inplace_final_state=inplace_final_state, mask=mask)
+                                    inplace_final_state=inplace_final_state, mask=mask, cu_seqlens=cu_seqlens)
     hh_mask = None
     if _triton_factors(mode, q, (q, k, v, beta, mask, g, initial_state)):
         from .triton.factors import decay_rows_dtype, hh_factors, hh_placeholders, hh_update_rows  # no gather
@@ -487,28 +488,31 @@ def head_in_head_mask(m_org: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return n @ n.transpose(-1, -2)
 
 
-def _check_state_and_devices(q, k, v, g, beta, initial_state) -> None:
+def _check_state_and_devices(q, k, v, g, beta, initial_state, cu_seqlens=None) -> None:
     """What ``dplr`` checks beyond q, k, v, g and beta's shapes, for the routes that bypass it ((Gated) DeltaNet's
-    and HDLA's): the initial state's dtype and shape ``[B, H, K, V]``, and every tensor on q's device."""
+    and HDLA's): ``cu_seqlens`` (``_inputs.check_cu_seqlens``), the initial state's dtype and shape ``[N, H, K, V]``
+    (N = B, or the number of packed sequences), and every tensor on q's device."""
     B, T, _, K = q.shape
+    N, _ = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:  # H: v's heads (q's but with grouped value heads)
         check_float(initial_state, "initial_state")
-        check_shape(initial_state, "initial_state", (B, v.shape[2], K, v.shape[-1]), "[N, H, K, V]")
+        check_shape(initial_state, "initial_state", (N, v.shape[2], K, v.shape[-1]), "[N, H, K, V]")
     check_devices(q.device, (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)))
 
 
 def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm=False,
                          raw_gates=None, inplace_final_state=False, decay_first=False, lower_bound=None,
                          householder=False, mask=None, norm_q=True, logsigmoid_scale=None, mask_raw=False,
-                         num_householder=1):
+                         num_householder=1, cu_seqlens=None):
     """(Gated) DeltaNet's, KDA's and HDLA's decode fast path: one kernel, no DPLR factors built. q, k, v, g and
     beta were checked by the caller; the rest is checked as ``dplr`` checks it, without a
     second pass over what was (a decode step's host time is its cost). ``raw_gates``, ``lower_bound``: see
     ``gated_delta_rule_decode`` and ``kda_decode``; ``decay_first``: KDA's order; ``householder``: HDLA's step;
     ``mask``: Head-in-Head's (``mask_raw``: its M_org); ``norm_q=False``: the norm on k alone; ``logsigmoid_scale``:
-    see ``hdla_decode``; ``num_householder``: Gated DeltaProduct's sub-steps (k, v and beta ``T * n_h`` rows)."""
+    see ``hdla_decode``; ``num_householder``: Gated DeltaProduct's sub-steps (k, v and beta ``T * n_h`` rows);
+    ``cu_seqlens``: sequences packed along T, each walked where it lies by its own programs (no padding)."""
     scale = resolve_scale(scale, q.shape[-1])
-    _check_state_and_devices(q, k, v, g, beta, initial_state)
+    _check_state_and_devices(q, k, v, g, beta, initial_state, cu_seqlens)
     if inplace_final_state:
         check_inplace_state(initial_state)
     tensors = (q, k, v, g, beta, initial_state)
@@ -522,13 +526,14 @@ def _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_st
         inplace_final_state=inplace_final_state, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
         decay_first=decay_first, lower_bound=lower_bound, householder=householder,
         mask=None if mask is None else mask.contiguous(), norm_q=norm_q, logsigmoid_scale=logsigmoid_scale,
-        mask_raw=mask_raw, num_householder=num_householder)
+        mask_raw=mask_raw, num_householder=num_householder,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(q.device))
     return o, (state if output_final_state else None)
 
 
 def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None, initial_state=None,
-                            output_final_state=False, use_qk_l2norm_in_kernel=True, inplace_final_state=False,
-                            mode="auto"):
+                            output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
+                            inplace_final_state=False, mode="auto"):
     r"""Gated DeltaNet's decode step with its gates formed in the kernel from the layer's projections
     (the fused sigmoid-gating update of serving engines): one kernel for the L2 norms, the gates and
     the recurrence, on a GPU, without autograd; elsewhere the same computation in PyTorch.
@@ -545,6 +550,10 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     engines' decode kernels do: a step then allocates no state and moves it once each way (the
     kernel reads it and writes it back; on the other path the result is copied in).
 
+    cu_seqlens: ``[N + 1]`` int offsets of N sequences packed along T (B = 1; the state ``[N, H, K, V]``), as in
+    :func:`gated_delta_rule`: a prefill of several prompts, or serving's mixed batches. The kernel walks each
+    sequence where it lies (no padding); the values are checked on the host (one sync) unless compiling.
+
     mode: ``"fused_recurrent"`` (the kernel), ``"naive"`` (the gates and norms in PyTorch, then the
     per-token loop, with autograd) or ``"auto"``: the kernel for CUDA tensors without autograd
     when triton runs there, else ``"naive"``.
@@ -554,11 +563,11 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
     if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
-                                    inplace_final_state=inplace_final_state)
+                                    inplace_final_state=inplace_final_state, cu_seqlens=cu_seqlens)
     beta = beta_max * _up(b).sigmoid()
     g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, mode="naive",
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, mode="naive",
                             inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
@@ -621,7 +630,8 @@ def _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode: str, row
 
 
 def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0, scale=None, initial_state=None,
-               output_final_state=False, use_qk_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
+               output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True, inplace_final_state=False,
+               mode="auto"):
     r"""Kimi Delta Attention's decode step with its gates formed in the kernel from the layer's projections (fla's
     ``fused_recurrent_kda`` with ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``): one kernel for the L2
     norms, the gates and the recurrence of :func:`kda`, on a GPU, without autograd; elsewhere the same computation in
@@ -632,7 +642,7 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
     :math:`g = -e^{A_{log}} \operatorname{softplus}(a + dt_{bias})`, or with ``lower_bound`` b < 0 (fla's)
     :math:`g = b\,\sigma(e^{A_{log}} (a + dt_{bias}))`; b: ``[B, T, H]``, β's logits: :math:`\beta = \beta_{max}
     \sigma(b)`. Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``, as :func:`kda`.
-    ``inplace_final_state`` and ``mode``: as in :func:`gated_delta_rule_decode`.
+    ``cu_seqlens``, ``inplace_final_state`` and ``mode``: as in :func:`gated_delta_rule_decode`.
     """
     mode = _check_channel_decode(q, k, v, a, b, mode)
     H, K = q.shape[2:]
@@ -647,15 +657,17 @@ def kda_decode(q, k, v, a, b, A_log, dt_bias, *, lower_bound=None, beta_max=1.0,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel,
                                     raw_gates=(A_log.contiguous(), dt_bias.contiguous(), beta_max),
                                     inplace_final_state=inplace_final_state, decay_first=True,
-                                    lower_bound=None if lower_bound is None else float(lower_bound))
+                                    lower_bound=None if lower_bound is None else float(lower_bound),
+                                    cu_seqlens=cu_seqlens)
     g = kda_log_decay(a, A_log, dt_bias, lower_bound)
     return kda(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
-               output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state,
-               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens, mode="naive",
+               inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def hdla_decode(q, k, v, a, b, *, gate_logit_normalizer=16.0, beta_max=2.0, scale=None, initial_state=None,
-                output_final_state=False, use_k_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
+                output_final_state=False, cu_seqlens=None, use_k_l2norm_in_kernel=True, inplace_final_state=False,
+                mode="auto"):
     r"""HDLA's decode step with its gates formed in the kernel from the layer's projections: one kernel for k's L2
     norm, λ, β and the recurrence of :func:`hdla`, on a GPU, without autograd; elsewhere the same computation in
     PyTorch.
@@ -664,8 +676,8 @@ def hdla_decode(q, k, v, a, b, *, gate_logit_normalizer=16.0, beta_max=2.0, scal
     HDLA layer); v: ``[B, T, H, V]``; a: ``[B, T, H, K]``, λ's logits (the layer's ``lambda_proj x``, its bias
     included): :math:`\log\lambda = \log\sigma(a) / \tau`, τ = ``gate_logit_normalizer``; b: ``[B, T, H]``, β's
     logits: :math:`\beta = \beta_{max} \sigma(b)` (the paper's β in (0, 2) by default). Returns ``(o [B, T, H, V],
-    final state [B, H, K, V] fp32 or None)``, as :func:`hdla`. ``inplace_final_state`` and ``mode``: as in
-    :func:`gated_delta_rule_decode`.
+    final state [B, H, K, V] fp32 or None)``, as :func:`hdla`. ``cu_seqlens``, ``inplace_final_state`` and ``mode``:
+    as in :func:`gated_delta_rule_decode`.
     """
     mode = _check_channel_decode(q, k, v, a, b, mode)
     if isinstance(gate_logit_normalizer, bool) or not isinstance(gate_logit_normalizer, (int, float)) \
@@ -675,15 +687,17 @@ def hdla_decode(q, k, v, a, b, *, gate_logit_normalizer=16.0, beta_max=2.0, scal
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_k_l2norm_in_kernel, norm_q=False,
                                     raw_gates=(None, None, beta_max), inplace_final_state=inplace_final_state,
-                                    householder=True, logsigmoid_scale=1.0 / gate_logit_normalizer)
+                                    householder=True, logsigmoid_scale=1.0 / gate_logit_normalizer,
+                                    cu_seqlens=cu_seqlens)
     g = F.logsigmoid(_up(a)) / gate_logit_normalizer
     k = l2norm(k) if use_k_l2norm_in_kernel else k
     return hdla(q, k, v, g, beta_max * _up(b).sigmoid(), scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, mode="naive", inplace_final_state=inplace_final_state)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, mode="naive",
+                inplace_final_state=inplace_final_state)
 
 
 def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None,
-                         initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                         initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True,
                          inplace_final_state=False, mode="auto"):
     r"""Head-in-Head's decode step with its gates and its mask formed in the kernel from the layer's projections and
     parameters: one kernel for the L2 norms, α, β, the mask :math:`M = N N^\top` (:func:`head_in_head_mask` of
@@ -694,7 +708,8 @@ def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta
     ``[B, T, H]``, the decay's projection with ``A_log`` and ``dt_bias`` ``[H]`` (:math:`g = -e^{A_{log}}
     \operatorname{softplus}(a + dt_{bias})`, Gated DeltaNet's), or None (Head-in-Head DeltaNet); b: ``[B, T, H]``,
     β's logits (:math:`\beta = \beta_{max} \sigma(b)`); m_org: ``[H, r, r]`` (a static mask's parameter) or
-    ``[B, T, H, r, r]`` (projected per token). Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``.
+    ``[B, T, H, r, r]`` (projected per token). Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or None)``;
+    ``cu_seqlens``, ``inplace_final_state`` and ``mode`` as in :func:`gated_delta_rule_decode`.
     """
     mode, raw = _check_scalar_decode(q, k, v, a, b, A_log, dt_bias, beta_max, mode)
     B, T, H, K = q.shape
@@ -706,18 +721,19 @@ def hh_delta_rule_decode(q, k, v, a, b, m_org, A_log=None, dt_bias=None, *, beta
     if mode == "fused_recurrent" and K & (K - 1) == 0 and r & (r - 1) == 0:
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
-                                    inplace_final_state=inplace_final_state, mask=m_org, mask_raw=True)
+                                    inplace_final_state=inplace_final_state, mask=m_org, mask_raw=True,
+                                    cu_seqlens=cu_seqlens)
     g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return hh_delta_rule(q, k, v, beta_max * _up(b).sigmoid(), head_in_head_mask(F.softplus(_up(m_org))), g,
-                         scale=scale, initial_state=initial_state, output_final_state=output_final_state, mode=mode,
-                         inplace_final_state=inplace_final_state)
+                         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                         cu_seqlens=cu_seqlens, mode=mode, inplace_final_state=inplace_final_state)
 
 
 def gated_delta_product_decode(q, k, v, a, b, num_householder, A_log=None, dt_bias=None, *, beta_max=1.0, scale=None,
-                               initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                               inplace_final_state=False, mode="auto"):
+                               initial_state=None, output_final_state=False, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=True, inplace_final_state=False, mode="auto"):
     r"""Gated DeltaProduct's decode step with its gates formed in the kernel from the layer's projections: one kernel
     for the L2 norms, the gate, the β's and the ``n_h`` sub-steps of :func:`gated_delta_product`, on a GPU, without
     autograd; elsewhere the same computation in PyTorch.
@@ -727,7 +743,8 @@ def gated_delta_product_decode(q, k, v, a, b, num_householder, A_log=None, dt_bi
     ``[B, T, H]``, the decay's projection with ``A_log`` and ``dt_bias`` ``[H]`` (:math:`g = -e^{A_{log}}
     \operatorname{softplus}(a + dt_{bias})`, Gated DeltaNet's), or None (DeltaProduct); b: ``[B, T * n_h, H]``, the
     β's logits (:math:`\beta = \beta_{max} \sigma(b)`). Returns ``(o [B, T, H, V], final state [B, H, K, V] fp32 or
-    None)``; ``inplace_final_state`` and ``mode`` as in :func:`gated_delta_rule_decode`.
+    None)``; ``cu_seqlens`` (counting tokens of q), ``inplace_final_state`` and ``mode`` as in
+    :func:`gated_delta_rule_decode`.
     """
     if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
@@ -735,10 +752,12 @@ def gated_delta_product_decode(q, k, v, a, b, num_householder, A_log=None, dt_bi
     if mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, a, b, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, raw_gates=raw,
-                                    inplace_final_state=inplace_final_state, num_householder=num_householder)
+                                    inplace_final_state=inplace_final_state, num_householder=num_householder,
+                                    cu_seqlens=cu_seqlens)
     g = None if a is None else mamba2_log_decay(a, A_log, dt_bias)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return gated_delta_product(q, k, v, g, beta_max * _up(b).sigmoid(), num_householder, scale=scale,
-                               initial_state=initial_state, output_final_state=output_final_state, mode="naive",
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               cu_seqlens=cu_seqlens, mode="naive",
                                inplace_final_state=inplace_final_state)

@@ -2667,6 +2667,89 @@ def _assert_decode_kernel_matches_naive(call, h0, label):
         assert_matches(x, y, 1e-5, f"{label}: {name}")
 
 
+def _varlen_decode_calls(lengths, H=2, K=16, V=8, seed=11):
+    """Every entry with a decode kernel, as ``call(mode, cu_seqlens, initial_state, **kw)`` on inputs packed along
+    T = sum(lengths) (B = 1), strong decays and β up to 2 where the entry takes them."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731
+    q, k, v, b, a = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, V), rnd(1, T, H), rnd(1, T, H, K)
+    kn = F.normalize(k, dim=-1)
+    beta = 2 * torch.rand(1, T, H, generator=gen).to(DEVICE)
+    g = -10 * torch.rand(1, T, H, generator=gen).to(DEVICE)
+    gk = -10 * torch.rand(1, T, H, K, generator=gen).to(DEVICE)
+    k2, v2, b2 = (torch.stack([x, x.flip(-1)], 2).flatten(1, 2) for x in (kn, v, beta))  # two sub-steps a token
+    mask = ops.head_in_head_mask(torch.rand(1, T, H, 4, 4, generator=gen) + 0.5).to(DEVICE)
+    a_log, bias, bias_k, m_org = rnd(H), rnd(H), rnd(H * K), rnd(H, 4, 4)
+    x = random_inputs(1, T, H, K, V, 2, 2, "channel", beta_max=2.0, seed=seed)[:6]
+    return {
+        "dplr Rab=2 Rkv=2": lambda m, **kw: ops.dplr(*x, mode=m, **kw),
+        "gated_delta_rule": lambda m, **kw: ops.gated_delta_rule(q, kn, v, g, beta, mode=m, **kw),
+        "gated_delta_rule GVA": lambda m, **kw: ops.gated_delta_rule(q[:, :, :1], kn[:, :, :1], v, g, beta, mode=m,
+                                                                     **kw),
+        "kda": lambda m, **kw: ops.kda(q, kn, v, gk, beta, mode=m, **kw),
+        "hdla": lambda m, **kw: ops.hdla(q, kn, v, gk, beta, mode=m, **kw),
+        "hh_delta_rule per token": lambda m, **kw: ops.hh_delta_rule(q, kn, v, beta, mask, g, mode=m, **kw),
+        "gated_delta_product": lambda m, **kw: ops.gated_delta_product(q, k2, v2, g, b2, 2, mode=m, **kw),
+        "gated_delta_rule_decode": lambda m, **kw: ops.gated_delta_rule_decode(q, k, v, b, b, a_log, bias, mode=m,
+                                                                               **kw),
+        "kda_decode": lambda m, **kw: ops.kda_decode(q, k, v, a, b, a_log, bias_k, lower_bound=-5.0, mode=m,
+                                                     **kw),
+        "hdla_decode": lambda m, **kw: ops.hdla_decode(q, k, v, a, b, mode=m, **kw),
+        "hh_delta_rule_decode": lambda m, **kw: ops.hh_delta_rule_decode(q, k, v, b, b, m_org, a_log, bias,
+                                                                         mode=m, **kw),
+        "gated_delta_product_decode": lambda m, **kw: ops.gated_delta_product_decode(
+            q, torch.stack([k, k.flip(-1)], 2).flatten(1, 2), v2, b, torch.stack([b, -b], 2).flatten(1, 2), 2,
+            a_log, bias, mode=m, **kw),
+    }
+
+
+@pytest.mark.parametrize("name", list(_varlen_decode_calls([1])))
+def test_fused_recurrent_cu_seqlens(name, monkeypatch):
+    """cu_seqlens on the decode kernels: each program walks its own sequence where it lies in the packed input
+    (``fused_recurrent._sequence``), so nothing is padded or gathered (``pack_varlen`` never runs), against the
+    per-token loop (mode="naive", which pads each sequence to the longest); sequences of 5, 0, 13 and 1 tokens (the
+    empty one passes its initial state through), the final states also written in place."""
+    lengths = [5, 0, 13, 1]
+    N, H, K, V = len(lengths), 2, 16, 8
+    call = _varlen_decode_calls(lengths)[name]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    h0 = torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        o_ref, s_ref = call("naive", initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        packs = []
+        monkeypatch.setattr(dplr_module, "pack_varlen", lambda *a: packs.append(a) or pytest.fail("padded"))
+        o, s = call("fused_recurrent", initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        cache = h0.clone()
+        o2, s2 = call("fused_recurrent", initial_state=cache, output_final_state=True, cu_seqlens=cu.int(),
+                      inplace_final_state=True)
+    assert o.shape == o_ref.shape == (1, sum(lengths), H, V) and s.shape == (N, H, K, V) and not packs
+    assert_matches(o.float(), o_ref.float(), 1e-5, f"{name}: o")
+    assert_matches(s, s_ref, 1e-5, f"{name}: final states")
+    assert torch.equal(s[1], h0[1]), "the empty sequence's state passes through"
+    assert s2 is cache and torch.equal(s2, s) and torch.equal(o2, o), "in place, int32 offsets"
+
+
+def test_fused_recurrent_cu_seqlens_errors():
+    """The decode kernels' entries check cu_seqlens as dplr does, and the states against the number of sequences."""
+    q = torch.randn(1, 6, 2, 16, device=DEVICE)
+    beta = torch.rand(1, 6, 2, device=DEVICE)
+    call = lambda **kw: ops.gated_delta_rule(**{"q": q, "k": q, "v": q, "g": None, "beta": beta,  # noqa: E731
+                                                "mode": "fused_recurrent", **kw})
+    cu = torch.tensor([0, 2, 6], device=DEVICE)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[N, H, K, V\] = \[2, 2, 16, 16\]"):
+        call(cu_seqlens=cu, initial_state=torch.zeros(1, 2, 16, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at T = 6"):
+        call(cu_seqlens=torch.tensor([0, 2, 5], device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        call(cu_seqlens=torch.tensor([0, 4, 2, 6], device=DEVICE))
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32 or int64 tensor"):
+        call(cu_seqlens=cu.float())
+    with pytest.raises(ValueError, match="B must be 1"):
+        ops.gated_delta_rule_decode(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), None,
+                                    beta.expand(2, -1, -1), cu_seqlens=cu, mode="fused_recurrent")
+
+
 def test_decode_steps_take_the_delta_rule_kernel(monkeypatch):
     """Each mechanism's decode step (mode="fused_recurrent") reaches the delta rule's decode kernel in the form its
     step needs (no DPLR factors built): KDA's decay first, its gates formed inside (bounded or not), HDLA's two

@@ -15,13 +15,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _sequence(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """Sequence ``i_n``'s first token (a row of the tokens' axis, int64 when packed) and its length: from
+    ``cu_seqlens`` when the sequences are packed along T, else row i_n of [N, T]."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n * T
+        seq_len = T
+    return bos, seq_len
+
+
+@triton.jit
 def _fused_recurrent_fwd_kernel(
-    q, k, v, a, b, g, h0, o, ht, scale, T,
+    q, k, v, a, b, g, h0, o, ht, cu_seqlens, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    RKV: tl.constexpr, RAB: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr,
+    RKV: tl.constexpr, RAB: tl.constexpr, GATE: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len = _sequence(cu_seqlens, i_n, T, IS_VARLEN)
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
     scale = tl.cast(scale, tl.float32)
     o_k = tl.arange(0, BK)
@@ -32,8 +46,8 @@ def _fused_recurrent_fwd_kernel(
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + p_h, mask=m_h, other=0.0).to(tl.float32)
-    for t in range(T):
-        tok = (i_n * T + t) * H + i_h  # row of [N, T, H]
+    for t in range(seq_len):
+        tok = (bos + t) * H + i_h  # row of [N, T, H]
         if RAB > 0:
             low_rank = tl.zeros([BK, BV], dtype=tl.float32)
             for r in tl.static_range(RAB):
@@ -86,20 +100,25 @@ def _final_state_buffer(q: torch.Tensor, initial_state: torch.Tensor | None, inp
 
 
 def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Tensor | None,
-                         inplace_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         inplace_final_state: bool = False,
+                         cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical inputs (``rankdecay.ops._inputs``): q [N, T, H, K], k [N, T, H, Rkv, K],
     v [N, T, H, Rkv, V], a/b [N, T, H, Rab, K] or None, g [N, T, H, 1|K] or None,
     initial_state [N, H, K, V] or None. Returns (o [N, T, H, V] fp32, S_T [N, H, K, V] fp32).
+
+    ``cu_seqlens`` [N + 1] (int32 or int64, on q's device; checked by the caller): N sequences packed along T, the
+    inputs [1, T, ...] and o [1, T, H, V]; each program walks its own sequence, so nothing is padded or gathered.
 
     With ``inplace_final_state``, the final state is written into ``initial_state`` (contiguous;
     fp32, or bf16 / fp16 for a 16-bit cache: read and written in its dtype, updated in fp32) and
     that tensor is returned: a decode step allocates nothing and moves the state once each way.
     """
-    N, T, H, K = q.shape
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     Rkv, V = v.shape[-2], v.shape[-1]
     Rab = a.shape[-2] if a is not None else 0
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
-    o = q.new_empty(N, T, H, V, dtype=torch.float32)
+    o = q.new_empty(B, T, H, V, dtype=torch.float32)
     BK = _pow2(K)
     BV = min(_pow2(V), 32 if BK > 128 else 64)
     dummy = q  # never read when its constexpr flag is off
@@ -108,9 +127,10 @@ def fused_recurrent_dplr(q, k, v, a, b, g, scale: float, initial_state: torch.Te
         q.contiguous(), k.contiguous(), v.contiguous(),
         a.contiguous() if a is not None else dummy, b.contiguous() if b is not None else dummy,
         g.contiguous() if g is not None else dummy,
-        initial_state.contiguous() if initial_state is not None else dummy, o, ht, scale, T,
+        initial_state.contiguous() if initial_state is not None else dummy, o, ht,
+        cu_seqlens if cu_seqlens is not None else dummy, scale, T,
         H=H, K=K, V=V, BK=BK, BV=BV, RKV=Rkv, RAB=Rab, GATE=gate_kind(g),
-        HAS_H0=initial_state is not None, num_warps=4 if BK * BV <= 8192 else 8,
+        HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None, num_warps=4 if BK * BV <= 8192 else 8,
     )
     return o, ht
 
@@ -142,12 +162,12 @@ def _load_key_value_beta(k, v, beta, row, row_k, o_k, o_v, m_k, m_v, beta_max, K
 
 @triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, beta, g, h0, o, ht, scale, T, A_log, dt_bias, beta_max, lower_bound, mask, gate_scale,
+    q, k, v, beta, g, h0, o, ht, cu_seqlens, scale, T, A_log, dt_bias, beta_max, lower_bound, mask, gate_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_H0: tl.constexpr, QK_L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
     DECAY_FIRST: tl.constexpr, BOUNDED: tl.constexpr, HOUSEHOLDER: tl.constexpr, GROUPS: tl.constexpr,
     MASK_PER_TOKEN: tl.constexpr, LOGSIGMOID: tl.constexpr, MASK_RAW: tl.constexpr, NH: tl.constexpr,
-    QK_GROUPS: tl.constexpr,
+    QK_GROUPS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # S = α S;  u = β (v - Sᵀ k);  S += k uᵀ;  o = scale Sᵀ q   (GDN eq. 10, fla's form;
     # a per-channel α applies after the reflection, as in ops.gated_delta_rule, or with DECAY_FIRST
@@ -167,8 +187,10 @@ def _fused_recurrent_gdn_kernel(
     # rows t * NH + j of k, v and beta, the query read after the last.
     # QK_GROUPS > 1: grouped value heads (fla's GVA): H counts v's heads, q and k have H / QK_GROUPS, and value head
     # h reads key head h // QK_GROUPS.
+    # IS_VARLEN: the sequences packed along T (q [1, T, ...]), sequence n from token cu_seqlens[n] to cu_seqlens[n + 1].
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    bos, seq_len = _sequence(cu_seqlens, i_n, T, IS_VARLEN)
     # fp32 whatever the caller passes (torch.compile's launches type Python floats as fp64)
     scale, beta_max = tl.cast(scale, tl.float32), tl.cast(beta_max, tl.float32)
     o_k = tl.arange(0, BK)
@@ -185,9 +207,9 @@ def _fused_recurrent_gdn_kernel(
     if RAW_GATES and GATE == 2 and not LOGSIGMOID:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias_k = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    for t in range(T):
-        tok = (i_n * T + t) * H + i_h
-        tok_k = (i_n * T + t) * (H // QK_GROUPS) + i_h // QK_GROUPS  # q's and k's row
+    for t in range(seq_len):
+        tok = (bos + t) * H + i_h
+        tok_k = (bos + t) * (H // QK_GROUPS) + i_h // QK_GROUPS  # q's and k's row
         if NH == 1:
             k_t, v_t, b_t = _load_key_value_beta(k, v, beta, tok, tok_k, o_k, o_v, m_k, m_v, beta_max, K, V,
                                                  QK_L2NORM, RAW_GATES)
@@ -212,7 +234,7 @@ def _fused_recurrent_gdn_kernel(
             if GATE == 1:
                 S = S * tl.exp(g_t)
             for j in tl.static_range(NH):
-                row = ((i_n * T + t) * NH + j) * H + i_h
+                row = ((bos + t) * NH + j) * H + i_h
                 k_t, v_t, b_t = _load_key_value_beta(k, v, beta, row, row, o_k, o_v, m_k, m_v, beta_max, K, V,
                                                      QK_L2NORM, RAW_GATES)
                 u = b_t * (v_t - tl.sum(k_t[:, None] * S, axis=0))
@@ -265,7 +287,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
                                      lower_bound: float | None = None, householder: bool = False,
                                      mask: torch.Tensor | None = None, norm_q: bool = True,
                                      logsigmoid_scale: float | None = None, mask_raw: bool = False,
-                                     num_householder: int = 1):
+                                     num_householder: int = 1, cu_seqlens: torch.Tensor | None = None):
     """Gated DeltaNet's recurrence in one kernel, without building DPLR factors (the decode
     fast path). Canonical inputs (``rankdecay.ops._inputs``, contiguous): q [N, T, H, K],
     k [N, T, H, 1, K], v [N, T, H, 1, V], beta [N, T, H], g None or [N, T, H, 1 | K],
@@ -286,24 +308,28 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale: float, initial_sta
     ``num_householder`` n > 1: Gated DeltaProduct's step, k [N, T * n, H, 1, K], v [N, T * n, H, 1, V] and beta
     [N, T * n, H] (row t * n + j: sub-step j of token t), g None or [N, T, H, 1]: α S, then n delta-rule sub-steps.
     Grouped value heads (fla's GVA; n = 1, no mask): q and k [N, T, H', ...] with H' dividing v's H; v, beta, g,
-    the gates' parameters and the state have H heads, and value head h reads key head h // (H / H')."""
-    N, T, HK, K = q.shape
+    the gates' parameters and the state have H heads, and value head h reads key head h // (H / H').
+    ``cu_seqlens`` [N + 1]: N sequences packed along T (``fused_recurrent_dplr``'s), the state [N, H, K, V]."""
+    B, T, HK, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     H, V = v.shape[2], v.shape[-1]
     ht = _final_state_buffer(q, initial_state, inplace_final_state, (N, H, K, V))
-    o = q.new_empty(N, T, H, V)
+    o = q.new_empty(B, T, H, V)
     BK = _pow2(K)
     BV = _LAUNCH.get("bv") or min(_pow2(V), 32 if BK > 64 else 64)
     grid = (-(-V // BV), N * H)
     A_log, dt_bias, beta_max = raw_gates if raw_gates is not None else (None, None, 1.0)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, beta, g if g is not None else q, initial_state if initial_state is not None else q, o, ht,
-        scale, T, A_log if A_log is not None else q, dt_bias if dt_bias is not None else q, float(beta_max),
+        cu_seqlens if cu_seqlens is not None else q, scale, T, A_log if A_log is not None else q,
+        dt_bias if dt_bias is not None else q, float(beta_max),
         float(lower_bound or 0.0), mask if mask is not None else q, float(logsigmoid_scale or 1.0),
         H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate_kind(g), HAS_H0=initial_state is not None,
         QK_L2NORM=(1 if norm_q else 2) if use_qk_l2norm else 0, LOGSIGMOID=logsigmoid_scale is not None,
         RAW_GATES=raw_gates is not None, DECAY_FIRST=decay_first, BOUNDED=lower_bound is not None,
         HOUSEHOLDER=householder, GROUPS=0 if mask is None else mask.shape[-1],
         MASK_PER_TOKEN=mask is not None and mask.dim() == 5, MASK_RAW=mask_raw, NH=num_householder, QK_GROUPS=H // HK,
+        IS_VARLEN=cu_seqlens is not None,
         num_warps=_LAUNCH.get("warps", 2 if ht.element_size() == 2 else 4),
     )
     return o, ht
