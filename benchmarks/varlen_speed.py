@@ -1,6 +1,6 @@
 """Packed sequences (``cu_seqlens``) on the GPU kernels: milliseconds against the same tokens as one sequence.
 
-    python benchmarks/varlen_speed.py [--mechanisms gdn hdla hh-gdn kda] [--windows 8] [--window 2048]
+    python benchmarks/varlen_speed.py [--mechanisms gdn hdla hh-gdn kda rank5] [--windows 8] [--window 2048]
                                       [--mean-doc 600] [--matmul-precision highest] [--decode] [--json out.json]
 
 The batch is what ``rankdecay train --pack varlen`` makes: ``--windows`` windows of ``--window`` tokens along one
@@ -10,7 +10,7 @@ told) with those ``cu_seqlens``, and without them on the same tokens (one sequen
 table also gives the tokens the fused kernels walk (the sequences laid from multiples of 64 tokens) and what a
 layout padding every sequence to the longest would walk (N x max length). With ``--decode``, the decode kernels
 (``mode="fused_recurrent"``: each sequence walked token by token where it lies, a prefill of many prompts) forward
-only.
+only. ``rank5``: ``dplr`` with a rank-5 decay, ranks above the fused kernels' 4: the unfused path.
 """
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def inputs(mechanism: str, T: int, H: int, K: int, V: int, dtype) -> dict:
     x = dict(q=q, k=k, v=v, g=g, beta=beta)
     if mechanism == "hh-gdn":
         x["mask"] = ops.head_in_head_mask(torch.rand(H, 4, 4, device=dev) + 0.5)
+    if mechanism == "rank5":  # a rank-5 decay (the unfused path): beta's share of k in 5 rows, against k rolled
+        x["rows"] = torch.rand(1, T, H, 5, 1, device=dev, dtype=dtype) / 5
     return x
 
 
@@ -66,7 +68,11 @@ def call(mechanism: str, x: dict, cu, mode: str = "auto"):
         return ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, mode=mode)[0]
     if mechanism == "hh-gdn":
         return ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"], cu_seqlens=cu, mode=mode)[0]
-    raise ValueError(f"--mechanisms: gdn, hdla, kda or hh-gdn, got {mechanism!r}")
+    if mechanism == "rank5":
+        a = x["rows"] * x["k"][..., None, :] * x["beta"][..., None, None]
+        b = torch.stack([x["k"].roll(j, -1) for j in range(5)], 3)
+        return ops.dplr(x["q"], x["k"], x["v"], a, b, x["g"], cu_seqlens=cu, mode=mode)[0]
+    raise ValueError(f"--mechanisms: gdn, hdla, kda, hh-gdn or rank5, got {mechanism!r}")
 
 
 def timed(mechanism: str, x: dict, cu, decode: bool = False) -> tuple[float, float | None]:
@@ -74,7 +80,7 @@ def timed(mechanism: str, x: dict, cu, decode: bool = False) -> tuple[float, flo
         fwd = bench(lambda: call(mechanism, x, cu, "fused_recurrent" if decode else "auto"))["ms"]
     if decode:
         return fwd, None
-    leaves = {n: t.detach().requires_grad_(t.is_floating_point() and n != "mask") for n, t in x.items()}
+    leaves = {n: t.detach().requires_grad_(t.is_floating_point() and n not in ("mask", "rows")) for n, t in x.items()}
     do = torch.randn_like(x["v"])
 
     def step():

@@ -31,6 +31,8 @@ one step) would otherwise lose the small difference.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 
@@ -154,25 +156,27 @@ def chunk_dplr_core(
     dtype: torch.dtype,
     chunk_size: int = 64,
     use_triton: bool = False,
-    chunk_bounds: list[int] | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical inputs (see ``_inputs``) -> (o [B, T, H, V], S_T [B, H, K, V]), both in ``dtype``.
 
     Memory is linear in T: per chunk it keeps [C, C*R] products and one [K, V] state.
     ``use_triton`` runs the chunk-to-chunk state passing (forward and backward) as one
-    Triton kernel instead of a Python loop over chunks (fp32 only; with ``chunk_bounds``
-    one kernel for each sequence). ``chunk_bounds``: B = 1 holds N sequences along its row, sequence n in chunks
-    ``chunk_bounds[n]`` up to ``chunk_bounds[n + 1]`` (zero tokens after its end); each starts
-    from ``initial_state[n]``, and S_T is [N, H, K, V] (``_inputs.varlen_aligned``'s layout).
+    Triton kernel instead of a Python loop over chunks (fp32 only). ``offsets`` [N + 1] (int, on the device;
+    ``_inputs.varlen_aligned``'s layout): B = 1 holds N sequences along its row, sequence n on tokens ``offsets[n]``
+    up to ``offsets[n + 1]``, each a multiple of C (zero tokens after its end; the last offset T); each starts from
+    ``initial_state[n]``, and S_T is [N, H, K, V]. The offsets are read on the device alone (no sync; under
+    ``torch.compile``, no graph break).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NC = -(-T // C)
     pad = NC * C - T
-    N = B if chunk_bounds is None else len(chunk_bounds) - 1
-    if chunk_bounds is not None and (B != 1 or chunk_bounds[0] != 0 or chunk_bounds[-1] != NC):
-        raise ValueError(f"chunk_bounds {chunk_bounds} must split the {NC} chunks of one row (B = {B})")
+    N = B if offsets is None else offsets.shape[0] - 1
+    if offsets is not None and (B != 1 or T % C):
+        raise ValueError(f"offsets: the sequences lie along one row of whole chunks (B = 1, T a multiple of "
+                         f"{C}), got B = {B}, T = {T}")
     S = q.new_zeros(N, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     if T == 0:
         return q.new_zeros(B, 0, H, V, dtype=dtype), S
@@ -230,13 +234,15 @@ def chunk_dplr_core(
     if a is None:
         W = U_v = a_dec = None
     if use_triton:
-        from .triton import chunk_state_passing as walk
+        from .triton import chunk_state_passing
 
         decay = None if G is None else chunk_decay[..., 0]  # [B, H, NC, Kg]
+        walk = functools.partial(chunk_state_passing, offsets=None if offsets is None else offsets.to(torch.int32),
+                                 chunk_size=C)
     else:
-        walk, decay = _state_passing, None if G is None else chunk_decay
-    args = (S, decay, k_dec, v_flat, W, U_v, a_dec)
-    S0, U, S = walk(*args) if chunk_bounds is None else _walks(walk, chunk_bounds, *args)
+        decay = None if G is None else chunk_decay
+        walk = functools.partial(_state_passing, offsets=offsets, chunk_size=C)
+    S0, U, S = walk(S, decay, k_dec, v_flat, W, U_v, a_dec)
     o = q_dec @ S0 + M_qk @ v_flat  # HDLA eq. 18
     if a is not None:
         o = o - M_qa @ U
@@ -244,31 +250,27 @@ def chunk_dplr_core(
     return o, S
 
 
-def _walks(walk, bounds, S, *chunked):
-    """``walk`` (``_state_passing`` or ``triton.chunk_state_passing``) once for each sequence along one row:
-    sequence i on chunks ``bounds[i]`` up to ``bounds[i + 1]`` of the [1, H, NC, ...] tensors ``chunked``, from
-    ``S[i]``. The pieces are taken by one ``split`` each (its backward is one concatenation)."""
-    sizes = [end - first for first, end in zip(bounds[:-1], bounds[1:])]
-    pieces = [(None,) * len(sizes) if t is None else t.split(sizes, dim=2) for t in chunked]
-    starts, pseudo_values, finals = [], [], []
-    for i, n in enumerate(sizes):
-        if n == 0:  # an empty sequence passes its state through
-            finals.append(S[i:i + 1])
-            continue
-        S0, U, S_final = walk(S[i:i + 1], *(p[i] for p in pieces))
-        starts.append(S0)
-        finals.append(S_final)
-        if U is not None:
-            pseudo_values.append(U)
-    return torch.cat(starts, dim=2), torch.cat(pseudo_values, dim=2) if pseudo_values else None, torch.cat(finals)
-
-
-def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
+def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec, offsets=None, chunk_size=None):
     """HDLA eq. 17, one chunk at a time: (states entering each chunk, pseudo-values U, final state).
 
     S [B, H, K, V]; chunk_decay [B, H, NC, Kg, 1] or None; k_dec [B, H, NC, C*Rkv, K];
     v_flat [B, H, NC, C*Rkv, V]; W, a_dec [B, H, NC, C*Rab, K] and U_v [.., C*Rab, V] or None.
+    ``offsets`` [N + 1], ``chunk_size``: ``chunk_dplr_core``'s (B = 1, S [N, H, K, V]): one walk along the row that
+    restarts from S[n] at sequence n's first chunk; sequence n's final state is the one after its last chunk (S[n]
+    itself for an empty sequence). Which chunk starts which sequence is computed on the device.
     """
+    if offsets is not None:
+        first = offsets.to(S.device, torch.long) // chunk_size  # [N + 1]: each sequence's first chunk, then NC
+        NC = k_dec.shape[2]
+        chunks = torch.arange(NC, device=S.device)
+        owner = torch.searchsorted(first[1:], chunks, right=True)  # the sequence chunk n belongs to
+        restarts = (first[owner] == chunks).unbind(0)  # a sequence starts at chunk n
+        entering = S.index_select(0, owner).unsqueeze(1).unbind(0)  # its initial state, [1, H, K, V] each
+        h0 = S
+        S = entering[0]
+    else:
+        restarts = None
+
     # Every chunk's write k_decᵀ v in one batched product, and each chunk's slices by unbind: chunk n taken by
     # indexing inside the loop made autograd's backward allocate and zero-fill the whole tensor once per index
     # (O(NC²) work; HDLA's forward+backward on the CPU, B1 T2048 H4 K=V=64, spent 28 % of its time in zero fills).
@@ -276,8 +278,10 @@ def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
     decays = chunk_decay.unbind(2) if chunk_decay is not None else None
     if W is not None:
         W, U_v, a_dec = W.unbind(2), U_v.unbind(2), a_dec.unbind(2)
-    starts, pseudo_values = [], []
+    starts, pseudo_values, ends = [], [], []
     for n in range(len(writes)):
+        if restarts is not None:
+            S = torch.where(restarts[n], entering[n], S)
         starts.append(S)
         S_next = S if decays is None else decays[n] * S
         S_next = S_next + writes[n]
@@ -286,5 +290,11 @@ def _state_passing(S, chunk_decay, k_dec, v_flat, W, U_v, a_dec):
             pseudo_values.append(U)
             S_next = S_next - a_dec[n].transpose(-1, -2) @ U
         S = S_next
+        if restarts is not None:
+            ends.append(S)
     U = torch.stack(pseudo_values, dim=2) if pseudo_values else None
+    if restarts is not None:  # the state after each sequence's last chunk, or its initial state if it has none
+        last = (first[1:] - 1).clamp_min(0)
+        empty = (first[1:] == first[:-1])[:, None, None, None]
+        S = torch.where(empty, h0, torch.cat(ends).index_select(0, last))
     return torch.stack(starts, dim=2), U, S

@@ -111,27 +111,23 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
     hh_rows_b = hh_mask is not None and not grad
     a_is_k = a is k
     fused = mode == "triton" and _fused_applies(q, k, a, g)
-    offsets = None  # the fused kernels take the sequences along one row, each from a chunk (``chunk_dplr_fwd``'s)
-    bounds = None  # and the chunked path (``chunk_dplr_core``), each from one of its chunks: their first chunks, [N + 1]
+    # the chunked paths take the sequences along one row, each from one of their chunks (the fused kernels' 64-token
+    # ``offsets``, ``chunk_dplr_fwd``'s; ``chunk_dplr_core``'s at its chunk size), the layout computed on the device
+    offsets = None
     # one sequence is the plain [1, T] (no gathers; segments); the decode kernel walks each sequence where it lies
     packed = x.cu_seqlens is not None and x.cu_seqlens.shape[0] > 2 and mode != "fused_recurrent"
     if packed:
         T = q.shape[1]
-        if fused:  # on the device alone (the lengths are not on the host while compiling: ``canonicalize``)
+        if mode in ("chunk", "triton"):  # (the lengths are not on the host while compiling: ``canonicalize``)
             from .triton.chunk_fwd import VARLEN_ALIGN
 
-            N = x.cu_seqlens.shape[0] - 1
-            row = aligned_row(T, N, VARLEN_ALIGN) if x.lengths is None else aligned_starts(x.lengths, VARLEN_ALIGN)[-1]
-            packing = varlen_aligned(x.cu_seqlens, T, VARLEN_ALIGN, row, q.device)
+            align, N = VARLEN_ALIGN if fused else chunk_size, x.cu_seqlens.shape[0] - 1
+            row = aligned_row(T, N, align) if x.lengths is None else aligned_starts(x.lengths, align)[-1]
+            packing = varlen_aligned(x.cu_seqlens, T, align, row, q.device)
             offsets = packing.offsets
-        else:  # the other paths need the lengths on the host (compiled: a graph break)
+        else:  # [N, max(lengths)]: the naive path, whose lengths are on the host (compiled: a graph break)
             lengths = host_lengths(x.cu_seqlens, T) if x.lengths is None else x.lengths
-            if mode in ("chunk", "triton"):  # the PyTorch chunked path, and the unfused Triton path (ranks above 4)
-                starts = aligned_starts(lengths, chunk_size)
-                packing = varlen_aligned(x.cu_seqlens, T, chunk_size, starts[-1], q.device)
-                bounds = [start // chunk_size for start in starts]
-            else:  # [N, max(lengths)]: the naive path
-                packing = varlen_index(x.cu_seqlens, lengths, q.device)
+            packing = varlen_index(x.cu_seqlens, lengths, q.device)
         q, k, v, g, sa, sv = (pack_varlen(t, packing) for t in (q, k, v, g, sa, sv))
         if hh_mask is not None:  # Head-in-Head's rows are not read (b is without autograd): placeholders
             a = a.new_zeros(()).expand(*q.shape[:3], *a.shape[3:])
@@ -174,7 +170,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
                                    a.shape[-2] if grouped and a is not None else 1)
     else:
         o, state = chunk_dplr_core(q, k, v, a, b, g, x.scale, x.initial_state, dtype, chunk_size,
-                                   use_triton=mode == "triton", chunk_bounds=bounds)
+                                   use_triton=mode == "triton", offsets=offsets)
 
     if packed:
         o = unpack_varlen(o, packing)

@@ -1199,14 +1199,14 @@ def test_row_scales_checked():
 def test_cu_seqlens(gate, path, monkeypatch):
     """cu_seqlens on mode="triton" against the per-token loop ("naive", which pads each sequence to the longest):
     the fused kernels, and the unfused path (ranks above 4), where the sequences lie along one row from a chunk each
-    and the Triton state kernel walks each sequence apart (``chunk._walks``; it saw 1, 3 and 1 chunks here, none for
-    the empty sequence)."""
+    and one launch of the Triton state kernel walks every sequence by programs of its own (``offsets``: 1, 0, 3 and 1
+    chunks of 16 tokens)."""
     from rankdecay.ops.triton import chunk_state
 
     seen = []
     walk = chunk_state._ChunkStatePassing.apply
-    monkeypatch.setattr(chunk_state._ChunkStatePassing, "apply", lambda h0, d, kd, *rest: seen.append(kd.shape[2])
-                        or walk(h0, d, kd, *rest))
+    monkeypatch.setattr(chunk_state._ChunkStatePassing, "apply", lambda h0, d, kd, *rest: seen.append(
+        (kd.shape[2], rest[-2].tolist(), rest[-1])) or walk(h0, d, kd, *rest))
     inputs = random_inputs(1, 50, 2, 16, 16, 2, 1, gate)
     h0 = torch.randn(4, 2, 16, 16, device=DEVICE)
     inputs[-1] = h0
@@ -1214,7 +1214,7 @@ def test_cu_seqlens(gate, path, monkeypatch):
     got, ref = run("triton", inputs, chunk_size=16, cu_seqlens=cu), run("naive", inputs, cu_seqlens=cu)
     for name, x, y in zip(names(inputs), got, ref):
         assert_matches(x, y, 1e-5, f"cu_seqlens: {name}")
-    assert seen == ([1, 3, 1] if path == "unfused" else []), seen
+    assert seen == ([(5, [0, 16, 16, 64, 80], 16)] if path == "unfused" else []), seen
 
 
 @pytest.mark.parametrize("mechanism, host", [("gdn", True), ("hdla", True), ("hh", True), ("gdn", False),
@@ -3483,14 +3483,24 @@ def test_kernels_under_torch_compile_symbolic_lengths():
     _compiled_matches("aot_eager", (70, 90), every=False, dynamic=True)
 
 
-def test_cu_seqlens_under_torch_compile_new_packings_in_one_graph():
-    """Gated DeltaNet with cu_seqlens on the kernels through ``torch.compile(fullgraph=True)``: no graph break (the
-    lengths are never read on the host while compiling: ``canonicalize`` checks them on the device and the row is
-    as long as any packing of T tokens in N sequences needs, ``_inputs.aligned_row``), a second compile at the
-    second packing (its N a symbol), none at the third; the loss and every gradient as eagerly. Until session 74
-    the lengths' ``.tolist()`` broke the graph and the pieces after it compiled again for each new packing."""
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_cu_seqlens_under_torch_compile_new_packings_in_one_graph(path):
+    """cu_seqlens on the kernels through ``torch.compile(fullgraph=True)``: no graph break (the lengths are never
+    read on the host while compiling: ``canonicalize`` checks them on the device and the row is as long as any
+    packing of T tokens in N sequences needs, ``_inputs.aligned_row``), a second compile at the second packing (its
+    N a symbol), none at the third; the loss and every gradient as eagerly. Gated DeltaNet on the fused kernels, and
+    rank 5 on the unfused path (the PyTorch intra-chunk parts around one launch of the state kernel, which finds each
+    sequence's chunks from the offsets on the device). Until session 74 the lengths' ``.tolist()`` broke the graph
+    and the pieces after it compiled again for each new packing (the unfused path's until session 75)."""
+    rows = torch.rand(1, 200, 2, 5, 1, generator=torch.Generator().manual_seed(9)).to(DEVICE) / 5
+
     def loss(q, k, v, g, beta, cu):
-        o, s = ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, mode="triton")
+        if path == "fused":
+            o, s = ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, mode="triton")
+        else:  # a rank-5 decay: beta's share of k in five rows, against k's channels rolled
+            a = rows * k[..., None, :] * beta[..., None, None]
+            b = torch.stack([k.roll(j, -1) for j in range(5)], 3)
+            o, s = ops.dplr(q, k, v, a, b, g, cu_seqlens=cu, output_final_state=True, mode="triton", chunk_size=16)
         return (o * o).sum() + s.sin().sum()
 
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankdecay import ops
 from rankdecay.ops import dplr, gated_delta_product, hdla
 
 from ..conftest import assert_matches
@@ -10,9 +11,17 @@ from ..conftest import assert_matches
 f64 = torch.float64
 
 
-@pytest.mark.parametrize("mode", ["naive", "chunk"])
+@pytest.mark.parametrize("mode", ["naive", "chunk", "chunk-compiling"])
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
-def test_varlen_equals_loop_over_sequences(mode, gate):
+def test_varlen_equals_loop_over_sequences(mode, gate, monkeypatch):
+    """Packed sequences against a loop over them, outputs, final states and every gradient; "chunk-compiling": as
+    the chunked path runs under ``torch.compile``, the lengths never on the host (the row as long as any packing of
+    these T tokens in 5 sequences needs, ``_inputs.aligned_row``, the last sequence extended over its zero tokens)."""
+    if mode == "chunk-compiling":
+        import rankdecay.ops._inputs as inputs
+
+        monkeypatch.setattr(inputs, "_compiling", lambda: True)
+        mode = "chunk"
     lengths = [5, 70, 1, 0, 33]  # a zero-length sequence passes its initial state through
     T, H, K, V, Rab = sum(lengths), 2, 8, 6, 2
     cu = torch.tensor([0] + lengths).cumsum(0)
@@ -49,8 +58,9 @@ def test_varlen_equals_loop_over_sequences(mode, gate):
 
 def test_chunk_path_walks_sequences_along_one_row(monkeypatch):
     """The PyTorch chunked path takes cu_seqlens along one row, each sequence from one of its chunks (not padded to
-    the longest): its rows hold sum(ceil(length / C)) chunks, and each sequence's state walk starts from its own
-    initial state (the result is checked against a loop over the sequences in the test above)."""
+    the longest): its rows hold sum(ceil(length / C)) chunks, and its one state walk restarts from each sequence's
+    own initial state at the sequence's first chunk, found on the device from the offsets (the result is checked
+    against a loop over the sequences in the test above)."""
     import sys
 
     dplr_module = sys.modules["rankdecay.ops.dplr"]  # (the package's name dplr is the function)
@@ -58,7 +68,7 @@ def test_chunk_path_walks_sequences_along_one_row(monkeypatch):
     seen = []
 
     def spy(q, *args, **kwargs):
-        seen.append((tuple(q.shape), kwargs.get("chunk_bounds")))
+        seen.append((tuple(q.shape), kwargs["offsets"].tolist()))
         return core(q, *args, **kwargs)
 
     core = dplr_module.chunk_dplr_core
@@ -69,13 +79,47 @@ def test_chunk_path_walks_sequences_along_one_row(monkeypatch):
     v, g = torch.randn(1, T, H, V, dtype=f64), -torch.rand(1, T, H, dtype=f64)
     cu = torch.tensor([0] + lengths).cumsum(0)
     o, s = dplr(q, k, v, None, None, g, output_final_state=True, cu_seqlens=cu, mode="chunk", chunk_size=16)
-    assert seen == [((1, 16 * (1 + 5 + 0 + 3 + 1), H, K), [0, 1, 6, 6, 9, 10])]
+    assert seen == [((1, 16 * (1 + 5 + 0 + 3 + 1), H, K), [0, 16, 96, 96, 144, 160])]
     assert o.shape == (1, T, H, V) and s.shape == (len(lengths), H, K, V)
     o_ref, s_ref = dplr(q, k, v, None, None, g, output_final_state=True, cu_seqlens=cu, mode="naive")
     assert_matches(o, o_ref, 1e-10, "output")
     assert_matches(s, s_ref, 1e-10, "final states")
-    with pytest.raises(ValueError, match="chunk_bounds"):
-        core(q, k, v, None, None, g, 1.0, None, f64, 16, chunk_bounds=[0, 3])
+    with pytest.raises(ValueError, match="offsets: the sequences lie along one row of whole chunks"):
+        core(q, k, v, None, None, g, 1.0, None, f64, 16, offsets=torch.tensor([0, 48]))
+
+
+def test_chunk_path_cu_seqlens_under_torch_compile_fullgraph():
+    """The PyTorch chunked path with cu_seqlens through ``torch.compile(fullgraph=True)``: no graph break (the state
+    walk finds each sequence's first chunk on the device, ``chunk._state_passing``; until session 75 it split the row
+    by lengths read on the host), and a new packing of as many sequences compiles nothing again; the loss and every
+    gradient as eagerly. Dynamo alone (``aot_eager``): no C++ compiler."""
+    def loss(q, k, v, g, beta, h0, cu):
+        o, s = ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    chunk_size=16, mode="chunk")
+        return (o * o).sum() + s.sin().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    T, H, K = 124, 2, 8
+    torch._dynamo.reset()
+    try:
+        for i, lengths in enumerate([[5, 70, 0, 33, 16], [30, 30, 40, 10, 14], [0, 0, 100, 24, 0]]):
+            cu = torch.tensor([0] + lengths).cumsum(0)
+            gen = torch.Generator().manual_seed(i)
+            x = [torch.randn(1, T, H, K, generator=gen, dtype=f64),
+                 F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=f64), dim=-1),
+                 torch.randn(1, T, H, K, generator=gen, dtype=f64), -5 * torch.rand(1, T, H, generator=gen, dtype=f64),
+                 2 * torch.rand(1, T, H, generator=gen, dtype=f64), torch.randn(5, H, K, K, generator=gen, dtype=f64)]
+            results = []
+            for fn in (compiled, loss):
+                leaves = [t.clone().requires_grad_() for t in x]
+                with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                    value = fn(*leaves, cu)
+                value.backward()
+                results.append([value.detach()] + [t.grad for t in leaves])
+            for name, got, want in zip(["loss", "dq", "dk", "dv", "dg", "dbeta", "dh0"], *results, strict=True):
+                assert_matches(got, want, 1e-10, f"packing {i}: {name}")
+    finally:
+        torch._dynamo.reset()
 
 
 def test_varlen_mechanisms_with_rank_writes():

@@ -622,35 +622,42 @@ def _precision(x: torch.Tensor) -> str:
 @opaque_function(3, saves_outputs=True)
 class _ChunkStatePassing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h0, d, kd, vf, w, uv, ad):
+    def forward(ctx, h0, d, kd, vf, w, uv, ad, offsets, chunk_size):
         B, H, NC, CR, K = kd.shape
         V = vf.shape[-1]
         CA = w.shape[-2] if w is not None else 0
+        N = B if offsets is None else offsets.shape[0] - 1
         gate = gate_kind(d)
         blocks = _blocks(K, V, CR, CA)
         s0 = kd.new_empty(B, H, NC, K, V)
         u = kd.new_empty(B, H, NC, CA, V)
-        ht = kd.new_empty(B, H, K, V)
+        ht = kd.new_empty(N, H, K, V)
         dummy = kd
-        grid = (_cdiv(V, blocks["BV"]), B * H)
+        grid = (_cdiv(V, blocks["BV"]), N * H)
         _state_fwd_kernel[grid](
             h0 if h0 is not None else dummy, d if d is not None else dummy, kd, vf,
             w if w is not None else dummy, uv if uv is not None else dummy, ad if ad is not None else dummy,
             s0, u, ht, NC, dummy, dummy, 0, K=K, V=V, CR=CR, CA=CA, GATE=gate, HAS_H0=h0 is not None,
-            PRECISION=_precision(kd), **blocks,
+            PRECISION=_precision(kd), **blocks, **_varlen(offsets, H, chunk_size),
         )
-        ctx.save_for_backward(h0, d, kd, vf, w, ad, s0, u)  # the gradients do not need Ũ
-        ctx.gate = gate
+        ctx.save_for_backward(h0, d, kd, vf, w, ad, s0, u, offsets)  # the gradients do not need Ũ
+        ctx.gate, ctx.chunk_size = gate, chunk_size
         return s0, u, ht
 
     @staticmethod
     def backward(ctx, ds0, du, dht):
-        h0, d, kd, vf, w, ad, s0, u = ctx.saved_tensors
-        dh0, *grads = state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht)
-        return (dh0 if h0 is not None else None), *grads
+        h0, d, kd, vf, w, ad, s0, u, offsets = ctx.saved_tensors
+        dh0, *grads = state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht, offsets, ctx.chunk_size)
+        return (dh0 if h0 is not None else None), *grads, None, None
 
 
-def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
+def _varlen(offsets, H: int, chunk_size: int) -> dict:
+    """The state kernels' arguments for sequences along one row (``offsets`` [N + 1], tokens, each a multiple of
+    ``chunk_size``): one program per (value block, sequence x head) walks its sequence's chunks (``_segment``)."""
+    return {} if offsets is None else dict(cs=offsets, VARLEN=True, H=H, TC=chunk_size)
+
+
+def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht, offsets=None, chunk_size=16):
     """Gradients of ``chunk_state_passing`` from those of its outputs (any may be None).
 
     Returns (dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad); the last three are None when Rab = 0.
@@ -658,21 +665,23 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     B, H, NC, CR, K = kd.shape
     V = vf.shape[-1]
     CA = u.shape[-2]
+    N = B if offsets is None else offsets.shape[0] - 1
     gate = gate_kind(d)
     blocks = _blocks(K, V, CR, CA, backward=True, precision=_precision(kd))
     ds0 = torch.zeros_like(s0) if ds0 is None else ds0.contiguous()
     du = torch.zeros_like(u) if du is None else du.contiguous()
     dh_next = torch.empty_like(s0)
     du_tot = torch.empty_like(u)
-    dh0 = kd.new_empty(B, H, K, V)
+    dh0 = kd.new_empty(N, H, K, V)
     dummy = kd
-    grid = (_cdiv(V, blocks["BV"]), B * H)
+    grid = (_cdiv(V, blocks["BV"]), N * H)
+    varlen = _varlen(offsets, H, chunk_size) or dict(H=1, TC=16)
     _state_bwd_kernel[grid](
         dht.contiguous() if dht is not None else dummy, d if d is not None else dummy,
         w if w is not None else dummy, ad if ad is not None else dummy, ds0, du, dh_next, du_tot, dh0,
         dummy, dummy, dummy, NC, 0, dummy, dummy, K=K, V=V, CA=CA, BK=blocks["BK"], BV=blocks["BV"], BCA=blocks["BCA"],
-        GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, H=1, TC=16, E_DO=False,
-        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+        GATE=gate, HAS_DHT=dht is not None, PRECISION=_precision(kd), FROM_OUT=False, E_DO=False,
+        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"], **varlen,
     )
     # Everything else is parallel over chunks: one batched matmul each.
     d_vf = kd @ dh_next  # S_{n+1} += K̃ᵀ V
@@ -689,13 +698,17 @@ def state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht):
     return dh0, d_d, d_kd, d_vf, d_w, d_uv, d_ad
 
 
-def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None):
+def chunk_state_passing(h0, d, kd, vf, w=None, uv=None, ad=None, offsets=None, chunk_size=16):
     """States entering each chunk, the pseudo-values, and the final state.
 
     h0 [B, H, K, V] or None; d [B, H, NC, 1|K] (exp of the chunk's total log-decay) or
     None; kd [B, H, NC, C*Rkv, K]; vf [B, H, NC, C*Rkv, V]; w, ad [B, H, NC, C*Rab, K]
     and uv [B, H, NC, C*Rab, V], or all None (Rab = 0). All fp32.
     Returns (S [B, H, NC, K, V], U [B, H, NC, C*Rab, V], S_final [B, H, K, V]).
+
+    ``offsets`` [N + 1] (int32, on the device): B = 1 holds N sequences along its row, sequence n on tokens
+    ``offsets[n]`` up to ``offsets[n + 1]``, each a multiple of ``chunk_size`` C (the last the row's end); each is
+    walked from ``h0[n]`` by programs of its own, in one launch, and h0 and S_final are [N, H, K, V].
     """
     c = lambda x: x.contiguous() if x is not None else None  # noqa: E731
-    return _ChunkStatePassing.apply(c(h0), c(d), c(kd), c(vf), c(w), c(uv), c(ad))
+    return _ChunkStatePassing.apply(c(h0), c(d), c(kd), c(vf), c(w), c(uv), c(ad), offsets, chunk_size)
