@@ -295,6 +295,13 @@ def varlen_aligned(cu_seqlens: torch.Tensor, T: int, align: int, row: int, devic
     return Packing(_destinations(cu, offsets, T), 1, row, offsets.to(torch.int32))
 
 
+def row_packing(cu_seqlens: torch.Tensor, lengths: list[int] | None, T: int, align: int, device) -> Packing:
+    """:func:`varlen_aligned`'s layout with its row: the exact one from the lengths on the host, or without them
+    (``canonicalize`` leaves them None while compiling) :func:`aligned_row`'s bound."""
+    row = aligned_row(T, cu_seqlens.shape[0] - 1, align) if lengths is None else aligned_starts(lengths, align)[-1]
+    return varlen_aligned(cu_seqlens, T, align, row, device)
+
+
 class _Spread(torch.autograd.Function):
     """[1, T, ...] -> [rows, cols, ...]: token i to place dest[i], zeros elsewhere."""
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .backends import check_triton_mode, needs_grad, resolve_mode
-from ._inputs import (aligned_row, aligned_starts, canonicalize, check_inplace_state, host_lengths, pack_varlen,
-                      unpack_varlen, varlen_aligned, varlen_index)
+from ._inputs import (canonicalize, check_inplace_state, host_lengths, pack_varlen, row_packing, unpack_varlen,
+                      varlen_index)
 from .chunk import chunk_dplr_core
 from .naive import naive_dplr_core
 
@@ -121,9 +121,7 @@ def _dplr(q, k, v, a, b, g, scale, initial_state, output_final_state, cu_seqlens
         if mode in ("chunk", "triton"):  # (the lengths are not on the host while compiling: ``canonicalize``)
             from .triton.chunk_fwd import VARLEN_ALIGN
 
-            align, N = VARLEN_ALIGN if fused else chunk_size, x.cu_seqlens.shape[0] - 1
-            row = aligned_row(T, N, align) if x.lengths is None else aligned_starts(x.lengths, align)[-1]
-            packing = varlen_aligned(x.cu_seqlens, T, align, row, q.device)
+            packing = row_packing(x.cu_seqlens, x.lengths, T, VARLEN_ALIGN if fused else chunk_size, q.device)
             offsets = packing.offsets
         else:  # [N, max(lengths)]: the naive path, whose lengths are on the host (compiled: a graph break)
             lengths = host_lengths(x.cu_seqlens, T) if x.lengths is None else x.lengths

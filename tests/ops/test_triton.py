@@ -1282,18 +1282,23 @@ def test_cu_seqlens_along_one_row(mechanism, host, monkeypatch):
 def test_cu_seqlens_of_one_sequence_is_the_plain_call(monkeypatch):
     """cu_seqlens = [0, T] runs as the call without it: no packing, no ``offsets``, so that on a GPU one long
     sequence keeps its walk in segments (``chunk_fwd.segments``, which a packed row goes without); the same
-    output and final state, bit for bit."""
+    output and final state, bit for bit. HDLA and KDA."""
     import rankdecay.ops.triton as kernels
+    from rankdecay.ops.triton import chunk_bwd
 
     seen = []
     forward = kernels.chunk_dplr_fwd
-    monkeypatch.setattr(kernels, "chunk_dplr_fwd", lambda *a, **kw: seen.append(kw.get("offsets")) or forward(*a, **kw))
+    for module in (kernels, chunk_bwd):
+        monkeypatch.setattr(module, "chunk_dplr_fwd", lambda *a, **kw: seen.append(kw.get("offsets")) or forward(*a,
+                                                                                                            **kw))
     q, k, v, g, beta, h0 = (x.to(DEVICE) for x in _kda_inputs(seed=5, strong=False))
     kw = dict(initial_state=h0, output_final_state=True, mode="triton")
-    with torch.no_grad():
-        plain = ops.hdla(q, k, v, g, beta, **kw)
-        packed = ops.hdla(q, k, v, g, beta, cu_seqlens=torch.tensor([0, q.shape[1]], device=DEVICE), **kw)
-    assert seen == [None] and torch.equal(plain[0], packed[0]) and torch.equal(plain[1], packed[1]), seen
+    for fn in (ops.hdla, ops.kda):
+        seen.clear()
+        with torch.no_grad():
+            plain = fn(q, k, v, g, beta, **kw)
+            packed = fn(q, k, v, g, beta, cu_seqlens=torch.tensor([0, q.shape[1]], device=DEVICE), **kw)
+        assert seen == [None, None] and torch.equal(plain[0], packed[0]) and torch.equal(plain[1], packed[1]), seen
 
 
 def test_kda_cu_seqlens_without_and_with_autograd(monkeypatch):
@@ -3552,7 +3557,7 @@ def test_opaque_operators_fake_matches_real():
     """``torch.library.opcheck`` on the two opaque operators: their fake runs (the kernels' Python with every launch
     a no-op) give the real results' shapes, dtypes and strides, and they register with autograd and AOT as they
     should. Gated DeltaNet's autograd Function (saved tensors that are views of its inputs) and the rank-5 path's
-    state passing (saved tensors that are its own outputs)."""
+    state passing (saved tensors that are its own outputs), on one sequence a row and on two packed along it."""
     from rankdecay.ops.triton import opaque
     from rankdecay.ops.triton.chunk_bwd import _GatedDeltaRule
     from rankdecay.ops.triton.chunk_state import _ChunkStatePassing
@@ -3573,8 +3578,12 @@ def test_opaque_operators_fake_matches_real():
                                                                  (B, H, NC, C, V), (B, H, NC, C, K),
                                                                  (B, H, NC, C, V), (B, H, NC, C, K)]]
     rows[1] = rows[1].sigmoid()
-    tensors, statics = opaque._split(rows)
-    torch.library.opcheck(forward, (_ChunkStatePassing.name, tensors, statics))
-    flat = forward(_ChunkStatePassing.name, tensors, statics)
-    attributes, codes = opaque._unmeta(flat[-1])
-    assert attributes == {"gate": 1} and 2 in codes  # s0 and u are saved as views of the outputs, not returned twice
+    packed = [torch.randn(2, H, K, V, generator=gen).to(DEVICE)] + rows[1:] + [
+        torch.tensor([0, C, NC * C], dtype=torch.int32, device=DEVICE), C]  # sequences of one and two chunks
+    for args in (rows + [None, C], packed):
+        tensors, statics = opaque._split(args)
+        torch.library.opcheck(forward, (_ChunkStatePassing.name, tensors, statics))
+        flat = forward(_ChunkStatePassing.name, tensors, statics)
+        attributes, codes = opaque._unmeta(flat[-1])
+        assert attributes == {"gate": 1, "chunk_size": C} and 2 in codes  # s0 and u: views of the outputs
+        assert flat[2].shape == args[0].shape  # the final state: one per sequence
