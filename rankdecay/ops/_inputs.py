@@ -239,7 +239,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[i
         raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
     if _compiling():
         # Reading the values on the host would break the graph here and make each new packing a constant of the
-        # graph after it (a compile per packing); the fused kernels' layout needs none of them (varlen_aligned)
+        # graph after it (a compile per packing); the chunked paths' layout needs none of them (varlen_aligned)
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (lens >= 0).all(),
                              "cu_seqlens must start at 0, end at T and be non-decreasing")

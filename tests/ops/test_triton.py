@@ -2673,8 +2673,8 @@ def _assert_decode_kernel_matches_naive(call, h0, label):
 
 
 def _varlen_decode_calls(lengths, H=2, K=16, V=8, seed=11):
-    """Every entry with a decode kernel, as ``call(mode, cu_seqlens, initial_state, **kw)`` on inputs packed along
-    T = sum(lengths) (B = 1), strong decays and β up to 2 where the entry takes them."""
+    """Every entry with a decode kernel, as ``call(mode, **kwargs)`` (the entry's own keywords) on inputs packed
+    along T = sum(lengths) (B = 1), strong decays and β up to 2 where the entry takes them."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731
