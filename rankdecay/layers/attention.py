@@ -1,12 +1,14 @@
 """Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import Cache
-from .modules import sequence_starts
+from .cache import Cache, check_packed_rows
+from .modules import sequence_ids
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
@@ -21,6 +23,20 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+try:  # PyTorch's flash attention over packed sequences, with a window from torch 2.10 on (CUDA, 16 bits)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # older PyTorch
+    _varlen_attn = None
+_VARLEN_WINDOW = _varlen_attn is not None and "window_size" in inspect.signature(_varlen_attn).parameters
+
+
+def _flash_varlen(q: torch.Tensor) -> bool:
+    """Whether ``_varlen_attn`` takes these queries [1, T, H, D]: a CUDA GPU of compute capability 8.0 or more,
+    fp16 / bf16, D <= 256 and a multiple of 8."""
+    return (_VARLEN_WINDOW and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def _rolled(entry: dict) -> dict:
@@ -92,21 +108,19 @@ class SlidingWindowAttention(nn.Module):
         H, D, W = self.num_heads, self.head_dim, self.window_size
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
         state = cache.layers[self.layer_idx] if cache is not None else None
+        if cu_seqlens is not None:
+            return self._packed(x, real, cu_seqlens, state, cache, use_cache, projected, attention_mask is None)
         if state is None:
             state = {"k": x.new_zeros(B, 0, H, D), "v": x.new_zeros(B, 0, H, D),
                      "real": real.new_zeros(B, 0), "count": torch.zeros(B, dtype=torch.long, device=x.device)}
-        starts = sequence_starts(T, cu_seqlens, x.device)
-        if T == 1 and starts is None and cache is not None and use_cache:
+        if T == 1 and cache is not None and use_cache:
             return self._step(x, real, self.ring_cache(state), cache, projected)
         if "next" in state:
             state = _rolled(state)
         P = state["k"].shape[1]
 
         t = torch.arange(T, device=x.device)
-        if starts is not None:
-            positions = (t - starts)[None].expand(B, T)
-        else:  # real tokens before this one
-            positions = state["count"][:, None] + real.long().cumsum(1) - real.long()
+        positions = state["count"][:, None] + real.long().cumsum(1) - real.long()  # real tokens before this one
         q, k, v = self._qkv(x, positions, cache, projected)
         keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
         key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
@@ -114,8 +128,6 @@ class SlidingWindowAttention(nn.Module):
         i = P + t[:, None]  # query index in the key buffer
         j = torch.arange(P + T, device=x.device)[None, :]
         allowed = (j <= i) & (i - j < W)
-        if starts is not None:
-            allowed = allowed & (j >= starts[:, None])
         allowed = allowed[None] & key_real[:, None, :]  # [B, T, P + T]
         allowed = allowed | (j == i)[None]  # a padding query sees itself, never an empty row
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -128,6 +140,74 @@ class SlidingWindowAttention(nn.Module):
                 "real": key_real[:, -keep:] if keep else key_real[:, :0],
                 "count": state["count"] + real.long().sum(1),
             }
+        return o, cache
+
+    def _packed(self, x, real, cu_seqlens, state, cache, use_cache, projected, all_real):
+        """Sequences packed along T (x [1, T, D], ``cu_seqlens`` [N + 1]): each token attends within its own
+        sequence, over its tokens so far and, with a cache, its own row of the cache's keys (``[N, P]``: N rows,
+        one per sequence, as a batched decode then reads them). The cache then keeps each sequence's last
+        ``window - 1`` keys, its count of real tokens, and decodes as a batch of N.
+
+        On a GPU in 16 bits, with no cache row to read and no padding (training on packed documents, a packed
+        prefill), PyTorch's flash attention for packed sequences (``torch.nn.attention.varlen``) with the window:
+        time and memory linear in T. Otherwise SDPA with a [T, N * P + T] mask."""
+        B, T, _ = x.shape
+        H, D, W = self.num_heads, self.head_dim, self.window_size
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or B != 1:
+            raise ValueError(f"cu_seqlens must be [N + 1] with x [1, T, D]; got cu_seqlens {list(cu_seqlens.shape)}, "
+                             f"x {list(x.shape)}")
+        device = x.device
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        N = cu.shape[0] - 1
+        if state is None:
+            state = {"k": x.new_zeros(N, 0, H, D), "v": x.new_zeros(N, 0, H, D), "real": real.new_zeros(N, 0),
+                     "count": torch.zeros(N, dtype=torch.long, device=device)}
+        elif "next" in state:
+            state = _rolled(state)
+        check_packed_rows(state["k"].shape[0], cu)
+        P = state["k"].shape[1]
+        t = torch.arange(T, device=device)
+        seq = sequence_ids(T, cu, device)
+        starts = cu[:-1][seq]
+        offset = t - starts  # the token's place in its sequence's new tokens
+        q, k, v = self._qkv(x, (state["count"][seq] + offset)[None], cache, projected)
+        # the keys: every cache row's (row n's at N * n ...), then the packed tokens'
+        keys, values, key_real = k[0], v[0], real[0]
+        if P:
+            keys = torch.cat([state["k"].reshape(N * P, H, D), keys])
+            values = torch.cat([state["v"].reshape(N * P, H, D), values])
+            key_real = torch.cat([state["real"].reshape(N * P), key_real])
+        if P == 0 and all_real and _flash_varlen(q):
+            # T bounds every sequence's length: no host sync (a compiled graph stays whole); blocks past a
+            # sequence's end return at once
+            cu32 = cu.to(torch.int32)
+            o = _varlen_attn(q[0], k[0], v[0], cu32, cu32, T, T, window_size=(W - 1, 0))[None]
+        else:
+            slot = torch.arange(P, device=device)
+            cached = ((torch.arange(N, device=device).repeat_interleave(P)[None] == seq[:, None])
+                      & (offset[:, None] + P - slot.repeat(N)[None] < W))  # [T, N * P]: own row, inside the window
+            j = t[None]
+            mine = (j <= t[:, None]) & (j >= starts[:, None]) & (t[:, None] - j < W)  # [T, T]
+            allowed = torch.cat([cached, mine], 1) & key_real[None]
+            allowed[:, N * P:] |= t[:, None] == j  # a padding query sees itself, never an empty row
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[None].transpose(1, 2),
+                                               values[None].transpose(1, 2), attn_mask=allowed[None, None])
+            o = o.transpose(1, 2)
+        o = self.o_proj(o.reshape(B, T, H * D))
+        if cache is not None and use_cache:
+            keep = W - 1
+            # sequence n's last `keep` keys, its new tokens after its cache row's; slots before both are padding
+            back = (cu[1:] - cu[:-1])[:, None] - keep + torch.arange(keep, device=device)  # [N, keep], in new tokens
+            rows = torch.arange(N, device=device)[:, None]
+            at = torch.where(back >= 0, N * P + cu[:-1, None] + back,
+                             torch.where(P + back >= 0, rows * P + P + back, N * P + T))
+
+            def take(z):  # z [N * P + T, ...] and one padding row after it
+                return torch.cat([z, z.new_zeros((1,) + z.shape[1:])])[at]
+
+            counted = torch.zeros(N, dtype=torch.long, device=device).index_add_(0, seq, real[0].long())
+            cache.layers[self.layer_idx] = {"k": take(keys), "v": take(values), "real": take(key_real),
+                                            "count": state["count"] + counted}
         return o, cache
 
     def _qkv(self, x, positions, cache, projected=None):

@@ -46,3 +46,10 @@ class Cache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+
+def check_packed_rows(rows: int, cu_seqlens: torch.Tensor | None) -> None:
+    """Packed tokens (``cu_seqlens`` [N + 1]) continue one row of a layer's cache (``rows`` of them) each."""
+    if cu_seqlens is not None and rows != cu_seqlens.shape[0] - 1:
+        raise ValueError(f"the cache has {rows} rows but cu_seqlens packs N = {cu_seqlens.shape[0] - 1} sequences: "
+                         "packed tokens continue one cache row per sequence")

@@ -28,9 +28,9 @@ from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
 from ..ops._inputs import STATE_DTYPES
 from ..ops.mechanisms import _up, kda_log_decay, l2norm, mamba2_log_decay  # _up: gates in at least fp32, fp64 kept
-from .cache import Cache
+from .cache import Cache, check_packed_rows
 from .modules import (GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation,
-                      sequence_starts)
+                      sequence_ids)
 from .packing import fused_output_linear as _fused_output_linear
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
@@ -244,8 +244,10 @@ class LinearMixer(nn.Module, abc.ABC):
             mask = attention_mask.to(x.dtype)
             x = x * mask[..., None]
         state = cache.layers[self.layer_idx] if cache is not None else None
+        if state is not None:
+            check_packed_rows(state["recurrent"].shape[0], cu_seqlens)
         conv_states = state["conv"] if state is not None else (None, None, None)
-        starts = sequence_starts(T, cu_seqlens, x.device)
+        seq = sequence_ids(T, cu_seqlens, x.device) if cu_seqlens is not None else None
 
         # decoding with a pack (GraphDecoder): every map of x in one product
         packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None
@@ -257,11 +259,12 @@ class LinearMixer(nn.Module, abc.ABC):
             convs = (self.q_conv, self.k_conv, self.v_conv)
             # a decode step on the GPU's route: the three in one kernel, the cache's states shifted in place
             fused = (conv_step(convs, (q, k, v), conv_states)
-                     if mode == "fused_recurrent" and use_cache and T == 1 and starts is None else None)
+                     if mode == "fused_recurrent" and use_cache and T == 1 and seq is None else None)
             if fused is not None:
                 (q, k, v), new_conv = fused, tuple(conv_states)
             else:
-                (q, cq), (k, ck), (v, cv) = (conv(y, s, starts) for conv, y, s in zip(convs, (q, k, v), conv_states))
+                (q, cq), (k, ck), (v, cv) = (conv(y, s, cu_seqlens, use_cache, seq=seq)
+                                             for conv, y, s in zip(convs, (q, k, v), conv_states))
                 new_conv = (cq, ck, cv)
         else:
             if self.qkv_activation == "silu":
@@ -277,12 +280,13 @@ class LinearMixer(nn.Module, abc.ABC):
                    and initial_state.dtype == self.state_dtype and initial_state.is_contiguous())
         if not inplace and initial_state is not None and initial_state.dtype != torch.float32:
             initial_state = initial_state.float()  # a 16-bit cache: the other paths start from fp32
-        if (self.decode_kernel and mode == "fused_recurrent" and mask is None and cu_seqlens is None
+        if (self.decode_kernel and mode == "fused_recurrent" and mask is None
                 and self.qk_norm == self.decode_qk_norm and self.qk_hook is None):
-            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step)
+            # one kernel for the L2 norms, the gates and the recurrence (the GPU decode step; packed sequences
+            # each from its own row of the cache)
             o, final_state = self.decode_op()(q, k, v, **self.decode_gates(x, p), scale=self.scale,
                                               initial_state=initial_state, output_final_state=True,
-                                              inplace_final_state=inplace, mode=mode)
+                                              inplace_final_state=inplace, cu_seqlens=cu_seqlens, mode=mode)
         else:
             if self.qk_norm == "l2":
                 q = l2norm(q)

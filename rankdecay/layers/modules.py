@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from ..ops.backends import _HAS_TRITON
 
 if _HAS_TRITON:
+    from ..ops.triton.conv import short_conv as _short_conv
     from ..ops.triton.conv import short_conv_step as _short_conv_step
+
+
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    """Whether x is where the sequence convolution's Triton kernel runs (tests patch this to interpret it)."""
+    return x.is_cuda
 
 
 class RMSNorm(nn.Module):
@@ -51,21 +57,22 @@ class GatedRMSNorm(RMSNorm):
         return super().forward(x) * gate_activation(gate, self.activation)
 
 
-def sequence_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor | None:
-    """For packed sequences, the index of the first token of each token's sequence ([T])."""
-    if cu_seqlens is None:
-        return None
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T).to(device)
+def sequence_ids(T: int, cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """For packed sequences, the sequence each token belongs to ([T], int64)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=device), cu[1:] - cu[:-1], output_size=T)
 
 
 class ShortConvolution(nn.Module):
     """Depthwise causal convolution over time (kernel 4 by default), no bias.
 
-    ``forward(x [B, T, D], state [B, D, kernel - 1] | None, starts [T] | None)`` returns
-    ``(y [B, T, D], new_state [B, D, kernel - 1])``. ``state`` holds the inputs of the
-    last ``kernel - 1`` steps (zeros at the start of a sequence); with ``starts`` (packed
-    sequences) no tap reaches across the start of a sequence.
+    ``forward(x [B, T, D], state, cu_seqlens, output_final_state=True)`` returns ``(y [B, T, D], final_state)``.
+    A state holds the inputs of the last ``kernel - 1`` steps, oldest first: ``[B, D, kernel - 1]``, or
+    ``[N, D, kernel - 1]`` with ``cu_seqlens`` ([N + 1] offsets of N sequences packed along T, B = 1), one per
+    sequence. ``state`` None starts every sequence from zeros. With ``cu_seqlens`` no tap reaches across the start
+    of a sequence (it reads that sequence's ``state`` instead), and the final state is each sequence's own last
+    inputs (its initial state's where it is shorter than ``kernel - 1``), as fla's ``ShortConvolution`` gives
+    them. ``output_final_state=False`` returns None for it.
     """
 
     def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu", groups: int | None = None):
@@ -89,27 +96,101 @@ class ShortConvolution(nn.Module):
             return self.weight
         return self.weight.repeat_interleave(self.dim // self.groups, dim=0)
 
-    def forward(self, x, state=None, starts=None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                output_final_state: bool = True, *, seq: torch.Tensor | None = None):
+        """x [B, T, D] -> (y [B, T, D], final_state [B or N, D, kernel - 1] | None). ``seq``: the caller's
+        ``sequence_ids(T, cu_seqlens, x.device)``, where it has it already (a mixer's three convolutions).
+
+        On a GPU, more than one token (training, prefill) takes one Triton kernel forward and two backward
+        (``ops.triton.conv.short_conv``), not a pass over x per tap and per mask; a differentiated ``state`` and
+        ``torch.compile`` (which fuses these operations itself) keep the PyTorch operations."""
         B, T, D = x.shape
         past = self.kernel_size - 1
-        if state is None:
-            state = x.new_zeros(B, D, past)
-        full = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, past + T, D]
+        if D != self.dim:
+            raise ValueError(f"x must have shape [B, T, {self.dim}], got {list(x.shape)}")
+        rows, cu = B, None
+        if cu_seqlens is not None:
+            if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or B != 1:
+                raise ValueError(f"cu_seqlens must be [N + 1] with x [1, T, D]; got cu_seqlens "
+                                 f"{list(cu_seqlens.shape)}, x {list(x.shape)}")
+            rows = cu_seqlens.shape[0] - 1
+            cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+            if seq is None:
+                seq = sequence_ids(T, cu, x.device)
+        if state is not None and state.shape != (rows, D, past):
+            what = f"N = {rows} sequences" if cu_seqlens is not None else f"B = {B}"
+            raise ValueError(f"state must have shape [{rows}, {D}, {past}] ({what}), got {list(state.shape)}")
         w = self.filters().to(x.dtype)
-        if T == 1 and starts is None:  # a decode step: one product and one sum instead of a kernel pair per tap
-            y = (full * w.t()).sum(1, keepdim=True)
-            return (F.silu(y) if self.activation == "silu" else y), full[:, 1:].transpose(1, 2)
-        y = torch.zeros_like(x)
+        final = None
+        if self._kernel_applies(x, state):
+            y = _short_conv(x, w, state, cu, seq, self.activation)
+        else:
+            if cu is not None:
+                y = self._packed(x, state, cu, seq, w)
+            else:
+                full = torch.cat([self._past(state, x), x], 1)  # [B, past + T, D]
+                if T == 1:  # a decode step: one product and one sum instead of a kernel pair per tap
+                    y = (full * w.t()).sum(1, keepdim=True)
+                else:
+                    y = sum(full[:, past - i: past - i + T] * w[:, past - i] for i in range(self.kernel_size))
+                if output_final_state:
+                    final = full[:, T:].transpose(1, 2).contiguous()
+            if self.activation == "silu":
+                y = F.silu(y)
+        if output_final_state and final is None:
+            final = self._final(x, state, cu)
+        return y, final
+
+    def _kernel_applies(self, x, state) -> bool:
+        return (_HAS_TRITON and _on_kernel_device(x) and x.shape[1] > 1 and self.activation in ("silu", None)
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
+                and (state is None or not state.requires_grad))
+
+    def _past(self, state, x):
+        """The inputs before x's rows [B, past, D] (zeros without a state)."""
+        B, _, D = x.shape
+        if state is None:
+            return x.new_zeros(B, self.kernel_size - 1, D)
+        return state.transpose(1, 2).to(x.dtype)
+
+    def _final(self, x, state, cu):
+        """The last ``past`` inputs of each row (each packed sequence), oldest first: ``[B or N, D, past]``,
+        contiguous (a decode step on a GPU then updates it in place, ``conv_step``)."""
+        past = self.kernel_size - 1
+        if not past:
+            return x.new_zeros(x.shape[0] if cu is None else cu.shape[0] - 1, x.shape[2], 0)
+        if cu is None:
+            return torch.cat([self._past(state, x), x[:, -past:]], 1)[:, -past:].transpose(1, 2).contiguous()
+        N = cu.shape[0] - 1
+        p = cu[1:, None] - past + torch.arange(past, device=x.device)  # [N, past]: each sequence's last inputs
+        begins = cu[:-1, None]
+        mine = x[0][p.clamp(min=0)]  # [N, past, D]
+        if state is None:
+            before = torch.zeros_like(mine)
+        else:  # an input before the sequence's start: its state's slot past - (begin - p)
+            before = state.transpose(1, 2).to(x.dtype)[torch.arange(N, device=x.device)[:, None],
+                                                       (past - (begins - p)).clamp(0, past - 1)]
+        return torch.where((p >= begins)[..., None], mine, before).transpose(1, 2).contiguous()
+
+    def _packed(self, x, state, cu, seq, w):
+        """Packed sequences in PyTorch: each tap masked at its sequence's start (no state) or gathered from the
+        tokens and the states (``state`` [N, D, past])."""
+        T, D, past = x.shape[1], x.shape[2], self.kernel_size - 1
         t = torch.arange(T, device=x.device)
-        for i in range(self.kernel_size):  # y_t = sum_i w_i x_{t - i}; the newest input pairs with the last weight
-            tap = full[:, past - i : past - i + T] * w[:, past - i]
-            if starts is not None and i > 0:
-                tap = tap * (t - i >= starts)[None, :, None]
-            y = y + tap
-        if self.activation == "silu":
-            y = F.silu(y)
-        # contiguous (a small copy per prompt): a decode step on a GPU then updates it in place (``conv_step``)
-        return y, full[:, T:].transpose(1, 2).contiguous()
+        starts = cu[:-1][seq]
+        if state is None:  # training's case: one mask per tap, nothing gathered
+            y = x * w[:, past]
+            for i in range(1, self.kernel_size):
+                y = y + F.pad(x, (0, 0, i, 0))[:, :T] * w[:, past - i] * (t - i >= starts)[None, :, None]
+            return y
+        # the rows read: the packed tokens, then each sequence's state, oldest first
+        N = cu.shape[0] - 1
+        src = torch.cat([x[0], state.transpose(1, 2).to(x.dtype).reshape(N * past, D)])
+        taps = []
+        for i in range(self.kernel_size):
+            p = t - i
+            taps.append(src[torch.where(p >= starts, p, T + seq * past + past - (starts - p))] * w[:, past - i])
+        return sum(taps)[None]
 
 
 def conv_step(convs: Sequence[ShortConvolution], xs: Sequence[torch.Tensor],

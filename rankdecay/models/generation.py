@@ -122,22 +122,36 @@ class GraphDecoder:
     # -- the step ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prompt ``input_ids [B, T]`` (``attention_mask [B, T]``, 0 at left padding) and
-        load its cache into the step's buffers. Returns the last position's logits ``[B, vocab]``."""
+        load its cache into the step's buffers. Returns the last position's logits ``[B, vocab]``.
+
+        ``cu_seqlens`` ([N + 1], each prompt at least one token): N prompts packed along T in ``input_ids [1, T]``,
+        no padding; the steps then continue them as a batch of N (``step(token [N])``), and the logits returned
+        are each prompt's last ``[N, vocab]``."""
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=True)
+        rows = input_ids.shape[0]
+        if cu_seqlens is not None:
+            if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or rows != 1:
+                raise ValueError(f"cu_seqlens must be [N + 1] with input_ids [1, T]; got cu_seqlens "
+                                 f"{list(cu_seqlens.shape)}, input_ids {list(input_ids.shape)}")
+            if not bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()):
+                raise ValueError(f"every packed prompt needs at least one token, got cu_seqlens {cu_seqlens.tolist()}")
+            rows = cu_seqlens.shape[0] - 1
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=True, cu_seqlens=cu_seqlens)
         cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
         self._pack()
-        key = (input_ids.shape[0], tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)),
-               self._addresses())
+        key = (rows, tuple((tuple(t.shape), t.dtype) for entry in layers for t in _leaves(entry)), self._addresses())
         if key != self._key:
-            self._build(input_ids.shape[0], layers)
+            self._build(rows, layers)
             self._key = key
         self._load(layers)
         self._cache.seen_tokens = cache.seen_tokens
+        if cu_seqlens is not None:
+            return out.logits[0, cu_seqlens[1:].to(out.logits.device) - 1]
         return out.logits[:, -1]
 
     @torch.no_grad()
@@ -246,26 +260,44 @@ class GraphDecoder:
     # -- generation -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+    def generate(self, input_ids: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
-                 streamer=None) -> torch.Tensor:
+                 streamer=None) -> torch.Tensor | list[torch.Tensor]:
         """Continue ``input_ids [B, T]`` by ``max_new_tokens``; returns ``[B, T + n]`` (n is
         smaller when every row has ended with an EOS token; ended rows are padded with
         ``pad_token_id``). Defaults for ``eos_token_id`` / ``pad_token_id`` come from the
         model's generation config, and so do ``temperature``, ``top_k`` and ``top_p`` when
         None (transformers' defaults: 1.0, 50, 1.0). Greedy unless ``do_sample``.
         ``streamer``: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``): given the prompt, then
-        each new token ``[B]`` as it is chosen, then ``end()``, as ``model.generate`` does."""
+        each new token ``[B]`` as it is chosen, then ``end()``, as ``model.generate`` does.
+
+        ``input_ids`` may also be a list of N prompts (1-D token tensors of any lengths, at least one token each):
+        they are prefilled packed (``cu_seqlens``, no padding and no mask) and decoded as a batch of N. Returns a
+        list: each prompt followed by its new tokens, up to and with its EOS token (no padding)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        prompts = None
+        if isinstance(input_ids, (list, tuple)):
+            prompts = list(input_ids)
+            if not prompts or any(not isinstance(x, torch.Tensor) or x.dim() != 1 or x.numel() < 1 for x in prompts):
+                raise ValueError("a list of prompts must hold 1-D token tensors of at least one token each")
+            if attention_mask is not None:
+                raise ValueError("a list of prompts is packed, not padded: give no attention_mask")
+            if streamer is not None and len(prompts) > 1:
+                raise ValueError("a streamer takes one row: give one prompt, or a [1, T] tensor")
+            lengths = torch.tensor([0] + [x.numel() for x in prompts])
+            cu_seqlens = lengths.cumsum(0).to(self.device)
+            input_ids = torch.cat(prompts).to(self.device)[None]
         config = self.model.generation_config
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
         eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)
         pad = pad_token_id if pad_token_id is not None else config.pad_token_id
         if eos.numel() and pad is None:
-            raise ValueError("pad_token_id is needed to fill rows that ended (or give eos_token_id=[])")
+            if prompts is None:
+                raise ValueError("pad_token_id is needed to fill rows that ended (or give eos_token_id=[])")
+            pad = int(eos[0])  # a list's rows end at their EOS: the filler is never returned
         warpers = LogitsProcessorList()
         if do_sample:
             temperature = _setting(temperature, config, "temperature", 1.0)
@@ -278,15 +310,15 @@ class GraphDecoder:
                 warpers.append(TopKLogitsWarper(top_k))
             if top_p is not None and top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p))
-        tokens = [input_ids]
+        tokens = [input_ids if prompts is None else input_ids.new_zeros(len(prompts), 0)]
         if streamer is not None:
             streamer.put(input_ids.cpu())
         if max_new_tokens == 0:
             if streamer is not None:
                 streamer.end()
-            return input_ids
-        logits = self.prefill(input_ids, attention_mask)
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
+            return input_ids if prompts is None else [x.clone() for x in prompts]
+        logits = self.prefill(input_ids, attention_mask, None if prompts is None else cu_seqlens)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
         for i in range(max_new_tokens):
             if do_sample:
                 probs = warpers(torch.cat(tokens, 1), logits.float()).softmax(-1)
@@ -304,7 +336,13 @@ class GraphDecoder:
             logits = self.step(nxt)
         if streamer is not None:
             streamer.end()
-        return torch.cat(tokens, 1)
+        if prompts is None:
+            return torch.cat(tokens, 1)
+        new = torch.cat(tokens, 1)  # [N, n]
+        ended = torch.isin(new, eos) if eos.numel() else torch.zeros_like(new, dtype=torch.bool)
+        # each row up to and with its first EOS token
+        kept = torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1]).tolist()
+        return [torch.cat([x, row[:n].to(x.device)]) for x, row, n in zip(prompts, new, kept)]
 
 
 # what ``model.generate(graph_decoder=True)`` takes from a generation config; the rest must keep its default

@@ -181,6 +181,8 @@ class RankDecayModel(RankDecayPreTrainedModel):
         (left) padding; cu_seqlens [N + 1] for sequences packed along T (B = 1). The cache of earlier
         tokens comes as ``past_key_values`` or ``cache`` (transformers >= 5.24 names it so) and goes
         back in the output under the installed transformers' name (``output_cache`` reads either).
+        With ``cu_seqlens`` the cache has one row per sequence: packed prompts fill it (N rows), then steps
+        ``input_ids [N, 1]`` continue them as a batch, and packed tokens with it continue each row.
 
         Other keyword arguments that transformers' generation passes (position_ids, ...) are
         not used: positions live in the cache.
@@ -215,8 +217,8 @@ class RankDecayModel(RankDecayPreTrainedModel):
                                                       cu_seqlens)
             else:
                 x = layer(x, attention_mask, past_key_values, use_cache, cu_seqlens)
-        if use_cache:
-            past_key_values.seen_tokens += T
+        if use_cache:  # packed sequences: as many as the longest one's (as a left-padded batch of them would)
+            past_key_values.seen_tokens += T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
                                        **{CACHE_FIELD: past_key_values if use_cache else None})
 

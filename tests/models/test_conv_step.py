@@ -102,3 +102,64 @@ def test_decode_steps_take_the_kernel_and_keep_the_cache_tensors(mixer, monkeypa
     assert len(calls) == 8 * layers
     assert all(a is b for layer, s in zip(cache.layers, states) for a, b in zip(layer["conv"], s))
     assert_matches(torch.cat(got, 1), torch.cat(want, 1), 1e-5, mixer)
+
+
+def _conv_case(case, kernel_size, activation, groups, dtype):
+    torch.manual_seed(0)
+    conv = ShortConvolution(150, kernel_size, activation, groups=groups).to(DEVICE)
+    if case.startswith("packed"):
+        lengths = [37, 0, 1, 2, 50]  # an empty sequence, two shorter than the taps, blocks that straddle starts
+        cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+        x = torch.randn(1, sum(lengths), 150, device=DEVICE, dtype=dtype)
+        rows = len(lengths)
+    else:
+        cu, x, rows = None, torch.randn(2, 45, 150, device=DEVICE, dtype=dtype), 2
+    state = torch.randn(rows, 150, kernel_size - 1, device=DEVICE, dtype=dtype) if case.endswith("state") else None
+    return conv, x, state, cu
+
+
+def _conv_run(conv, x, state, cu):
+    x = x.detach().requires_grad_()
+    y, final = conv(x, state, cu)
+    dy = torch.linspace(-1, 1, y.numel(), device=y.device).view(y.shape)
+    gx, gw = torch.autograd.grad((y.float() * dy).sum(), [x, conv.weight])
+    return y.float(), final.float(), gx.float(), gw.float()
+
+
+@pytest.mark.parametrize("groups", [None, 5])
+@pytest.mark.parametrize("kernel_size,activation", [(4, "silu"), (3, None), (2, "silu")])
+@pytest.mark.parametrize("case", ["rows", "rows-state", "packed", "packed-state"])
+def test_the_sequence_kernel_matches_the_pytorch_path(case, kernel_size, activation, groups, monkeypatch):
+    """Training's and prefill's convolution in one Triton kernel (``ops.triton.conv.short_conv``, forward, and two
+    kernels backward): the outputs, final states and the gradients of x and of the filters (shared ones too) are the
+    PyTorch path's (fp32), for rows (B = 2) and for packed sequences (lengths 37, 0, 1, 2, 50), from initial states
+    and from zeros; 150 channels (a partial block)."""
+    from rankdecay.layers import modules
+
+    conv, x, state, cu = _conv_case(case, kernel_size, activation, groups, torch.float32)
+    want = _conv_run(conv, x, state, cu)
+    calls = []
+    kernel = modules._short_conv
+    monkeypatch.setattr(modules, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(modules, "_short_conv", lambda *a: calls.append(1) or kernel(*a))
+    got = _conv_run(conv, x, state, cu)
+    assert calls == [1]
+    for a, b, name in zip(got, want, ("y", "final state", "grad x", "grad filters")):
+        assert_matches(a, b, 1e-5, f"{case}: {name}")
+
+
+@pytest.mark.parametrize("case", ["rows-state", "packed"])
+def test_the_sequence_kernel_in_16_bits_rounds_once(case, monkeypatch):
+    """fp16: the kernel's sums are fp32, rounded once, so its outputs and gradients are at least as close to the
+    fp32 path's as PyTorch's fp16 operations (a rounding per product and per sum) are."""
+    from rankdecay.layers import modules
+
+    conv, x, state, cu = _conv_case(case, 4, "silu", None, torch.float16)
+    ref = _conv_run(conv.float(), x.float(), None if state is None else state.float(), cu)
+    conv = conv.half()
+    plain = _conv_run(conv, x, state, cu)
+    monkeypatch.setattr(modules, "_on_kernel_device", lambda x: True)
+    fused = _conv_run(conv, x, state, cu)
+    for a, b, want, name in zip(fused, plain, ref, ("y", "final state", "grad x", "grad filters")):
+        err, bound = ((a - want).norm() / want.norm()).item(), ((b - want).norm() / want.norm()).item()
+        assert err <= bound * 1.01 + 1e-7, f"{case}: {name}: {err:.2e} against PyTorch's {bound:.2e}"

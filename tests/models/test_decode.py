@@ -163,3 +163,91 @@ def test_cache_size_does_not_grow_with_the_context(mixer):
     with torch.no_grad():
         sizes = [_cache_bytes(output_cache(model(random_ids(1, n), use_cache=True))) for n in (40, 300)]
     assert sizes[0] == sizes[1] > 0
+
+
+# Packed prompts: an empty one, a one-token one and one longer than the tiny SWA window (32); 81 tokens in all, so
+# the prefill takes the chunked path (more than 64) and the packed continuation (2 tokens each) the recurrent one.
+PACKED = (7, 1, 0, 70, 3)
+
+
+def _packed_then_batched(model, seqs, lengths, steps=2):
+    """Prompts packed into one row (cu_seqlens) fill a cache of one row per prompt; then 2 more tokens of each,
+    packed again, continue every row; then ``steps`` one-token steps as a batch [N, 1]. Returns the logits of
+    each part and the cache."""
+    device = next(model.parameters()).device
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0)
+    prompt = torch.cat([s[:, :n] for s, n in zip(seqs, lengths)], 1)
+    out = model(prompt, cu_seqlens=cu, use_cache=True)
+    more = torch.cat([s[:, n:n + 2] for s, n in zip(seqs, lengths)], 1)
+    cu_more = torch.arange(0, 2 * len(lengths) + 1, 2, device=device)
+    cont = model(more, cu_seqlens=cu_more, past_key_values=output_cache(out), use_cache=True)
+    cache, batched = output_cache(cont), []
+    for j in range(steps):
+        token = torch.cat([s[:, n + 2 + j:n + 3 + j] for s, n in zip(seqs, lengths)])
+        batched.append(model(token, past_key_values=cache, use_cache=True).logits[:, 0])
+    return out.logits[0], cu, cont.logits[0], cu_more, torch.stack(batched, 1), cache
+
+
+def _check_each_alone(model, seqs, lengths, parts, what, tol=1e-5):
+    prefill, cu, cont, cu_more, batched, cache = parts
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        ref = model(s, use_cache=False).logits[0]
+        assert_matches(prefill[cu[i]:cu[i + 1]], ref[:n], tol, f"{what}: prompt {i}'s prefill")
+        assert_matches(cont[cu_more[i]:cu_more[i + 1]], ref[n:n + 2], tol, f"{what}: prompt {i}'s packed continuation")
+        assert_matches(batched[i], ref[n + 2:], tol, f"{what}: prompt {i}'s steps")
+
+
+@pytest.mark.parametrize("mixer", MIXERS + ("gdn+swa",))
+def test_packed_prompts_fill_one_cache_row_each(mixer):
+    """Packed prefill for serving: N prompts of any lengths in one row (cu_seqlens), no padding, fill a cache of N
+    rows (the short convolutions' states [N, D, 3], each from its own prompt's last inputs; the recurrent states
+    [N, H, K, V]; SWA's last window - 1 keys of each prompt); packed tokens continue each row; one-token steps then
+    decode the N rows as a batch. Every logit is that sequence's alone."""
+    model = (tiny_model("gdn", layer_mixers=["gdn", "swa"]) if mixer == "gdn+swa" else tiny_model(mixer))
+    seqs = [random_ids(1, n + 4, seed=i) for i, n in enumerate(PACKED)]
+    with torch.no_grad():
+        parts = _packed_then_batched(model, seqs, PACKED)
+        _check_each_alone(model, seqs, PACKED, parts, mixer)
+    cache = parts[-1]
+    assert cache.get_seq_length() == max(PACKED) + 4, "as a left-padded batch of the prompts counts"
+    for layer in cache.layers:
+        for tensor in ([layer["k"], layer["v"], layer["count"]] if "k" in layer
+                       else [t for t in layer["conv"] if t is not None] + [layer["recurrent"]]):
+            assert tensor.shape[0] == len(PACKED), "one cache row per prompt"
+
+
+def test_packed_tokens_need_one_cache_row_per_sequence():
+    """Packed tokens continue a cache row each: a cache of another number of rows is refused by name."""
+    for mixer in ("gdn", "swa"):
+        model = tiny_model(mixer)
+        with torch.no_grad():
+            cache = output_cache(model(random_ids(2, 5), use_cache=True))
+            with pytest.raises(ValueError, match="the cache has 2 rows but cu_seqlens packs N = 3 sequences"):
+                model(random_ids(1, 6), cu_seqlens=torch.tensor([0, 2, 4, 6]), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "kda", "hdla", "hh-gdn", "gdp", "gla"])
+def test_packed_continuation_takes_the_decode_kernels(mixer, monkeypatch):
+    """The GPU decode route, forced here (the kernels under the interpreter): a packed continuation of a cache of N
+    rows runs each mechanism's decode kernel (GLA: the generic DPLR one) with cu_seqlens, each sequence from its own
+    row of the cache and written back into it in place; the logits are each sequence's alone."""
+    import rankdecay.layers.mixers as mixers
+
+    calls = []
+    op = getattr(mixers.ops, "gla" if mixer == "gla" else {
+        "kda": "kda_decode", "hdla": "hdla_decode", "hh-gdn": "hh_delta_rule_decode",
+        "gdp": "gated_delta_product_decode"}.get(mixer, "gated_delta_rule_decode"))
+    monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: "fused_recurrent")
+    monkeypatch.setattr(mixers.ops, op.__name__, lambda *a, **kw: calls.append(
+        (kw["mode"], kw["cu_seqlens"] is not None, kw["inplace_final_state"])) or op(*a, **kw))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs on a GPU, or interpreted on the CPU
+    model = tiny_model(mixer).to(device)
+    lengths = (5, 1, 9)
+    seqs = [random_ids(1, n + 3, seed=i).to(device) for i, n in enumerate(lengths)]
+    with torch.no_grad():
+        parts = _packed_then_batched(model, seqs, lengths, steps=1)
+        layers = model.config.num_hidden_layers
+        # the prefill (15 tokens, no cache yet), the packed continuation (in place), the batched step (in place)
+        assert calls == [("fused_recurrent", True, False)] * layers + [("fused_recurrent", True, True)] * layers + [
+            ("fused_recurrent", False, True)] * layers, calls
+        _check_each_alone(model, seqs, lengths, parts, mixer)

@@ -69,6 +69,41 @@ def test_eos_ends_rows_and_pads_them():
     assert (got[0, 6 + 4:] == PAD).all()
 
 
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "swa", "gdn+swa"])
+def test_a_list_of_prompts_decodes_as_the_left_padded_batch(mixer):
+    """A list of prompts is prefilled packed (cu_seqlens: no padding, no mask) and decoded as a batch: each
+    prompt's continuation is transformers' generate's on the left-padded batch (a one-token prompt and one past
+    the SWA window among them), returned without the padding."""
+    model = _hybrid() if mixer == "gdn+swa" else tiny_model(mixer)
+    lengths = (11, 1, 45)
+    ids, mask = _left_padded(lengths)
+    kw = dict(max_new_tokens=20, eos_token_id=[])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kw)
+    L = ids.shape[1]
+    prompts = [row[L - n:] for row, n in zip(ids, lengths)]
+    got = GraphDecoder(model, cuda_graph=False).generate(prompts, **kw)
+    assert [len(x) for x in got] == [n + 20 for n in lengths]
+    for i, (x, n) in enumerate(zip(got, lengths)):
+        assert torch.equal(x, ref[i, L - n:]), f"{mixer}: prompt {i}"
+
+
+def test_a_list_of_prompts_ends_each_at_its_eos():
+    """Rows of a list end at their EOS token, which they keep; nothing pads them (no pad_token_id needed)."""
+    model = tiny_model("gdn")
+    prompts = [random_ids(1, n, seed=n)[0] for n in (6, 3, 9)]
+    decoder = GraphDecoder(model, cuda_graph=False)
+    free = decoder.generate(prompts, max_new_tokens=15, eos_token_id=[])
+    eos = int(free[1][3 + 4])  # prompt 1 emits it at its 5th step
+    got = decoder.generate(prompts, max_new_tokens=15, eos_token_id=eos)
+    for x, f, p in zip(got, free, prompts):
+        new = f[len(p):]
+        end = (new == eos).nonzero()
+        want = f if not len(end) else f[:len(p) + int(end[0]) + 1]
+        assert torch.equal(x, want)
+    assert len(got[1]) <= 3 + 5 and int(got[1][-1]) == eos
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = tiny_model("gdn")
     ids = random_ids(2, 7)
@@ -103,6 +138,17 @@ def test_bad_use_raises_clear_errors():
         decoder.generate(random_ids(2, 5), max_new_tokens=-1)
     with pytest.raises(ValueError, match="compile must be True or False"):
         GraphDecoder(model, cuda_graph=False, compile="yes")
+    prompts = [torch.tensor([1, 2]), torch.tensor([3])]
+    with pytest.raises(ValueError, match="packed, not padded: give no attention_mask"):
+        decoder.generate(prompts, torch.ones(2, 2))
+    with pytest.raises(ValueError, match="1-D token tensors of at least one token each"):
+        decoder.generate([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match="a streamer takes one row"):
+        decoder.generate(prompts, streamer=object())
+    with pytest.raises(ValueError, match="every packed prompt needs at least one token"):
+        decoder.prefill(torch.tensor([[1, 2, 3]]), cu_seqlens=torch.tensor([0, 3, 3]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \[N \+ 1\] with input_ids \[1, T\]"):
+        decoder.prefill(random_ids(2, 3), cu_seqlens=torch.tensor([0, 3]))
 
 
 def _every_kind():
@@ -185,6 +231,23 @@ def test_cuda_graph_decodes_as_eager_steps(mixer):
         for decoder in (eager, graph):
             decoder.prefill(got[:, :-1], torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:-1])], 1))
         assert_matches(graph.step(got[:, -1]), eager.step(got[:, -1]).clone(), 1e-6, mixer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])
+def test_cuda_graph_decodes_a_list_of_prompts_as_the_padded_batch(mixer):
+    """On a GPU: a list of prompts, prefilled packed (the chunked kernels and the decode kernels with cu_seqlens),
+    then the recorded graph's steps, gives each prompt the tokens of the left-padded batch's eager steps."""
+    model = (_hybrid() if mixer == "gdn+swa" else tiny_model(mixer)).cuda()
+    lengths = (40, 9, 25, 1)
+    ids, mask = (t.cuda() for t in _left_padded(lengths))
+    kw = dict(max_new_tokens=30, eos_token_id=[])
+    ref = GraphDecoder(model, cuda_graph=False).generate(ids, mask, **kw)
+    graph = GraphDecoder(model, cuda_graph=True)
+    got = graph.generate([row[ids.shape[1] - n:] for row, n in zip(ids, lengths)], **kw)
+    assert graph._graph is not None
+    for i, (x, n) in enumerate(zip(got, lengths)):
+        assert torch.equal(x, ref[i, ids.shape[1] - n:]), f"{mixer}: prompt {i}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (recorded in BENCHMARKS.md)")

@@ -99,8 +99,7 @@ def test_attention_mask_shape_is_checked():
 
 @pytest.mark.parametrize("groups", [None, 2])
 def test_short_convolution_steps_equal_the_full_sequence(groups):
-    """One call over T equals T single-token steps carrying the state (the decode path), and a
-    one-token sequence packed with cu_seqlens starts fresh whatever state is passed."""
+    """One call over T equals T single-token steps carrying the state (the decode path)."""
     conv = ShortConvolution(8, 4, groups=groups)
     x = torch.randn(3, 11, 8)
     full, last = conv(x)
@@ -110,8 +109,50 @@ def test_short_convolution_steps_equal_the_full_sequence(groups):
         steps.append(y)
     assert_matches(torch.cat(steps, 1), full, 1e-6)
     assert_matches(state, last, 1e-7)
-    y, _ = conv(x[:, :1], torch.randn(3, 8, 3), starts=torch.zeros(1, dtype=torch.long))
-    assert_matches(y, conv(x[:, :1])[0], 1e-7, "a packed sequence's first token")
+    assert conv(x, output_final_state=False)[1] is None
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["from-zeros", "from-states"])
+@pytest.mark.parametrize("groups", [None, 2])
+def test_short_convolution_packed_sequences_equal_each_alone(groups, with_state):
+    """Sequences packed along T (cu_seqlens; lengths 5, 0, 1, 2, 9: an empty one and two shorter than the 3 past
+    inputs the state holds): outputs, final states ([N, D, 3], each its own sequence's last inputs, topped up from
+    its initial state where it is shorter) and the gradients of x, the states and the filters are those of each
+    sequence alone."""
+    torch.manual_seed(0)
+    conv = ShortConvolution(8, 4, groups=groups)
+    lengths = [5, 0, 1, 2, 9]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    x = torch.randn(1, sum(lengths), 8, requires_grad=True)
+    states = torch.randn(len(lengths), 8, 3, requires_grad=True) if with_state else None
+    y, final = conv(x, states, cu)
+    weights = torch.randn_like(y), torch.randn_like(final)
+    grads = torch.autograd.grad((y * weights[0]).sum() + (final * weights[1]).sum(),
+                                [x, conv.weight] + ([states] if with_state else []))
+    ys, finals, loss = [], [], 0
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        yn, fn = conv(x[:, a:b], states[n:n + 1] if with_state else None)
+        ys.append(yn)
+        finals.append(fn)
+        loss = loss + (yn * weights[0][:, a:b]).sum() + (fn * weights[1][n:n + 1]).sum()
+    ref = torch.autograd.grad(loss, [x, conv.weight] + ([states] if with_state else []))
+    assert_matches(y, torch.cat(ys, 1), 1e-6, "outputs")
+    assert_matches(final, torch.cat(finals), 1e-7, "final states")
+    for name, got, want in zip(("x", "filters", "states"), grads, ref):
+        assert_matches(got, want, 1e-6, f"gradient of {name}")
+    if with_state:  # the states are read: the first tokens differ from a start from zeros
+        assert not torch.allclose(y[:, :3], conv(x[:, :3])[0])
+
+
+def test_short_convolution_checks_its_arguments():
+    conv = ShortConvolution(8, 4)
+    cu = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match=r"state must have shape \[2, 8, 3\] \(N = 2 sequences\)"):
+        conv(torch.randn(1, 5, 8), torch.zeros(1, 8, 3), cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \[N \+ 1\] with x \[1, T, D\]"):
+        conv(torch.randn(2, 5, 8), None, cu)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, T, 8\]"):
+        conv(torch.randn(1, 5, 6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -163,3 +204,43 @@ def test_hdla_saved_before_the_normalizer_keeps_its_decay(tmp_path):
     del saved["gate_logit_normalizer"]  # a config.json written before the option existed
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert RankDecayForCausalLM.from_pretrained(tmp_path).model.layers[0].mixer.gate_logit_normalizer == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention over packed sequences needs a CUDA GPU "
+                    "(the GPU run is in BENCHMARKS.md)")
+def test_packed_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch):
+    """bf16 on a GPU: packed documents (no cache row, no padding) take PyTorch's flash attention for packed
+    sequences with the window (no [T, T] mask), also under torch.compile(fullgraph=True); outputs and the gradients
+    of x are within bf16's error of the fp32 masked path's, as close as the bf16 masked path's."""
+    from rankdecay.layers import attention
+
+    calls = []
+    flash = attention._varlen_attn
+    monkeypatch.setattr(attention, "_varlen_attn", lambda *a, **kw: calls.append(kw["window_size"]) or flash(*a, **kw))
+    torch.manual_seed(0)
+    layer = SlidingWindowAttention(256, 4, window_size=128).cuda()
+    lengths = [300, 1, 1000, 45, 130]
+    cu = torch.tensor([0] + lengths).cumsum(0).cuda()
+    x = torch.randn(1, sum(lengths), 256, device="cuda")
+
+    def run(module, dtype, compiled=False):
+        xi = x.detach().to(dtype).requires_grad_()
+        fn = torch.compile(module, backend="eager", fullgraph=True) if compiled else module
+        o, _ = fn(xi, cu_seqlens=cu)
+        (o.float() * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum().backward()
+        return o.float(), xi.grad.float()
+
+    ref = run(layer, torch.float32)
+    assert not calls, "fp32 takes the masked path"
+    half = layer.to(torch.bfloat16)
+    flash_out = run(half, torch.bfloat16)
+    assert calls == [(127, 0)], calls
+    compiled = run(half, torch.bfloat16, compiled=True)
+    assert len(calls) > 1, "the compiled layer took it too"
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: False)
+    masked = run(half, torch.bfloat16)
+    for got, name in ((flash_out, "flash"), (compiled, "compiled flash")):
+        for a, b, want, part in zip(got, masked, ref, ("output", "grad x")):
+            err = ((a - want).norm() / want.norm()).item()
+            bound = ((b - want).norm() / want.norm()).item()
+            assert err <= 1.5 * bound + 1e-3, f"{name} {part}: {err:.2e} against the masked path's {bound:.2e}"

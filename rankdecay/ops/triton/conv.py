@@ -104,3 +104,198 @@ def short_conv_step(xs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], 
     _conv_step_kernel[(sum(blocks), B)](*args[0], *args[1], *args[2], blocks[0], blocks[1], W=W,
                                        SILU=activation == "silu", BLOCK=BLOCK, num_warps=WARPS)
     return outs
+
+
+# -- whole sequences (training, prefill) ------------------------------------------------------------------------------
+#
+# y_t = act(Σ_i w[KW - 1 - i] x_{t - i}) over [B, T, D], each tap read only inside the token's sequence (packed
+# sequences: ``seq`` [T], each token's sequence, and ``cu`` [N + 1]), before it from that sequence's (or row's)
+# initial state [B or N, D, KW - 1]. In PyTorch that is a product, an add and, for packed sequences, a mask per tap,
+# each a pass over [T, D] (the 340m preset's packed prefill spent a third of its GPU time there, session 76); here
+# one pass, products and sums in fp32, rounded once. The backward recomputes the sums: one kernel forms
+# g = dy * act'(pre) and the filters' gradient per block of tokens, a second dx_t = Σ_i w[KW - 1 - i] g_{t + i}.
+
+CONV_BT, CONV_BD, CONV_WARPS = 32, 128, 4
+
+
+@triton.jit
+def _conv_rows(cu, seq, b, t, T, PACKED: tl.constexpr, BT: tl.constexpr):
+    # each token's state row and its sequence's first token (rows: b and 0)
+    if PACKED:
+        row = tl.load(seq + t, mask=t < T, other=0)
+        lo = tl.load(cu + row, mask=t < T, other=0)
+    else:
+        row = tl.zeros([BT], dtype=tl.int32) + b
+        lo = tl.zeros([BT], dtype=tl.int32)
+    return row, lo
+
+
+@triton.jit
+def _conv_input(x, h0, b, row, lo, t, d, i: tl.constexpr, T, D, sxb, sxt, KW: tl.constexpr,
+                HAS_STATE: tl.constexpr):
+    # tap i's inputs x_{t - i} [BT, BD] in fp32: inside the sequence from x, before its start from the state
+    src = t - i
+    md = d < D
+    inside = (t < T) & (src >= lo)
+    xv = tl.load(x + b * sxb + src[:, None] * sxt + d[None, :], mask=inside[:, None] & md[None, :],
+                 other=0.0).to(tl.float32)
+    if HAS_STATE and i > 0:
+        slot = (KW - 1) + src - lo  # the state's slot of an input before the sequence's start
+        before = (t < T) & (src < lo) & (slot >= 0)
+        xv += tl.load(h0 + (row[:, None] * D + d[None, :]) * (KW - 1) + slot[:, None],
+                      mask=before[:, None] & md[None, :], other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _conv_taps(x, h0, w, cu, seq, b, t, d, T, D, sxb, sxt, KW: tl.constexpr, PACKED: tl.constexpr,
+               HAS_STATE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    # the pre-activation sums [BT, BD] of tokens t
+    row, lo = _conv_rows(cu, seq, b, t, T, PACKED, BT)
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for i in tl.static_range(KW):
+        wv = tl.load(w + d * KW + (KW - 1 - i), mask=d < D, other=0.0).to(tl.float32)
+        acc += _conv_input(x, h0, b, row, lo, t, d, i, T, D, sxb, sxt, KW, HAS_STATE) * wv[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd_kernel(x, h0, w, cu, seq, y, T, D, sxb, sxt, KW: tl.constexpr, SILU: tl.constexpr,
+                     PACKED: tl.constexpr, HAS_STATE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    it, i_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t = it * BT + tl.arange(0, BT).to(tl.int64)  # int64 offsets: B * T * D may pass 2^31
+    d = i_d * BD + tl.arange(0, BD)
+    acc = _conv_taps(x, h0, w, cu, seq, b, t, d, T, D, sxb, sxt, KW, PACKED, HAS_STATE, BT, BD)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + (b * T + t[:, None]) * D + d[None, :], acc.to(y.dtype.element_ty),
+             mask=(t < T)[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _conv_bwd_g_kernel(x, h0, w, cu, seq, dy, g, dw, T, D, sxb, sxt, KW: tl.constexpr, SILU: tl.constexpr,
+                       PACKED: tl.constexpr, HAS_STATE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    # g = dy * act'(pre) [B, T, D] fp32, and this block's share of dw: [B * nT, D, KW] fp32 (summed by the caller)
+    it, i_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t = it * BT + tl.arange(0, BT).to(tl.int64)  # int64 offsets: B * T * D may pass 2^31
+    d = i_d * BD + tl.arange(0, BD)
+    mt, md = t < T, d < D
+    m = mt[:, None] & md[None, :]
+    gv = tl.load(dy + (b * T + t[:, None]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    if SILU:
+        pre = _conv_taps(x, h0, w, cu, seq, b, t, d, T, D, sxb, sxt, KW, PACKED, HAS_STATE, BT, BD)
+        sig = tl.sigmoid(pre)
+        gv = gv * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(g + (b * T + t[:, None]) * D + d[None, :], gv, mask=m)
+    row, lo = _conv_rows(cu, seq, b, t, T, PACKED, BT)
+    part = dw + ((b * tl.num_programs(0) + it) * D + d) * KW
+    for i in tl.static_range(KW):
+        xv = _conv_input(x, h0, b, row, lo, t, d, i, T, D, sxb, sxt, KW, HAS_STATE)
+        tl.store(part + (KW - 1 - i), tl.sum(gv * xv, axis=0), mask=md)
+
+
+@triton.jit
+def _conv_bwd_dx_kernel(g, w, cu, seq, dx, T, D, KW: tl.constexpr, PACKED: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr):
+    # dx_t = Σ_i w[KW - 1 - i] g_{t + i}, for t + i inside t's sequence
+    it, i_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t = it * BT + tl.arange(0, BT).to(tl.int64)  # int64 offsets: B * T * D may pass 2^31
+    d = i_d * BD + tl.arange(0, BD)
+    mt, md = t < T, d < D
+    if PACKED:
+        hi = tl.load(cu + tl.load(seq + t, mask=mt, other=0) + 1, mask=mt, other=0)
+    else:
+        hi = tl.zeros([BT], dtype=tl.int32) + T
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for i in tl.static_range(KW):
+        dst = t + i
+        wv = tl.load(w + d * KW + (KW - 1 - i), mask=md, other=0.0).to(tl.float32)
+        gv = tl.load(g + (b * T + dst[:, None]) * D + d[None, :], mask=(mt & (dst < hi))[:, None] & md[None, :],
+                     other=0.0)
+        acc += gv * wv[None, :]
+    tl.store(dx + (b * T + t[:, None]) * D + d[None, :], acc.to(dx.dtype.element_ty),
+             mask=mt[:, None] & md[None, :])
+
+
+def _conv_grid(B: int, T: int, D: int) -> tuple[int, int, int]:
+    return triton.cdiv(T, CONV_BT), triton.cdiv(D, CONV_BD), B
+
+
+class _ShortConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, state, cu, seq, silu):
+        B, T, D = x.shape
+        KW = weight.shape[1]
+        y = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
+        packed, has_state = seq is not None, state is not None
+        h0 = state if has_state else weight  # an unread pointer stands in for a missing tensor
+        cu_, seq_ = (cu, seq) if packed else (weight, weight)
+        _conv_fwd_kernel[_conv_grid(B, T, D)](x, h0, weight, cu_, seq_, y, T, D, x.stride(0), x.stride(1), KW=KW,
+                                              SILU=silu, PACKED=packed, HAS_STATE=has_state, BT=CONV_BT, BD=CONV_BD,
+                                              num_warps=CONV_WARPS)
+        ctx.save_for_backward(x, weight, state, cu, seq)
+        ctx.silu = silu
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, state, cu, seq = ctx.saved_tensors
+        B, T, D = x.shape
+        KW = weight.shape[1]
+        packed, has_state = seq is not None, state is not None
+        h0 = state if has_state else weight
+        cu_, seq_ = (cu, seq) if packed else (weight, weight)
+        dy = dy.contiguous()
+        grid = _conv_grid(B, T, D)
+        g = torch.empty(B, T, D, device=x.device, dtype=torch.float32)
+        dw = torch.empty(B * grid[0], D, KW, device=x.device, dtype=torch.float32)
+        _conv_bwd_g_kernel[grid](x, h0, weight, cu_, seq_, dy, g, dw, T, D, x.stride(0), x.stride(1), KW=KW,
+                                 SILU=ctx.silu, PACKED=packed, HAS_STATE=has_state, BT=CONV_BT, BD=CONV_BD,
+                                 num_warps=CONV_WARPS)
+        dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
+        _conv_bwd_dx_kernel[grid](g, weight, cu_, seq_, dx, T, D, KW=KW, PACKED=packed, BT=CONV_BT, BD=CONV_BD,
+                                  num_warps=CONV_WARPS)
+        return dx, dw.sum(0).to(weight.dtype), None, None, None, None
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+               cu_seqlens: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+               activation: str | None = "silu") -> torch.Tensor:
+    """A depthwise causal convolution over whole sequences in one kernel, with autograd (x and the filters).
+
+    Args:
+        x: ``[B, T, D]``, channels contiguous.
+        weight: ``[D, W]`` (``ShortConvolution.filters()``); the newest input pairs with the last tap.
+        state: None (zeros), or the inputs before each row (each sequence with ``cu_seqlens``):
+            ``[B or N, D, W - 1]``, oldest first; not differentiated (the caller's PyTorch path does that).
+        cu_seqlens: ``[N + 1]`` offsets of sequences packed along T (B = 1): no tap crosses a start.
+        seq: each token's sequence ``[T]`` (``layers.modules.sequence_ids``), where the caller has it.
+        activation: ``"silu"`` or None.
+
+    Returns:
+        ``y [B, T, D]`` in x's dtype: ``act(Σ_i w[:, W - 1 - i] x_{t - i})``, in fp32, rounded once.
+    """
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    if weight.shape != (D, W):
+        raise ValueError(f"weight must be [D, W] with D = {D}, got {list(weight.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
+        if seq is None:
+            seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=x.device), (cu[1:] - cu[:-1]).long(),
+                                          output_size=T)
+        seq = seq.to(torch.int32)
+        rows = cu.shape[0] - 1
+    else:
+        cu = seq = None
+        rows = B
+    if state is not None:
+        if state.shape != (rows, D, W - 1):
+            raise ValueError(f"state must be [{rows}, {D}, {W - 1}], got {list(state.shape)}")
+        state = state.detach().to(x.dtype).contiguous()
+    return _ShortConv.apply(x, weight, state, cu, seq, activation == "silu")
