@@ -128,6 +128,12 @@ def _generate(args) -> int:
         # --cuda-graph: a graph where there is a GPU, the same steps eagerly on a CPU
         decoder = GraphDecoder(model, cuda_graph=None if args.cuda_graph else False, compile=args.compile,
                                pack_projections=not args.no_pack)
+        if len(prompts) > 1:  # packed into one row (cu_seqlens), no padding: a list in, a list out
+            ids = [tokenizer([prompt], return_tensors="pt")["input_ids"][0].to(device) for prompt in prompts]
+            outs = decoder.generate(ids, **kw)
+            for prompt, row, out in zip(prompts, ids, outs):
+                print(prompt + tokenizer.decode(out[len(row):], skip_special_tokens=True))
+            return 0
         out = decoder.generate(batch["input_ids"], batch.get("attention_mask"), **kw)
     else:
         with torch.no_grad():
@@ -308,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decoding cache's recurrent-state dtype (default: the model config's, float32)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode with rankdecay.models.GraphDecoder: the step as a CUDA graph on a GPU "
-                        "(on a CPU the same static-buffer steps, eagerly)")
+                        "(on a CPU the same static-buffer steps, eagerly); several prompts are prefilled packed "
+                        "into one row (cu_seqlens), not left-padded")
     p.add_argument("--compile", action="store_true",
                    help="decode with GraphDecoder's step through torch.compile (its small kernels fused; with "
                         "--cuda-graph, then recorded as a graph): faster per token, after a compile of tens of "

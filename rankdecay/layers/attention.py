@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._inputs import sequence_ids
 from .cache import Cache, check_packed_rows
-from .modules import sequence_ids
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
@@ -167,7 +167,7 @@ class SlidingWindowAttention(nn.Module):
         check_packed_rows(state["k"].shape[0], cu)
         P = state["k"].shape[1]
         t = torch.arange(T, device=device)
-        seq = sequence_ids(T, cu, device)
+        seq = sequence_ids(cu, T)
         starts = cu[:-1][seq]
         offset = t - starts  # the token's place in its sequence's new tokens
         q, k, v = self._qkv(x, (state["count"][seq] + offset)[None], cache, projected)

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
-from ..ops._inputs import STATE_DTYPES
+from ..ops._inputs import STATE_DTYPES, sequence_ids
 from ..ops.mechanisms import _up, kda_log_decay, l2norm, mamba2_log_decay  # _up: gates in at least fp32, fp64 kept
 from .cache import Cache, check_packed_rows
-from .modules import (GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation,
-                      sequence_ids)
+from .modules import GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation
 from .packing import fused_output_linear as _fused_output_linear
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
@@ -247,7 +246,7 @@ class LinearMixer(nn.Module, abc.ABC):
         if state is not None:
             check_packed_rows(state["recurrent"].shape[0], cu_seqlens)
         conv_states = state["conv"] if state is not None else (None, None, None)
-        seq = sequence_ids(T, cu_seqlens, x.device) if cu_seqlens is not None else None
+        seq = sequence_ids(cu_seqlens, T, x.device) if cu_seqlens is not None else None
 
         # decoding with a pack (GraphDecoder): every map of x in one product
         packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._inputs import sequence_ids
 from ..ops.backends import _HAS_TRITON
 
 if _HAS_TRITON:
@@ -57,12 +58,6 @@ class GatedRMSNorm(RMSNorm):
         return super().forward(x) * gate_activation(gate, self.activation)
 
 
-def sequence_ids(T: int, cu_seqlens: torch.Tensor, device) -> torch.Tensor:
-    """For packed sequences, the sequence each token belongs to ([T], int64)."""
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=device), cu[1:] - cu[:-1], output_size=T)
-
-
 class ShortConvolution(nn.Module):
     """Depthwise causal convolution over time (kernel 4 by default), no bias.
 
@@ -99,7 +94,7 @@ class ShortConvolution(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                 output_final_state: bool = True, *, seq: torch.Tensor | None = None):
         """x [B, T, D] -> (y [B, T, D], final_state [B or N, D, kernel - 1] | None). ``seq``: the caller's
-        ``sequence_ids(T, cu_seqlens, x.device)``, where it has it already (a mixer's three convolutions).
+        ``ops._inputs.sequence_ids(cu_seqlens, T)``, where it has it already (a mixer's three convolutions).
 
         On a GPU, more than one token (training, prefill) takes one Triton kernel forward and two backward
         (``ops.triton.conv.short_conv``), not a pass over x per tap and per mask; a differentiated ``state`` and
@@ -116,7 +111,7 @@ class ShortConvolution(nn.Module):
             rows = cu_seqlens.shape[0] - 1
             cu = cu_seqlens.to(device=x.device, dtype=torch.long)
             if seq is None:
-                seq = sequence_ids(T, cu, x.device)
+                seq = sequence_ids(cu, T)
         if state is not None and state.shape != (rows, D, past):
             what = f"N = {rows} sequences" if cu_seqlens is not None else f"B = {B}"
             raise ValueError(f"state must have shape [{rows}, {D}, {past}] ({what}), got {list(state.shape)}")

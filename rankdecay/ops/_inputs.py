@@ -13,6 +13,7 @@ every mistake is reported with the argument's name and the expected shape.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -218,9 +219,16 @@ class Packing:
     offsets: torch.Tensor | None = None
 
 
+def sequence_ids(cu_seqlens: torch.Tensor, T: int, device=None) -> torch.Tensor:
+    """The sequence each of T packed tokens belongs to ([T], int64, on ``device``, else cu_seqlens'), on the
+    device: no sync, and under ``torch.compile`` no graph break."""
+    cu = cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=cu.device), cu[1:] - cu[:-1], output_size=T)
+
+
 def _destinations(cu: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
     """dest [T]: sequence n's p-th token (``cu`` [N + 1], int64, its offsets) to ``starts[n] + p``; on the device."""
-    seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=cu.device), cu[1:] - cu[:-1], output_size=T)
+    seq = sequence_ids(cu, T)
     return starts[seq] + torch.arange(T, device=cu.device) - cu[seq]
 
 
@@ -247,14 +255,31 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[i
     return cu_seqlens.shape[0] - 1, host_lengths(cu_seqlens, T)
 
 
+# the last cu_seqlens read on the host: (a weak reference to it, its version counter, T, its lengths)
+_LAST_LENGTHS: tuple = (None, None, None, None)
+
+
 def host_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
-    """The sequences' lengths from ``cu_seqlens`` [N + 1] (checked: from 0 to T, non-decreasing), on the host."""
+    """The sequences' lengths from ``cu_seqlens`` [N + 1] (checked: from 0 to T, non-decreasing), on the host.
+
+    Reading a GPU tensor waits for the GPU: a model's layers all pass the same tensor, so the last one read is
+    remembered (while it lives and is not written in place) and a forward waits once, not once per layer."""
+    global _LAST_LENGTHS
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # an inference tensor keeps no version counter: read it every time
+        version = None
+    ref, last_version, last_T, lengths = _LAST_LENGTHS
+    if version is not None and ref is not None and ref() is cu_seqlens and last_version == version and last_T == T:
+        return list(lengths)
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offsets[0]} ... {offsets[-1]}")
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
     if min(lengths) < 0:
         raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    if version is not None:
+        _LAST_LENGTHS = (weakref.ref(cu_seqlens), version, T, list(lengths))
     return lengths
 
 

@@ -185,3 +185,31 @@ def test_varlen_benchmark_boundaries():
     cu = boundaries(4, 256, 50, seed=0)
     assert cu[0] == 0 and cu[-1] == 1024 and all(w in cu for w in range(0, 1024, 256))
     assert all(a < b for a, b in zip(cu[:-1], cu[1:])) and len(cu) > 10
+
+
+def test_a_models_layers_read_cu_seqlens_on_the_host_once(monkeypatch):
+    """Reading cu_seqlens on the host waits for the GPU; every layer of a model passes the same tensor, so a forward
+    reads it once (``_inputs.host_lengths`` remembers the last one), and again once it is written in place. An
+    inference tensor, which keeps no version counter, is read each time."""
+    from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    cu = torch.tensor([0, 5, 6, 20])
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self is cu) or tolist(self))
+    torch.manual_seed(0)
+    model = RankDecayForCausalLM(RankDecayConfig.from_preset("tiny", mixer="gdn", num_hidden_layers=3)).eval()
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        first = model(ids, cu_seqlens=cu, use_cache=False).logits
+        assert reads.count(True) == 1, reads
+        model(ids, cu_seqlens=cu, use_cache=False)
+        assert reads.count(True) == 1, "the same tensor, unchanged: not read again"
+        cu[1] = 4
+        moved = model(ids, cu_seqlens=cu, use_cache=False).logits
+        assert reads.count(True) == 2, "written in place: read again"
+        assert not torch.allclose(first, moved)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 6, 20])
+        model(ids, cu_seqlens=cu, use_cache=False)
+    assert reads.count(True) == 2 + 3, "an inference tensor: read by each of the 3 layers"

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._inputs import sequence_ids
+
 BLOCK, WARPS = 256, 2  # a few thousand channels per layer: the launch, not the work, sets the time
 
 
@@ -269,7 +271,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
         state: None (zeros), or the inputs before each row (each sequence with ``cu_seqlens``):
             ``[B or N, D, W - 1]``, oldest first; not differentiated (the caller's PyTorch path does that).
         cu_seqlens: ``[N + 1]`` offsets of sequences packed along T (B = 1): no tap crosses a start.
-        seq: each token's sequence ``[T]`` (``layers.modules.sequence_ids``), where the caller has it.
+        seq: each token's sequence ``[T]`` (``ops._inputs.sequence_ids``), where the caller has it.
         activation: ``"silu"`` or None.
 
     Returns:
@@ -286,10 +288,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
     weight = weight.contiguous()
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-        if seq is None:
-            seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=x.device), (cu[1:] - cu[:-1]).long(),
-                                          output_size=T)
-        seq = seq.to(torch.int32)
+        seq = (sequence_ids(cu, T) if seq is None else seq).to(torch.int32)
         rows = cu.shape[0] - 1
     else:
         cu = seq = None
