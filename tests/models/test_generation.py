@@ -104,6 +104,19 @@ def test_a_list_of_prompts_ends_each_at_its_eos():
     assert len(got[1]) <= 3 + 5 and int(got[1][-1]) == eos
 
 
+def test_a_list_of_prompts_samples_seeded():
+    """Sampling from a list of prompts: seeded, and top_k = 1 is the greedy list."""
+    model = tiny_model("gdn")
+    prompts = [random_ids(1, n, seed=n)[0] for n in (6, 2)]
+    decoder = GraphDecoder(model, cuda_graph=False)
+    kw = dict(max_new_tokens=12, eos_token_id=[], do_sample=True)
+    a, b, c = (decoder.generate(prompts, top_k=0, generator=torch.Generator().manual_seed(s), **kw) for s in (4, 4, 5))
+    greedy = decoder.generate(prompts, max_new_tokens=12, eos_token_id=[])
+    top1 = decoder.generate(prompts, top_k=1, generator=torch.Generator().manual_seed(4), **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(top1, greedy))
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = tiny_model("gdn")
     ids = random_ids(2, 7)

@@ -2709,7 +2709,17 @@ def _varlen_decode_calls(lengths, H=2, K=16, V=8, seed=11):
     }
 
 
-@pytest.mark.parametrize("name", list(_varlen_decode_calls([1])))
+VARLEN_DECODE_ENTRIES = ("dplr Rab=2 Rkv=2", "gated_delta_rule", "gated_delta_rule GVA", "kda", "hdla",
+                         "hh_delta_rule per token", "gated_delta_product", "gated_delta_rule_decode", "kda_decode",
+                         "hdla_decode", "hh_delta_rule_decode", "gated_delta_product_decode")
+
+
+def test_varlen_decode_entries_are_every_call():
+    """The parametrize below names the entries without building their inputs at collection."""
+    assert tuple(_varlen_decode_calls([1])) == VARLEN_DECODE_ENTRIES
+
+
+@pytest.mark.parametrize("name", VARLEN_DECODE_ENTRIES)
 def test_fused_recurrent_cu_seqlens(name, monkeypatch):
     """cu_seqlens on the decode kernels: each program walks its own sequence where it lies in the packed input
     (``fused_recurrent._sequence``), so nothing is padded or gathered (``pack_varlen`` never runs), against the
