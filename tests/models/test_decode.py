@@ -251,3 +251,23 @@ def test_packed_continuation_takes_the_decode_kernels(mixer, monkeypatch):
         assert calls == [("fused_recurrent", True, False)] * layers + [("fused_recurrent", True, True)] * layers + [
             ("fused_recurrent", False, True)] * layers, calls
         _check_each_alone(model, seqs, lengths, parts, mixer)
+
+
+@pytest.mark.parametrize("mixer", ["swa", "gdn"])
+def test_packed_tokens_continue_a_cache_after_steps(mixer):
+    """Packed tokens after one-token steps: SWA's cache is then a ring of window slots (rolled back into time
+    order), the convolutions' states were shifted by the steps; each sequence continues as alone."""
+    model = tiny_model(mixer)
+    lengths = (40, 3, 9)
+    seqs = [random_ids(1, n + 5, seed=i) for i, n in enumerate(lengths)]
+    with torch.no_grad():
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        cache = output_cache(model(torch.cat([s[:, :n] for s, n in zip(seqs, lengths)], 1), cu_seqlens=cu,
+                                   use_cache=True))
+        for j in range(2):
+            token = torch.cat([s[:, n + j:n + j + 1] for s, n in zip(seqs, lengths)])
+            cache = output_cache(model(token, past_key_values=cache, use_cache=True))
+        more = torch.cat([s[:, n + 2:n + 5] for s, n in zip(seqs, lengths)], 1)
+        got = model(more, cu_seqlens=torch.tensor([0, 3, 6, 9]), past_key_values=cache, use_cache=True).logits[0]
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            assert_matches(got[3 * i:3 * i + 3], model(s, use_cache=False).logits[0, n + 2:], 1e-5, f"{mixer} {i}")
