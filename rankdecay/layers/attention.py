@@ -1,4 +1,5 @@
-"""Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA."""
+"""Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA (packed sequences on a GPU
+in 16 bits: its flash attention for packed sequences, ``torch.nn.attention.varlen``)."""
 from __future__ import annotations
 
 import inspect
