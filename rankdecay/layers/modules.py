@@ -116,7 +116,6 @@ class ShortConvolution(nn.Module):
             what = f"N = {rows} sequences" if cu_seqlens is not None else f"B = {B}"
             raise ValueError(f"state must have shape [{rows}, {D}, {past}] ({what}), got {list(state.shape)}")
         w = self.filters().to(x.dtype)
-        final = None
         if self._kernel_applies(x, state):
             y = _short_conv(x, w, state, cu, seq, self.activation)
         else:
@@ -128,13 +127,9 @@ class ShortConvolution(nn.Module):
                     y = (full * w.t()).sum(1, keepdim=True)
                 else:
                     y = sum(full[:, past - i: past - i + T] * w[:, past - i] for i in range(self.kernel_size))
-                if output_final_state:
-                    final = full[:, T:].transpose(1, 2).contiguous()
             if self.activation == "silu":
                 y = F.silu(y)
-        if output_final_state and final is None:
-            final = self._final(x, state, cu)
-        return y, final
+        return y, (self._final(x, state, cu) if output_final_state else None)
 
     def _kernel_applies(self, x, state) -> bool:
         return (_HAS_TRITON and _on_kernel_device(x) and x.shape[1] > 1 and self.activation in ("silu", None)
