@@ -1,5 +1,6 @@
-"""Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA (packed sequences on a GPU
-in 16 bits: its flash attention for packed sequences, ``torch.nn.attention.varlen``)."""
+"""Sliding-window softmax attention (the SWA of Gated DeltaNet-H1), through PyTorch SDPA with a mask, in blocks of
+queries over the keys in their window; on a GPU in 16 bits without a cache or padding to read, PyTorch's flash
+attention for packed sequences (``torch.nn.attention.varlen``), which takes the window itself."""
 from __future__ import annotations
 
 import inspect
@@ -8,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops._inputs import sequence_ids
+from ..ops._inputs import check_cu_seqlens_layout, sequence_ids
 from .cache import Cache, check_packed_rows
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
@@ -38,6 +39,35 @@ def _flash_varlen(q: torch.Tensor) -> bool:
     fp16 / bf16, D <= 256 and a multiple of 8."""
     return (_VARLEN_WINDOW and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+# queries per block of the masked path (at least the window): time and memory grow as T * (lead + block + window)
+_QUERY_BLOCK = 1024
+
+
+def _windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int, window: int,
+              allowed) -> torch.Tensor:
+    """Masked SDPA for a sliding window, the queries in blocks: each block reads the ``lead`` keys any query may see
+    (cache rows) and the tokens' keys of its window, not every key, so a long input costs T * (lead + block +
+    window), not T * (lead + T), in time and in the masks' memory.
+
+    q [B, T, H, D]; keys, values [B, lead + T, H, D] (token t's key at lead + t); ``allowed(s, e, cols)``: the mask
+    [B, e - s, len(cols)] of queries s..e-1 over the key columns ``cols`` (a LongTensor). Returns o [B, T, H, D]."""
+    T = q.shape[1]
+    block = max(window, _QUERY_BLOCK)
+    spans = [(0, T)] if T <= 2 * block else [(s, min(s + block, T)) for s in range(0, T, block)]
+    out = []
+    for s, e in spans:
+        lo = max(0, s - window + 1)  # the first token whose key is in the block's window
+        cols = torch.cat([torch.arange(lead, device=q.device), torch.arange(lead + lo, lead + e, device=q.device)])
+        if lead and lo:
+            k, v = (torch.cat([z[:, :lead], z[:, lead + lo:lead + e]], 1) for z in (keys, values))
+        else:
+            k, v = keys[:, lo:lead + e], values[:, lo:lead + e]
+        o = F.scaled_dot_product_attention(q[:, s:e].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=allowed(s, e, cols)[:, None])
+        out.append(o.transpose(1, 2))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 def _rolled(entry: dict) -> dict:
@@ -120,20 +150,22 @@ class SlidingWindowAttention(nn.Module):
             state = _rolled(state)
         P = state["k"].shape[1]
 
-        t = torch.arange(T, device=x.device)
         positions = state["count"][:, None] + real.long().cumsum(1) - real.long()  # real tokens before this one
         q, k, v = self._qkv(x, positions, cache, projected)
         keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
         key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
+        if P == 0 and attention_mask is None and _flash_varlen(q):
+            # the rows as B packed sequences of T tokens each (training, a prompt without padding)
+            cu = torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int32)
+            o = _varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, H, D), v.reshape(B * T, H, D), cu, cu, T, T,
+                             window_size=(W - 1, 0)).view(B, T, H, D)
+        else:
+            def allowed(s, e, cols):  # the cache's keys are the window's first ones: every query reads them
+                i = P + torch.arange(s, e, device=x.device)[:, None]  # the queries' places in the key buffer
+                return ((cols <= i) & (i - cols < W))[None] & key_real[:, None, cols] | (cols == i)[None]
 
-        i = P + t[:, None]  # query index in the key buffer
-        j = torch.arange(P + T, device=x.device)[None, :]
-        allowed = (j <= i) & (i - j < W)
-        allowed = allowed[None] & key_real[:, None, :]  # [B, T, P + T]
-        allowed = allowed | (j == i)[None]  # a padding query sees itself, never an empty row
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=allowed[:, None])
-        o = self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+            o = _windowed(q, keys, values, P, W, allowed)  # a padding query sees itself, never an empty row
+        o = self.o_proj(o.reshape(B, T, H * D))
         if cache is not None and use_cache:
             keep = W - 1
             cache.layers[self.layer_idx] = {
@@ -151,12 +183,10 @@ class SlidingWindowAttention(nn.Module):
 
         On a GPU in 16 bits, with no cache row to read and no padding (training on packed documents, a packed
         prefill), PyTorch's flash attention for packed sequences (``torch.nn.attention.varlen``) with the window:
-        time and memory linear in T. Otherwise SDPA with a [T, N * P + T] mask."""
+        time and memory linear in T. Otherwise masked SDPA in blocks of queries (``_windowed``)."""
         B, T, _ = x.shape
         H, D, W = self.num_heads, self.head_dim, self.window_size
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or B != 1:
-            raise ValueError(f"cu_seqlens must be [N + 1] with x [1, T, D]; got cu_seqlens {list(cu_seqlens.shape)}, "
-                             f"x {list(x.shape)}")
+        check_cu_seqlens_layout(cu_seqlens, B)
         device = x.device
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         N = cu.shape[0] - 1
@@ -184,16 +214,15 @@ class SlidingWindowAttention(nn.Module):
             cu32 = cu.to(torch.int32)
             o = _varlen_attn(q[0], k[0], v[0], cu32, cu32, T, T, window_size=(W - 1, 0))[None]
         else:
-            slot = torch.arange(P, device=device)
-            cached = ((torch.arange(N, device=device).repeat_interleave(P)[None] == seq[:, None])
-                      & (offset[:, None] + P - slot.repeat(N)[None] < W))  # [T, N * P]: own row, inside the window
-            j = t[None]
-            mine = (j <= t[:, None]) & (j >= starts[:, None]) & (t[:, None] - j < W)  # [T, T]
-            allowed = torch.cat([cached, mine], 1) & key_real[None]
-            allowed[:, N * P:] |= t[:, None] == j  # a padding query sees itself, never an empty row
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[None].transpose(1, 2),
-                                               values[None].transpose(1, 2), attn_mask=allowed[None, None])
-            o = o.transpose(1, 2)
+            def allowed(s, e, cols):  # cache columns: their own sequence's row, inside the window; then the tokens'
+                ti = t[s:e, None]
+                j = cols[None] - N * P  # the token of a token column
+                row, slot = (cols // P, cols % P) if P else (cols, cols)
+                cached = (row[None] == seq[s:e, None]) & (offset[s:e, None] + P - slot[None] < W)
+                mine = (j <= ti) & (j >= starts[s:e, None]) & (ti - j < W)
+                return (torch.where(j < 0, cached, mine) & key_real[cols][None] | (j == ti))[None]
+
+            o = _windowed(q, keys[None], values[None], N * P, W, allowed)  # a padding query sees itself
         o = self.o_proj(o.reshape(B, T, H * D))
         if cache is not None and use_cache:
             keep = W - 1

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops._inputs import sequence_ids
+from ..ops._inputs import check_cu_seqlens_layout, sequence_ids
 from ..ops.backends import _HAS_TRITON
 
 if _HAS_TRITON:
@@ -105,10 +105,7 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {list(x.shape)}")
         rows, cu = B, None
         if cu_seqlens is not None:
-            if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or B != 1:
-                raise ValueError(f"cu_seqlens must be [N + 1] with x [1, T, D]; got cu_seqlens "
-                                 f"{list(cu_seqlens.shape)}, x {list(x.shape)}")
-            rows = cu_seqlens.shape[0] - 1
+            rows = check_cu_seqlens_layout(cu_seqlens, B)
             cu = cu_seqlens.to(device=x.device, dtype=torch.long)
             if seq is None:
                 seq = sequence_ids(cu, T)
@@ -151,21 +148,28 @@ class ShortConvolution(nn.Module):
             return x.new_zeros(x.shape[0] if cu is None else cu.shape[0] - 1, x.shape[2], 0)
         if cu is None:
             return torch.cat([self._past(state, x), x[:, -past:]], 1)[:, -past:].transpose(1, 2).contiguous()
-        N = cu.shape[0] - 1
+        n = torch.arange(cu.shape[0] - 1, device=x.device)[:, None]
         p = cu[1:, None] - past + torch.arange(past, device=x.device)  # [N, past]: each sequence's last inputs
-        begins = cu[:-1, None]
-        mine = x[0][p.clamp(min=0)]  # [N, past, D]
+        return self._inputs_at(x, state, cu, n, p).transpose(1, 2).contiguous()
+
+    def _inputs_at(self, x, state, cu, n, p):
+        """``[*p.shape, D]``: the packed input ``p`` of sequence ``n`` (broadcast together), which is x's token p
+        from the sequence's start on and before it its state's slot ``past - (start - p)`` (zero without a state)."""
+        begins = cu[:-1][n]
+        inside = p >= begins
+        if x.shape[1]:
+            mine = x[0][p.clamp(min=0)]
+        else:  # no tokens at all: every input is a state's
+            mine = x.new_zeros(*inside.shape, x.shape[2])
         if state is None:
-            before = torch.zeros_like(mine)
-        else:  # an input before the sequence's start: its state's slot past - (begin - p)
-            before = state.transpose(1, 2).to(x.dtype)[torch.arange(N, device=x.device)[:, None],
-                                                       (past - (begins - p)).clamp(0, past - 1)]
-        return torch.where((p >= begins)[..., None], mine, before).transpose(1, 2).contiguous()
+            return torch.where(inside[..., None], mine, 0)
+        slot = (self.kernel_size - 1 - (begins - p)).clamp(0, self.kernel_size - 2)
+        return torch.where(inside[..., None], mine, state.transpose(1, 2).to(x.dtype)[n, slot])
 
     def _packed(self, x, state, cu, seq, w):
         """Packed sequences in PyTorch: each tap masked at its sequence's start (no state) or gathered from the
         tokens and the states (``state`` [N, D, past])."""
-        T, D, past = x.shape[1], x.shape[2], self.kernel_size - 1
+        T, past = x.shape[1], self.kernel_size - 1
         t = torch.arange(T, device=x.device)
         starts = cu[:-1][seq]
         if state is None:  # training's case: one mask per tap, nothing gathered
@@ -173,14 +177,7 @@ class ShortConvolution(nn.Module):
             for i in range(1, self.kernel_size):
                 y = y + F.pad(x, (0, 0, i, 0))[:, :T] * w[:, past - i] * (t - i >= starts)[None, :, None]
             return y
-        # the rows read: the packed tokens, then each sequence's state, oldest first
-        N = cu.shape[0] - 1
-        src = torch.cat([x[0], state.transpose(1, 2).to(x.dtype).reshape(N * past, D)])
-        taps = []
-        for i in range(self.kernel_size):
-            p = t - i
-            taps.append(src[torch.where(p >= starts, p, T + seq * past + past - (starts - p))] * w[:, past - i])
-        return sum(taps)[None]
+        return sum(self._inputs_at(x, state, cu, seq, t - i) * w[:, past - i] for i in range(self.kernel_size))[None]
 
 
 def conv_step(convs: Sequence[ShortConvolution], xs: Sequence[torch.Tensor],

@@ -37,6 +37,7 @@ from transformers.generation.logits_process import (
 
 from ..layers.cache import Cache
 from ..layers.packing import PackedLinears, packable
+from ..ops._inputs import check_cu_seqlens
 from .modeling import output_cache
 
 
@@ -134,12 +135,9 @@ class GraphDecoder:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
         rows = input_ids.shape[0]
         if cu_seqlens is not None:
-            if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or rows != 1:
-                raise ValueError(f"cu_seqlens must be [N + 1] with input_ids [1, T]; got cu_seqlens "
-                                 f"{list(cu_seqlens.shape)}, input_ids {list(input_ids.shape)}")
-            if not bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()):
+            rows, lengths = check_cu_seqlens(cu_seqlens, rows, input_ids.shape[1])
+            if min(lengths) < 1:
                 raise ValueError(f"every packed prompt needs at least one token, got cu_seqlens {cu_seqlens.tolist()}")
-            rows = cu_seqlens.shape[0] - 1
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=True, cu_seqlens=cu_seqlens)
         cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]

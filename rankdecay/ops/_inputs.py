@@ -238,13 +238,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[i
     sync), except under ``torch.compile``, where they are asserted on the device and the lengths are None."""
     if cu_seqlens is None:
         return B, None
-    _is_tensor(cu_seqlens, "cu_seqlens")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-    if B != 1:
-        raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
+    check_cu_seqlens_layout(cu_seqlens, B)
     if _compiling():
         # Reading the values on the host would break the graph here and make each new packing a constant of the
         # graph after it (a compile per packing); the chunked paths' layout needs none of them (varlen_aligned)
@@ -253,6 +247,20 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[i
                              "cu_seqlens must start at 0, end at T and be non-decreasing")
         return cu_seqlens.shape[0] - 1, None
     return cu_seqlens.shape[0] - 1, host_lengths(cu_seqlens, T)
+
+
+def check_cu_seqlens_layout(cu_seqlens: torch.Tensor, B: int) -> int:
+    """The number of sequences N, ``cu_seqlens``' type and shape checked ([N + 1], int32 / int64, B = 1) but not
+    its values, which a layer leaves to the op after it: reading them on the host waits for the GPU, and under
+    ``torch.inference_mode`` (no version counter, nothing remembered) each read would be one more wait."""
+    _is_tensor(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, sequences are packed along T and B must be 1, got B = {B}")
+    return cu_seqlens.shape[0] - 1
 
 
 # the last cu_seqlens read on the host: (a weak reference to it, its version counter, T, its lengths)

@@ -160,7 +160,7 @@ def test_bad_use_raises_clear_errors():
         decoder.generate(prompts, streamer=object())
     with pytest.raises(ValueError, match="every packed prompt needs at least one token"):
         decoder.prefill(torch.tensor([[1, 2, 3]]), cu_seqlens=torch.tensor([0, 3, 3]))
-    with pytest.raises(ValueError, match=r"cu_seqlens must be \[N \+ 1\] with input_ids \[1, T\]"):
+    with pytest.raises(ValueError, match=r"with cu_seqlens, sequences are packed along T and B must be 1, got B = 2"):
         decoder.prefill(random_ids(2, 3), cu_seqlens=torch.tensor([0, 3]))
 
 

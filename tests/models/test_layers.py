@@ -112,23 +112,24 @@ def test_short_convolution_steps_equal_the_full_sequence(groups):
     assert conv(x, output_final_state=False)[1] is None
 
 
+@pytest.mark.parametrize("lengths", [[5, 0, 1, 2, 9], [0, 0]], ids=["mixed", "no-tokens"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["from-zeros", "from-states"])
 @pytest.mark.parametrize("groups", [None, 2])
-def test_short_convolution_packed_sequences_equal_each_alone(groups, with_state):
+def test_short_convolution_packed_sequences_equal_each_alone(groups, with_state, lengths):
     """Sequences packed along T (cu_seqlens; lengths 5, 0, 1, 2, 9: an empty one and two shorter than the 3 past
-    inputs the state holds): outputs, final states ([N, D, 3], each its own sequence's last inputs, topped up from
-    its initial state where it is shorter) and the gradients of x, the states and the filters are those of each
-    sequence alone."""
+    inputs the state holds; or T = 0, every sequence empty): outputs, final states ([N, D, 3], each its own
+    sequence's last inputs, topped up from its initial state where it is shorter) and the gradients of x, the
+    states and the filters are those of each sequence alone."""
     torch.manual_seed(0)
     conv = ShortConvolution(8, 4, groups=groups)
-    lengths = [5, 0, 1, 2, 9]
     cu = torch.tensor([0] + lengths).cumsum(0)
     x = torch.randn(1, sum(lengths), 8, requires_grad=True)
     states = torch.randn(len(lengths), 8, 3, requires_grad=True) if with_state else None
     y, final = conv(x, states, cu)
     weights = torch.randn_like(y), torch.randn_like(final)
     grads = torch.autograd.grad((y * weights[0]).sum() + (final * weights[1]).sum(),
-                                [x, conv.weight] + ([states] if with_state else []))
+                                [x, conv.weight] + ([states] if with_state else []),
+                                allow_unused=True, materialize_grads=True)  # T = 0: x is not read
     ys, finals, loss = [], [], 0
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         yn, fn = conv(x[:, a:b], states[n:n + 1] if with_state else None)
@@ -140,7 +141,7 @@ def test_short_convolution_packed_sequences_equal_each_alone(groups, with_state)
     assert_matches(final, torch.cat(finals), 1e-7, "final states")
     for name, got, want in zip(("x", "filters", "states"), grads, ref):
         assert_matches(got, want, 1e-6, f"gradient of {name}")
-    if with_state:  # the states are read: the first tokens differ from a start from zeros
+    if with_state and y.shape[1]:  # the states are read: the first tokens differ from a start from zeros
         assert not torch.allclose(y[:, :3], conv(x[:, :3])[0])
 
 
@@ -149,8 +150,10 @@ def test_short_convolution_checks_its_arguments():
     cu = torch.tensor([0, 2, 5])
     with pytest.raises(ValueError, match=r"state must have shape \[2, 8, 3\] \(N = 2 sequences\)"):
         conv(torch.randn(1, 5, 8), torch.zeros(1, 8, 3), cu)
-    with pytest.raises(ValueError, match=r"cu_seqlens must be \[N \+ 1\] with x \[1, T, D\]"):
+    with pytest.raises(ValueError, match=r"with cu_seqlens, sequences are packed along T and B must be 1, got B = 2"):
         conv(torch.randn(2, 5, 8), None, cu)
+    with pytest.raises(TypeError, match=r"cu_seqlens must be an int32 or int64 tensor"):
+        conv(torch.randn(1, 5, 8), None, cu.float())
     with pytest.raises(ValueError, match=r"x must have shape \[B, T, 8\]"):
         conv(torch.randn(1, 5, 6))
 
@@ -208,10 +211,12 @@ def test_hdla_saved_before_the_normalizer_keeps_its_decay(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention over packed sequences needs a CUDA GPU "
                     "(the GPU run is in BENCHMARKS.md)")
-def test_packed_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch):
-    """bf16 on a GPU: packed documents (no cache row, no padding) take PyTorch's flash attention for packed
-    sequences with the window (no [T, T] mask), also under torch.compile(fullgraph=True); outputs and the gradients
-    of x are within bf16's error of the fp32 masked path's, as close as the bf16 masked path's."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
+def test_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch, packed):
+    """bf16 on a GPU: packed documents, or rows (training, a prompt: no cache to read, no padding) take PyTorch's
+    flash attention for packed sequences with the window (no [T, T] mask), also under
+    torch.compile(fullgraph=True); outputs and the gradients of x are within bf16's error of the fp32 masked path's,
+    as close as the bf16 masked path's."""
     from rankdecay.layers import attention
 
     calls = []
@@ -220,8 +225,8 @@ def test_packed_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch
     torch.manual_seed(0)
     layer = SlidingWindowAttention(256, 4, window_size=128).cuda()
     lengths = [300, 1, 1000, 45, 130]
-    cu = torch.tensor([0] + lengths).cumsum(0).cuda()
-    x = torch.randn(1, sum(lengths), 256, device="cuda")
+    cu = torch.tensor([0] + lengths).cumsum(0).cuda() if packed else None
+    x = torch.randn(1, sum(lengths), 256, device="cuda") if packed else torch.randn(3, 500, 256, device="cuda")
 
     def run(module, dtype, compiled=False):
         xi = x.detach().to(dtype).requires_grad_()
@@ -244,3 +249,56 @@ def test_packed_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch
             err = ((a - want).norm() / want.norm()).item()
             bound = ((b - want).norm() / want.norm()).item()
             assert err <= 1.5 * bound + 1e-3, f"{name} {part}: {err:.2e} against the masked path's {bound:.2e}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_sliding_window_attention_in_blocks_of_queries_equals_one_block(monkeypatch, packed):
+    """A long input takes the masked path in blocks of queries, each over the cache's keys and the tokens' keys in
+    its window (masks of block x (lead + block + window - 1), not T x (lead + T)): the outputs, the cache it leaves
+    and the gradients of x and of the prompt before it (through the cached keys) are those of one block over every
+    key; after a cache with padding, over left-padded rows, over packed sequences of a packed prompt's cache."""
+    from rankdecay.layers import attention
+    from rankdecay.layers.cache import Cache
+
+    torch.manual_seed(0)
+    W, block = 3, 4
+    layer = SlidingWindowAttention(16, 2, window_size=W)
+    first_cu, cu = torch.tensor([0, 3, 4, 8, 10]), torch.tensor([0, 2, 19, 20, 29])
+    x0 = torch.randn(1, 10, 16) if packed else torch.randn(2, 4, 16)
+    x = torch.randn(1, 29, 16) if packed else torch.randn(2, 21, 16)
+    mask0 = None if packed else torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    padded = torch.ones(2, 21, dtype=torch.long)
+    padded[1, :5] = 0
+    sdpa, masks = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(*args, attn_mask, **kwargs):
+        masks.append(tuple(attn_mask.shape[-2:]))
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recorded)
+
+    def run(query_block):
+        monkeypatch.setattr(attention, "_QUERY_BLOCK", query_block)
+        a, b = x0.clone().requires_grad_(), x.clone().requires_grad_()
+        cache = Cache(1)
+        layer(a, mask0, cache=cache, use_cache=True, cu_seqlens=first_cu if packed else None)
+        lead = cache.layers[0]["k"].shape[:2].numel() if packed else cache.layers[0]["k"].shape[1]
+        masks.clear()
+        o, cache = layer(b, None, cache=cache, use_cache=True, cu_seqlens=cu if packed else None)
+        got = {"output": o, "masks": list(masks), **{f"cached {name}": z for name, z in cache.layers[0].items()}}
+        if not packed:  # no cache: left-padded rows
+            got["padded output"] = layer(b, padded)[0]
+        loss = sum((got[name] * torch.randn(got[name].shape, generator=torch.Generator().manual_seed(i))).sum()
+                   for i, name in enumerate(("output", "cached k", "cached v", "padded output")) if name in got)
+        got["grad x0"], got["grad x"] = torch.autograd.grad(loss, [a, b])
+        return got, lead
+
+    one, lead = run(10 ** 6)
+    blocked, _ = run(block)
+    T = x.shape[1]
+    assert one["masks"] == [(T, lead + T)], one["masks"]
+    assert len(blocked["masks"]) == -(-T // block) and all(
+        rows <= block and cols <= lead + block + W - 1 for rows, cols in blocked["masks"]), blocked["masks"]
+    for name in one:
+        if name != "masks":
+            assert_matches(blocked[name], one[name], 1e-6, name)
