@@ -10,21 +10,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops._inputs import check_cu_seqlens_layout, sequence_ids
+from ..ops.backends import _HAS_TRITON
 from .cache import Cache, check_packed_rows
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
 
+def rotary_frequencies(D: int, theta: float, device) -> torch.Tensor:
+    """The rotary embedding's frequencies ``theta^(-2i / D)``, i < D / 2: ``[D / 2]`` fp32."""
+    return theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+
+
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (rotate-half form). x [B, T, H, D], positions [B, T] or [T]."""
-    D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    angles = positions.float()[..., None] * rotary_frequencies(x.shape[-1], theta, x.device)  # [B, T, D/2]
     if angles.dim() == 2:
         angles = angles[None]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+if _HAS_TRITON:
+    from ..ops.triton import swa as _swa_kernels
+
+
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    """Where the decode step's Triton kernels run: a GPU (tests patch this to run them interpreted on the CPU)."""
+    return x.is_cuda
 
 
 try:  # PyTorch's flash attention over packed sequences, with a window from torch 2.10 on (CUDA, 16 bits)
@@ -240,34 +253,46 @@ class SlidingWindowAttention(nn.Module):
                                             "count": state["count"] + counted}
         return o, cache
 
-    def _qkv(self, x, positions, cache, projected=None):
+    def _projections(self, x, cache, projected=None):
+        """q, k and v of x ``[B, T, H, D]`` before the rotary embedding."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         p = projected if projected is not None else _packed_projections(
             self, self.input_projections(), x, cache.packed(self.layer_idx, "mixer") if cache is not None else None)
         if p is None:
             p = {name: getattr(self, name)(x) for name in self.input_projections()}
-        q = rotary(p["q_proj"].view(B, T, H, D), positions, self.rope_theta)
-        k = rotary(p["k_proj"].view(B, T, H, D), positions, self.rope_theta)
-        return q, k, p["v_proj"].view(B, T, H, D)
+        return tuple(p[name].view(B, T, H, D) for name in self.input_projections())
+
+    def _qkv(self, x, positions, cache, projected=None):
+        q, k, v = self._projections(x, cache, projected)
+        return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta), v
 
     def _step(self, x, real, ring: dict, cache: Cache, projected=None):
-        """One token against the ring: its key written in place over the slot that left the window."""
+        """One token against the ring: its key written in place over the slot that left the window. On a GPU
+        without autograd, two Triton kernels (``ops.triton.swa``: the rotary embedding, the ring's write and the
+        attention split over the ring's slots); else PyTorch's operations, which ``torch.compile`` also keeps and
+        fuses (compiled, the kernels measured no faster: BENCHMARKS.md, session 77)."""
         B, _, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = self._qkv(x, ring["count"][:, None], cache, projected)
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
-        at = (torch.arange(B, device=x.device), slot)
-        ring["k"].index_put_(at, k[:, 0])
-        ring["v"].index_put_(at, v[:, 0])
-        ring["real"].index_put_(at, real[:, 0])
-        mine = torch.arange(self.window_size, device=x.device) == slot[:, None]  # a padding query sees itself
-        allowed = (ring["real"] | mine)[:, None, None, :]  # [B, 1, 1, W]: every slot is within the window
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), ring["k"].transpose(1, 2), ring["v"].transpose(1, 2),
-                                           attn_mask=allowed)
+        q, k, v = self._projections(x, cache, projected)
+        if (_HAS_TRITON and _on_kernel_device(x) and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and _swa_kernels.takes(q[:, 0], ring["k"])):
+            o = _swa_kernels.swa_step(q[:, 0], k[:, 0], v[:, 0], ring, real[:, 0],
+                                      rotary_frequencies(D, self.rope_theta, x.device))[:, None]
+        else:
+            q, k = (rotary(z, ring["count"][:, None], self.rope_theta) for z in (q, k))
+            at = (torch.arange(B, device=x.device), slot)
+            ring["k"].index_put_(at, k[:, 0])
+            ring["v"].index_put_(at, v[:, 0])
+            ring["real"].index_put_(at, real[:, 0])
+            mine = torch.arange(self.window_size, device=x.device) == slot[:, None]  # a padding query sees itself
+            allowed = (ring["real"] | mine)[:, None, None, :]  # [B, 1, 1, W]: every slot is within the window
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), ring["k"].transpose(1, 2),
+                                               ring["v"].transpose(1, 2), attn_mask=allowed).transpose(1, 2)
         cache.layers[self.layer_idx] = {**ring, "count": ring["count"] + real.long()[:, 0],
                                         "next": (slot + 1) % self.window_size}
-        o = _output_linear(self.o_proj, o.transpose(1, 2).reshape(B, 1, H * D), cache.packed(self.layer_idx, "mixer"))
+        o = _output_linear(self.o_proj, o.reshape(B, 1, H * D), cache.packed(self.layer_idx, "mixer"))
         return o, cache
 
     def extra_repr(self) -> str:

@@ -1,0 +1,142 @@
+"""Sliding-window attention's decode step in two Triton kernels (``ops.triton.swa``): the rotary embedding, the
+ring's write in place and the attention split over the ring's slots.
+
+The kernels run on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` (conftest sets it). The interpreter rounds fp32
+to bf16 toward zero, so on the CPU bf16 is left to the GPU run (BENCHMARKS.md); fp32 and fp16 round as on a GPU."""
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rankdecay.layers import SlidingWindowAttention
+from rankdecay.layers.attention import rotary, rotary_frequencies
+from rankdecay.layers.cache import Cache
+
+from ..conftest import assert_matches
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _ring(B, W, H, D, dtype, generator, max_position):
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+    return {"k": rand(B, W, H, D), "v": rand(B, W, H, D),
+            "real": (torch.rand(B, W, generator=generator) > 0.3).to(DEVICE),
+            "count": torch.randint(0, max_position, (B,), generator=generator).to(DEVICE),
+            "next": torch.randint(0, W, (B,), generator=generator).to(DEVICE)}
+
+
+def _reference(q, k, v, ring, theta):
+    """The step in fp64 from the same inputs (the angles in fp32, as ``rotary`` forms them): attention of the
+    rotated q over the real slots other than ``next`` and over its own rotated key."""
+    pos = ring["count"][:, None]
+    q, k = (rotary(z[:, None].double(), pos, theta)[:, 0] for z in (q, k))
+    rows = torch.arange(q.shape[0], device=q.device)
+    rk, rv, seen = ring["k"].double().clone(), ring["v"].double().clone(), ring["real"].clone()
+    rk[rows, ring["next"]], rv[rows, ring["next"]], seen[rows, ring["next"]] = k, v.double(), True
+    o = F.scaled_dot_product_attention(q[:, :, None], rk.transpose(1, 2), rv.transpose(1, 2),
+                                       attn_mask=seen[:, None, None])
+    return o[:, :, 0], k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("W, D, max_position", [(70, 32, 100), (64, 64, 200_000), (1, 16, 10)],
+                         ids=["partial-block", "far-positions", "window-1"])
+def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position):
+    """Against fp64 from the same inputs: the output, within the dtype's rounding of it; the ring's slot ``next``
+    holds the rotated key (rounded once), the value and the token's flag, and every other slot is untouched. q, k
+    and v are strided slices of one packed product; positions up to 200,000 (angles far past 2 pi); a window of
+    70 (a partial block of slots), of 1 (only the token's own key); a padding token still sees itself."""
+    from rankdecay.ops.triton.swa import swa_step
+
+    g = torch.Generator().manual_seed(W + D)
+    B, H, theta = 5, 3, 10000.0
+    packed = torch.randn(B, 3 * H * D + 8, generator=g).to(DEVICE, dtype)
+    q, k, v = (packed[:, i * H * D:(i + 1) * H * D].view(B, H, D) for i in range(3))
+    ring = _ring(B, W, H, D, dtype, g, max_position)
+    real = torch.tensor([True, False, True, True, False], device=DEVICE)
+    before = {name: t.clone() for name, t in ring.items()}
+    want, rotated_k = _reference(q, k, v, ring, theta)
+    got = swa_step(q, k, v, ring, real, rotary_frequencies(D, theta, DEVICE))
+    assert got.shape == (B, H, D) and got.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    assert_matches(got.double(), want, 2e-6 if dtype == torch.float32 else 2 * eps, "output")
+    rows = torch.arange(B, device=DEVICE)
+    assert_matches(ring["k"][rows, before["next"]].double(), rotated_k, 1e-6 if dtype == torch.float32 else eps,
+                   "rotated key in its slot")
+    assert torch.equal(ring["v"][rows, before["next"]], v)
+    assert torch.equal(ring["real"][rows, before["next"]], real)
+    others = torch.ones(B, W, dtype=torch.bool, device=DEVICE)
+    others[rows, before["next"]] = False
+    for name in ("k", "v", "real"):
+        assert torch.equal(ring[name][others], before[name][others]), f"ring {name}: another slot was written"
+    assert torch.equal(ring["count"], before["count"]) and torch.equal(ring["next"], before["next"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype):
+    """A prompt with a left-padded row, then steps past the window (the ring wraps; one step pads a row): outputs
+    and the cache (keys, values, flags, counts, next slot) match the PyTorch step's."""
+    from rankdecay.layers import attention
+
+    torch.manual_seed(0)
+    layer = SlidingWindowAttention(32, 2, 16, window_size=5).to(DEVICE, dtype)
+    x = torch.randn(3, 4, 32, device=DEVICE, dtype=dtype)
+    steps = torch.randn(9, 3, 1, 32, device=DEVICE, dtype=dtype)
+    mask = torch.ones(3, 4, dtype=torch.long, device=DEVICE)
+    mask[1, :2] = 0
+
+    def decode(kernel):
+        monkeypatch.setattr(attention, "_on_kernel_device", lambda t: kernel)
+        calls = []
+        monkeypatch.setattr(attention._swa_kernels, "swa_step", lambda *a: calls.append(1) or step(*a))
+        cache, outs = Cache(1), []
+        with torch.no_grad():
+            layer(x, mask, cache=cache, use_cache=True)
+            for t, xt in enumerate(steps):
+                real = torch.ones(3, 1, dtype=torch.long, device=DEVICE)
+                real[2] = int(t != 3)
+                o, cache = layer(xt, real, cache=cache, use_cache=True)
+                outs.append(o)
+        assert len(calls) == (len(steps) if kernel else 0)
+        return torch.cat(outs, 1), cache.layers[0]
+
+    step = attention._swa_kernels.swa_step
+    got, got_cache = decode(True)
+    want, want_cache = decode(False)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert_matches(got.float(), want.float(), tol, "outputs")
+    for name in ("k", "v"):
+        assert_matches(got_cache[name].float(), want_cache[name].float(), tol, f"cached {name}")
+    for name in ("real", "count", "next"):
+        assert torch.equal(got_cache[name], want_cache[name]), name
+
+
+def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling(monkeypatch):
+    """With autograd, a head size the kernels do not take (not a power of two), or under torch.compile (which
+    fuses the PyTorch step itself), the step is PyTorch's."""
+    from rankdecay.layers import attention
+
+    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(attention._swa_kernels, "swa_step", lambda *a: pytest.fail("the kernels ran"))
+    for head_dim, grad in ((16, True), (24, False)):
+        layer = SlidingWindowAttention(48, 2, head_dim, window_size=4).to(DEVICE)
+        cache = Cache(1)
+        with torch.set_grad_enabled(grad):
+            layer(torch.randn(2, 3, 48, device=DEVICE), cache=cache, use_cache=True)
+            o, _ = layer(torch.randn(2, 1, 48, device=DEVICE), cache=cache, use_cache=True)
+        assert o.shape == (2, 1, 48) and torch.isfinite(o).all()
+    ring = copy.deepcopy(cache.layers[0])
+    assert not attention._swa_kernels.takes(torch.zeros(2, 2, 24), ring["k"])
+    layer = SlidingWindowAttention(48, 2, 16, window_size=4).to(DEVICE)
+    cache = Cache(1)
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 48, device=DEVICE), cache=cache, use_cache=True)
+        step = torch.compile(lambda x: layer(x, cache=cache, use_cache=True)[0], backend="eager", fullgraph=True)
+        assert torch.isfinite(step(torch.randn(2, 1, 48, device=DEVICE))).all()
