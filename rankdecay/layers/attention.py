@@ -22,8 +22,14 @@ def rotary_frequencies(D: int, theta: float, device) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form). x [B, T, H, D], positions [B, T] or [T]."""
-    angles = positions.float()[..., None] * rotary_frequencies(x.shape[-1], theta, x.device)  # [B, T, D/2]
+    """Rotary position embedding (rotate-half form). x [B, T, H, D], positions [B, T] or [T]. On a GPU (outside
+    ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
+    (``ops.triton.rotary``)."""
+    inv_freq = rotary_frequencies(x.shape[-1], theta, x.device)
+    if (_HAS_TRITON and _on_kernel_device(x) and not torch.compiler.is_compiling()
+            and _rotary_kernel.takes(x, positions)):
+        return _rotary_kernel.rotary(x, positions, inv_freq)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     if angles.dim() == 2:
         angles = angles[None]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
@@ -32,6 +38,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 if _HAS_TRITON:
+    from ..ops.triton import rotary as _rotary_kernel
     from ..ops.triton import swa as _swa_kernels
 
 

@@ -140,3 +140,37 @@ def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling(mo
         layer(torch.randn(2, 3, 48, device=DEVICE), cache=cache, use_cache=True)
         step = torch.compile(lambda x: layer(x, cache=cache, use_cache=True)[0], backend="eager", fullgraph=True)
         assert torch.isfinite(step(torch.randn(2, 1, 48, device=DEVICE))).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("positions", ["rows", "one-row", "1-D"])
+@pytest.mark.parametrize("D", [32, 24])
+def test_the_rotary_kernel_rotates_as_pytorch_forward_and_backward(monkeypatch, dtype, positions, D):
+    """``rotary`` on the kernel's device (one Triton kernel each way) against PyTorch's operations: x a strided
+    slice of a packed product [B, T, H, D] with T = 37 (a partial block of tokens), D = 32 or 24 (half of it not a
+    power of two), positions per row, one row broadcast, or 1-D, up to 100,000; the output and the gradient of x."""
+    from rankdecay.layers import attention
+
+    g = torch.Generator().manual_seed(D)
+    B, T, H = 3, 37, 2
+    packed = torch.randn(B, T, 3 * H * D, generator=g).to(DEVICE, dtype)
+    pos = torch.randint(0, 100_000, {"rows": (B, T), "one-row": (1, T), "1-D": (T,)}[positions], generator=g)
+    pos = pos.to(DEVICE)
+    weight = torch.randn(B, T, H, D, generator=g).to(DEVICE)
+
+    def run(kernel):
+        monkeypatch.setattr(attention, "_on_kernel_device", lambda t: kernel)
+        x = packed.clone().requires_grad_()
+        y = attention.rotary(x[..., H * D:2 * H * D].view(B, T, H, D), pos, 10000.0)
+        (y.float() * weight).sum().backward()
+        return y, x.grad
+
+    calls = []
+    launch = attention._rotary_kernel._launch
+    monkeypatch.setattr(attention._rotary_kernel, "_launch", lambda *a: calls.append(1) or launch(*a))
+    got, want = run(True), run(False)
+    assert len(calls) == 2, "the kernel ran forward and backward"
+    tol = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert got[0].dtype == dtype
+    assert_matches(got[0].float(), want[0].float(), tol, "output")
+    assert_matches(got[1].float(), want[1].float(), tol, "gradient of x")

@@ -33,17 +33,22 @@ BLOCK_W, WARPS = 32, 2
 
 
 @triton.jit
+def _reduced(angle):
+    """An fp32 angle reduced to [-pi, pi] in two steps (Cody and Waite: 2 pi as 6.28125, exact in 8 bits, plus the
+    rest), so that cos and sin need no range reduction of their own."""
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    return (angle - turns * 6.28125) - turns * 0.0019353071795864769
+
+
+@triton.jit
 def _rotated(x_ptr, pos, freq_ptr, D: tl.constexpr):
-    """The halves of x [D] rotated by ``pos`` (rotate-half RoPE), in fp32: (first half, second half). The angles
-    are PyTorch's (``pos x inv_freq`` in fp32), reduced to [-pi, pi] in two steps (Cody and Waite: 2 pi as 6.28125,
-    exact in 8 bits, plus the rest), so that cos and sin need no range reduction of their own."""
+    """The halves of x [D] rotated by ``pos`` (rotate-half RoPE), in fp32: (first half, second half), the angles
+    PyTorch's (``pos x inv_freq`` in fp32)."""
     HALF: tl.constexpr = D // 2
     i = tl.arange(0, HALF)
     x1 = tl.load(x_ptr + i).to(tl.float32)
     x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
-    angle = pos * tl.load(freq_ptr + i)
-    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
-    angle = (angle - turns * 6.28125) - turns * 0.0019353071795864769
+    angle = _reduced(pos * tl.load(freq_ptr + i))
     c, s = tl.cos(angle), tl.sin(angle)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
