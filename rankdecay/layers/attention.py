@@ -43,7 +43,8 @@ if _HAS_TRITON:
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:
-    """Where the decode step's Triton kernels run: a GPU (tests patch this to run them interpreted on the CPU)."""
+    """Where the rotary embedding's and the decode step's Triton kernels run: a GPU (tests patch this to run them
+    interpreted on the CPU)."""
     return x.is_cuda
 
 
@@ -172,8 +173,11 @@ class SlidingWindowAttention(nn.Module):
 
         positions = state["count"][:, None] + real.long().cumsum(1) - real.long()  # real tokens before this one
         q, k, v = self._qkv(x, positions, cache, projected)
-        keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
-        key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
+        if P:
+            keys, values = torch.cat([state["k"], k], 1), torch.cat([state["v"], v], 1)
+            key_real = torch.cat([state["real"], real], 1)  # [B, P + T]
+        else:  # no cache before the tokens: nothing to copy
+            keys, values, key_real = k, v, real
         if P == 0 and attention_mask is None and _flash_varlen(q):
             # the rows as B packed sequences of T tokens each (training, a prompt without padding)
             cu = torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int32)
