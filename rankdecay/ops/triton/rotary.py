@@ -20,9 +20,11 @@ BLOCK_T, WARPS = 16, 4
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, sx_b, sx_t, sx_h, y_ptr, sy_b, sy_t, sy_h, pos_ptr, sp_b, sp_t, freq_ptr, T, H,
+def _rotary_kernel(x_ptr, sx_b, sx_t, sx_h, y_ptr, sy_b, sy_t, sy_h, pos_ptr, sp_b, sp_t, freq_ptr, T, H, n_t,
                    SIGN: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr):
-    tb, bh = tl.program_id(0), tl.program_id(1)
+    # one axis of programs (a grid's second and third take at most 65,535): block tb of row b's head h
+    pid = tl.program_id(0)
+    tb, bh = pid % n_t, pid // n_t
     b, h = bh // H, bh % H
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, HALF_P2)
@@ -43,9 +45,10 @@ def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, si
     y = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)
     sp_b, sp_t = (0, positions.stride(0)) if positions.dim() == 1 else (
         positions.stride(0) if positions.shape[0] > 1 else 0, positions.stride(1))
-    _rotary_kernel[(triton.cdiv(T, BLOCK_T), B * H)](
+    n_t = triton.cdiv(T, BLOCK_T)
+    _rotary_kernel[(n_t * B * H,)](
         x, x.stride(0), x.stride(1), x.stride(2), y, y.stride(0), y.stride(1), y.stride(2), positions, sp_b, sp_t,
-        inv_freq, T, H, SIGN=sign, HALF=D // 2, HALF_P2=triton.next_power_of_2(D // 2), BLOCK_T=BLOCK_T,
+        inv_freq, T, H, n_t, SIGN=sign, HALF=D // 2, HALF_P2=triton.next_power_of_2(D // 2), BLOCK_T=BLOCK_T,
         num_warps=WARPS)
     return y
 
