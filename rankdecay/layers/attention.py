@@ -16,9 +16,25 @@ from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
 
+_FREQUENCIES: dict = {}  # (D, theta, device) -> rotary_frequencies' tensor
+
+
 def rotary_frequencies(D: int, theta: float, device) -> torch.Tensor:
-    """The rotary embedding's frequencies ``theta^(-2i / D)``, i < D / 2: ``[D / 2]`` fp32."""
-    return theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+    """The rotary embedding's frequencies ``theta^(-2i / D)``, i < D / 2: ``[D / 2]`` fp32 (not to be written in
+    place). Remembered per (D, theta, device) outside ``torch.compile`` and CUDA graph capture: each layer's decode
+    step would otherwise form them again, three small kernels."""
+    device = torch.device(device)
+
+    def form():
+        return theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return form()
+    key = (D, float(theta), device)
+    if key not in _FREQUENCIES:
+        with torch.inference_mode(False):  # a normal tensor, which autograd may save, even if first asked in one
+            _FREQUENCIES[key] = form()
+    return _FREQUENCIES[key]
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -267,14 +267,21 @@ def check_cu_seqlens_layout(cu_seqlens: torch.Tensor, B: int) -> int:
 _LAST_LENGTHS: tuple = (None, None, None, None)
 
 
+def _read_waits(t: torch.Tensor) -> bool:
+    """Whether reading t on the host waits for a device (so that :func:`host_lengths` remembers it)."""
+    return t.device.type != "cpu"
+
+
 def host_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """The sequences' lengths from ``cu_seqlens`` [N + 1] (checked: from 0 to T, non-decreasing), on the host.
 
     Reading a GPU tensor waits for the GPU: a model's layers all pass the same tensor, so the last one read is
-    remembered (while it lives and is not written in place) and a forward waits once, not once per layer."""
+    remembered (while it lives and is not written in place) and a forward waits once, not once per layer. A CPU
+    tensor is read every time: that costs no wait, and a write through a NumPy view of it (``.numpy()``) would
+    leave its version counter as it was."""
     global _LAST_LENGTHS
     try:
-        version = cu_seqlens._version
+        version = cu_seqlens._version if _read_waits(cu_seqlens) else None
     except RuntimeError:  # an inference tensor keeps no version counter: read it every time
         version = None
     ref, last_version, last_T, lengths = _LAST_LENGTHS

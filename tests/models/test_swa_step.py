@@ -3,7 +3,6 @@ ring's write in place and the attention split over the ring's slots.
 
 The kernels run on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` (conftest sets it). The interpreter rounds fp32
 to bf16 toward zero, so on the CPU bf16 is left to the GPU run (BENCHMARKS.md); fp32 and fp16 round as on a GPU."""
-import copy
 import importlib.util
 
 import pytest
@@ -46,13 +45,14 @@ def _reference(q, k, v, ring, theta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("W, D, max_position", [(70, 32, 100), (64, 64, 200_000), (1, 16, 10)],
-                         ids=["partial-block", "far-positions", "window-1"])
+@pytest.mark.parametrize("W, D, max_position", [(70, 32, 100), (64, 64, 200_000), (1, 16, 10), (33, 24, 5000)],
+                         ids=["partial-block", "far-positions", "window-1", "head-24"])
 def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position):
     """Against fp64 from the same inputs: the output, within the dtype's rounding of it; the ring's slot ``next``
     holds the rotated key (rounded once), the value and the token's flag, and every other slot is untouched. q, k
     and v are strided slices of one packed product; positions up to 200,000 (angles far past 2 pi); a window of
-    70 (a partial block of slots), of 1 (only the token's own key); a padding token still sees itself."""
+    70 (a partial block of slots), of 1 (only the token's own key); a head of 24 (neither it nor its half a power
+    of two); a padding token still sees itself."""
     from rankdecay.ops.triton.swa import swa_step
 
     g = torch.Generator().manual_seed(W + D)
@@ -119,21 +119,20 @@ def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype):
 
 
 def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling(monkeypatch):
-    """With autograd, a head size the kernels do not take (not a power of two), or under torch.compile (which
-    fuses the PyTorch step itself), the step is PyTorch's."""
+    """With autograd, a head size the kernels do not take (below 8), or under torch.compile (which fuses the
+    PyTorch step itself), the step is PyTorch's."""
     from rankdecay.layers import attention
 
     monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(attention._swa_kernels, "swa_step", lambda *a: pytest.fail("the kernels ran"))
-    for head_dim, grad in ((16, True), (24, False)):
+    for head_dim, grad in ((16, True), (6, False)):
         layer = SlidingWindowAttention(48, 2, head_dim, window_size=4).to(DEVICE)
         cache = Cache(1)
         with torch.set_grad_enabled(grad):
             layer(torch.randn(2, 3, 48, device=DEVICE), cache=cache, use_cache=True)
             o, _ = layer(torch.randn(2, 1, 48, device=DEVICE), cache=cache, use_cache=True)
         assert o.shape == (2, 1, 48) and torch.isfinite(o).all()
-    ring = copy.deepcopy(cache.layers[0])
-    assert not attention._swa_kernels.takes(torch.zeros(2, 2, 24), ring["k"])
+    assert not attention._swa_kernels.takes(torch.zeros(2, 2, 6), cache.layers[0]["k"])
     layer = SlidingWindowAttention(48, 2, 16, window_size=4).to(DEVICE)
     cache = Cache(1)
     with torch.no_grad():
@@ -174,3 +173,22 @@ def test_the_rotary_kernel_rotates_as_pytorch_forward_and_backward(monkeypatch, 
     assert got[0].dtype == dtype
     assert_matches(got[0].float(), want[0].float(), tol, "output")
     assert_matches(got[1].float(), want[1].float(), tol, "gradient of x")
+
+
+def test_rotary_frequencies_are_remembered_and_trainable_after_inference_mode(monkeypatch):
+    """``rotary_frequencies`` forms each (D, theta, device)'s tensor once (a decode step would otherwise form it in
+    every layer); the first call under ``torch.inference_mode`` (generation before training) still gives a tensor
+    that the rotary kernel's autograd may save."""
+    from rankdecay.layers import attention
+
+    monkeypatch.setattr(attention, "_FREQUENCIES", {})
+    monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    with torch.inference_mode():
+        first = rotary_frequencies(16, 12345.0, DEVICE)
+    assert rotary_frequencies(16, 12345.0, DEVICE) is first
+    assert rotary_frequencies(16, 10000.0, DEVICE) is not first
+    want = 12345.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    assert_matches(first.double().cpu(), want, 1e-7, "frequencies")
+    x = torch.randn(1, 5, 2, 16, device=DEVICE, requires_grad=True)
+    attention.rotary(x, torch.arange(5, device=DEVICE), 12345.0).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

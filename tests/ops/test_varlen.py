@@ -190,9 +190,12 @@ def test_varlen_benchmark_boundaries():
 def test_a_models_layers_read_cu_seqlens_on_the_host_once(monkeypatch):
     """Reading cu_seqlens on the host waits for the GPU; every layer of a model passes the same tensor, so a forward
     reads it once (``_inputs.host_lengths`` remembers the last one), and again once it is written in place. An
-    inference tensor, which keeps no version counter, is read each time."""
+    inference tensor, which keeps no version counter, is read each time. (On the CPU, where a read costs no wait,
+    nothing is remembered: the test makes the CPU count as a device that waits.)"""
     from rankdecay.models import RankDecayConfig, RankDecayForCausalLM
+    from rankdecay.ops import _inputs
 
+    monkeypatch.setattr(_inputs, "_read_waits", lambda t: True)
     reads = []
     tolist = torch.Tensor.tolist
     cu = torch.tensor([0, 5, 6, 20])
@@ -213,3 +216,14 @@ def test_a_models_layers_read_cu_seqlens_on_the_host_once(monkeypatch):
         cu = torch.tensor([0, 5, 6, 20])
         model(ids, cu_seqlens=cu, use_cache=False)
     assert reads.count(True) == 2 + 3, "an inference tensor: read by each of the 3 layers"
+
+
+def test_cu_seqlens_on_the_cpu_is_read_every_time():
+    """A write through a NumPy view leaves a tensor's version counter as it was: on the CPU, where reading costs no
+    wait, cu_seqlens is read each call, so such a write is seen."""
+    from rankdecay.ops import _inputs
+
+    cu = torch.tensor([0, 5, 6, 20])
+    assert _inputs.host_lengths(cu, 20) == [5, 1, 14]
+    cu.numpy()[1] = 4
+    assert _inputs.host_lengths(cu, 20) == [4, 2, 14]

@@ -5,7 +5,7 @@ sin, a cast to fp32, the halves' four products, their sum and difference, the co
 many backward, each a pass over [B, T, H, D]: in a sliding-window attention layer's training step on an H200 they
 took more GPU time than the attention itself. Here one pass reads x and writes the rotated x (the backward rotates
 the gradient back: the same kernel with the angle negated), with the angles formed as PyTorch forms them
-(``position x inv_freq`` in fp32), reduced to [-pi, pi] (``swa._reduced``), cos and sin and the products in fp32,
+(``position x inv_freq`` in fp32), reduced to [-pi, pi] and rotated as the decode step's (``swa._rotate``), cos and sin and the products in fp32,
 rounded once.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .swa import _reduced
+from .swa import _rotate
 
 BLOCK_T, WARPS = 16, 4
 
@@ -30,14 +30,13 @@ def _rotary_kernel(x_ptr, sx_b, sx_t, sx_h, y_ptr, sy_b, sy_t, sy_h, pos_ptr, sp
     i = tl.arange(0, HALF_P2)
     m = (t < T)[:, None] & (i < HALF)[None, :]
     pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=t < T, other=0).to(tl.float32)
-    angle = _reduced(pos[:, None] * tl.load(freq_ptr + i, mask=i < HALF, other=0.0)[None, :])
-    c, s = tl.cos(angle), SIGN * tl.sin(angle)
     x = x_ptr + b * sx_b + t[:, None] * sx_t + h * sx_h + i[None, :]
     x1 = tl.load(x, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(x + HALF, mask=m, other=0.0).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, pos[:, None] * tl.load(freq_ptr + i, mask=i < HALF, other=0.0)[None, :], SIGN)
     y = y_ptr + b * sy_b + t[:, None] * sy_t + h * sy_h + i[None, :]
-    tl.store(y, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=m)
-    tl.store(y + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y, y1.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y + HALF, y2.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:

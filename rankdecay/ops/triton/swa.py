@@ -41,56 +41,65 @@ def _reduced(angle):
 
 
 @triton.jit
-def _rotated(x_ptr, pos, freq_ptr, D: tl.constexpr):
-    """The halves of x [D] rotated by ``pos`` (rotate-half RoPE), in fp32: (first half, second half), the angles
-    PyTorch's (``pos x inv_freq`` in fp32)."""
-    HALF: tl.constexpr = D // 2
-    i = tl.arange(0, HALF)
-    x1 = tl.load(x_ptr + i).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
-    angle = _reduced(pos * tl.load(freq_ptr + i))
-    c, s = tl.cos(angle), tl.sin(angle)
+def _rotate(x1, x2, angle, sign):
+    """The rotate-half RoPE of the halves (x1, x2) by fp32 ``angle`` (any size: reduced here), in fp32; ``sign``
+    -1 rotates back (the same cosines, the sines negated)."""
+    angle = _reduced(angle)
+    c, s = tl.cos(angle), sign * tl.sin(angle)
     return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _rotated(x_ptr, pos, freq_ptr, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """The halves of x [2 HALF] rotated by ``pos``, in fp32, each [HALF_P2] (zero past HALF), the angles
+    PyTorch's (``pos x inv_freq`` in fp32)."""
+    i = tl.arange(0, HALF_P2)
+    x1 = tl.load(x_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    return _rotate(x1, x2, pos * tl.load(freq_ptr + i, mask=i < HALF, other=0.0), 1.0)
 
 
 @triton.jit
 def _swa_partial_kernel(q_ptr, sq_b, sq_h, rk_ptr, rv_ptr, sr_b, sr_w, sr_h, real_ptr, sreal_b, count_ptr, next_ptr,
                         m_ptr, l_ptr, acc_ptr, freq_ptr, H, W, S, scale_log2e,
-                        D: tl.constexpr, BLOCK_W: tl.constexpr):
+                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_W: tl.constexpr):
     blk, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = D // 2
+    HALF_P2: tl.constexpr = D_P2 // 2
     pos = tl.load(count_ptr + b).to(tl.float32)
-    q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, D)
+    q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, HALF, HALF_P2)
     q1, q2 = q1 * scale_log2e, q2 * scale_log2e  # scores in log2 units
     w = blk * BLOCK_W + tl.arange(0, BLOCK_W)
     nxt = tl.load(next_ptr + b)
     seen = (w < W) & (w != nxt)
     seen &= tl.load(real_ptr + b * sreal_b + w, mask=w < W, other=0) != 0
-    i = tl.arange(0, HALF)
+    i = tl.arange(0, HALF_P2)
     rows = b * sr_b + w[:, None] * sr_w + h * sr_h
-    k1 = tl.load(rk_ptr + rows + i[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-    k2 = tl.load(rk_ptr + rows + HALF + i[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+    halves = seen[:, None] & (i < HALF)[None, :]
+    k1 = tl.load(rk_ptr + rows + i[None, :], mask=halves, other=0.0).to(tl.float32)
+    k2 = tl.load(rk_ptr + rows + HALF + i[None, :], mask=halves, other=0.0).to(tl.float32)
     score = tl.sum(k1 * q1[None, :], 1) + tl.sum(k2 * q2[None, :], 1)
     score = tl.where(seen, score, -float("inf"))
     m = tl.max(score, 0)
     p = tl.where(seen, tl.exp2(score - tl.where(m == -float("inf"), 0.0, m)), 0.0)
-    d = tl.arange(0, D)
-    vals = tl.load(rv_ptr + rows + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+    d = tl.arange(0, D_P2)
+    vals = tl.load(rv_ptr + rows + d[None, :], mask=seen[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     at = (b * H + h) * S + blk
     tl.store(m_ptr + at, m)
     tl.store(l_ptr + at, tl.sum(p, 0))
-    tl.store(acc_ptr + at * D + d, tl.sum(p[:, None] * vals, 0))
+    tl.store(acc_ptr + at * D + d, tl.sum(p[:, None] * vals, 0), mask=d < D)
 
 
 @triton.jit
 def _swa_combine_kernel(q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h, o_ptr, rk_ptr, rv_ptr, sr_b, sr_w,
                         sr_h, real_ptr, sreal_b, tok_real_ptr, count_ptr, next_ptr, m_ptr, l_ptr, acc_ptr,
-                        freq_ptr, H, S, scale_log2e, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                        freq_ptr, H, S, scale_log2e, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_S: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = D // 2
+    HALF_P2: tl.constexpr = D_P2 // 2
     pos = tl.load(count_ptr + b).to(tl.float32)
-    q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, D)
-    k1, k2 = _rotated(k_ptr + b * sk_b + h * sk_h, pos, freq_ptr, D)
+    q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, HALF, HALF_P2)
+    k1, k2 = _rotated(k_ptr + b * sk_b + h * sk_h, pos, freq_ptr, HALF, HALF_P2)
     own = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * scale_log2e  # the query's own key, always seen
     s = tl.arange(0, BLOCK_S)
     at = (b * H + h) * S + s
@@ -99,27 +108,27 @@ def _swa_combine_kernel(q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h,
     f = tl.where(s < S, tl.exp2(m - top), 0.0)  # a block that saw nothing: m = -inf, weight 0
     f_own = tl.exp2(own - top)
     total = tl.sum(tl.load(l_ptr + at, mask=s < S, other=0.0) * f, 0) + f_own
-    d = tl.arange(0, D)
-    v = tl.load(v_ptr + b * sv_b + h * sv_h + d)
-    acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+    d = tl.arange(0, D_P2)
+    v = tl.load(v_ptr + b * sv_b + h * sv_h + d, mask=d < D, other=0.0)
+    acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :], other=0.0)
     out = (tl.sum(acc * f[:, None], 0) + f_own * v.to(tl.float32)) / total
-    tl.store(o_ptr + (b * H + h) * D + d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + (b * H + h) * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
     # the ring's slot: the partial kernel has read every slot it needed before this kernel started
     slot = b * sr_b + tl.load(next_ptr + b) * sr_w + h * sr_h
-    i = tl.arange(0, HALF)
-    tl.store(rk_ptr + slot + i, k1.to(rk_ptr.dtype.element_ty))
-    tl.store(rk_ptr + slot + HALF + i, k2.to(rk_ptr.dtype.element_ty))
-    tl.store(rv_ptr + slot + d, v)
+    i = tl.arange(0, HALF_P2)
+    tl.store(rk_ptr + slot + i, k1.to(rk_ptr.dtype.element_ty), mask=i < HALF)
+    tl.store(rk_ptr + slot + HALF + i, k2.to(rk_ptr.dtype.element_ty), mask=i < HALF)
+    tl.store(rv_ptr + slot + d, v, mask=d < D)
     if h == 0:
         tl.store(real_ptr + b * sreal_b + tl.load(next_ptr + b), tl.load(tok_real_ptr + b))
 
 
 def takes(q: torch.Tensor, ring_k: torch.Tensor) -> bool:
     """Whether :func:`swa_step` takes these: q [B, H, D] and a ring [B, W, H, D] of one dtype (fp32 / bf16 / fp16),
-    D a power of two from 16 to 256, each last axis contiguous."""
+    D even from 8 to 256, each last axis contiguous."""
     D = q.shape[-1]
     return (q.dtype in (torch.float32, torch.bfloat16, torch.float16) and ring_k.dtype == q.dtype
-            and 16 <= D <= 256 and D & (D - 1) == 0 and q.stride(-1) == 1 and ring_k.stride(-1) == 1)
+            and 8 <= D <= 256 and D % 2 == 0 and q.stride(-1) == 1 and ring_k.stride(-1) == 1)
 
 
 def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real: torch.Tensor,
@@ -158,9 +167,10 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     count, nxt = ring["count"], ring["next"]
     _swa_partial_kernel[(S, B, H)](q, q.stride(0), q.stride(1), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
                                    rreal, rreal.stride(0), count, nxt, m, l, acc, inv_freq, H, W, S,
-                                   scale_log2e, D=D, BLOCK_W=BLOCK_W, num_warps=WARPS)
+                                   scale_log2e, D=D, D_P2=triton.next_power_of_2(D), BLOCK_W=BLOCK_W,
+                                   num_warps=WARPS)
     _swa_combine_kernel[(B, H)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                                 o, rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rreal, rreal.stride(0),
                                 tok_real, count, nxt, m, l, acc, inv_freq, H, S, scale_log2e, D=D,
-                                BLOCK_S=triton.next_power_of_2(S), num_warps=WARPS)
+                                D_P2=triton.next_power_of_2(D), BLOCK_S=triton.next_power_of_2(S), num_warps=WARPS)
     return o
