@@ -58,6 +58,10 @@ if _HAS_TRITON:
     from ..ops.triton import swa as _swa_kernels
 
 
+# whether a compiled decode step calls the SWA step's kernels (else inductor fuses the PyTorch step)
+_STEP_KERNELS_COMPILED = False
+
+
 def _on_kernel_device(x: torch.Tensor) -> bool:
     """Where the rotary embedding's and the decode step's Triton kernels run: a GPU (tests patch this to run them
     interpreted on the CPU)."""
@@ -304,7 +308,8 @@ class SlidingWindowAttention(nn.Module):
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
         q, k, v = self._projections(x, cache, projected)
         if (_HAS_TRITON and _on_kernel_device(x) and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and _swa_kernels.takes(q[:, 0], ring["k"])):
+                and (_STEP_KERNELS_COMPILED or not torch.compiler.is_compiling())
+                and _swa_kernels.takes(q[:, 0], ring["k"])):
             o = _swa_kernels.swa_step(q[:, 0], k[:, 0], v[:, 0], ring, real[:, 0],
                                       rotary_frequencies(D, self.rope_theta, x.device))[:, None]
         else:

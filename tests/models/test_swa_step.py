@@ -21,12 +21,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def _ring(B, W, H, D, dtype, generator, max_position):
+def _ring(B, W, H, D, dtype, generator, max_position, n_real=None):
+    """A ring with random keys, values, counts and next slots; 70% of its slots real, or the first n_real."""
     def rand(*shape):
         return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
 
-    return {"k": rand(B, W, H, D), "v": rand(B, W, H, D),
-            "real": (torch.rand(B, W, generator=generator) > 0.3).to(DEVICE),
+    real = torch.rand(B, W, generator=generator) > 0.3 if n_real is None else torch.arange(W).expand(B, W) < n_real
+    return {"k": rand(B, W, H, D), "v": rand(B, W, H, D), "real": real.contiguous().to(DEVICE),
             "count": torch.randint(0, max_position, (B,), generator=generator).to(DEVICE),
             "next": torch.randint(0, W, (B,), generator=generator).to(DEVICE)}
 
@@ -45,21 +46,23 @@ def _reference(q, k, v, ring, theta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("W, D, max_position", [(70, 32, 100), (64, 64, 200_000), (1, 16, 10), (33, 24, 5000)],
-                         ids=["partial-block", "far-positions", "window-1", "head-24"])
-def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position):
+@pytest.mark.parametrize("W, D, max_position, n_real", [(70, 32, 100, None), (64, 64, 200_000, None),
+                                                         (1, 16, 10, None), (33, 24, 5000, None), (300, 16, 50, 5)],
+                         ids=["partial-block", "far-positions", "window-1", "head-24", "short-prompt"])
+def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position, n_real):
     """Against fp64 from the same inputs: the output, within the dtype's rounding of it; the ring's slot ``next``
     holds the rotated key (rounded once), the value and the token's flag, and every other slot is untouched. q, k
     and v are strided slices of one packed product; positions up to 200,000 (angles far past 2 pi); a window of
     70 (a partial block of slots), of 1 (only the token's own key); a head of 24 (neither it nor its half a power
-    of two); a padding token still sees itself."""
+    of two); a ring of 300 with only its first 5 slots real (a short prompt: blocks with no real slot, skipped); a
+    padding token still sees itself."""
     from rankdecay.ops.triton.swa import swa_step
 
     g = torch.Generator().manual_seed(W + D)
     B, H, theta = 5, 3, 10000.0
     packed = torch.randn(B, 3 * H * D + 8, generator=g).to(DEVICE, dtype)
     q, k, v = (packed[:, i * H * D:(i + 1) * H * D].view(B, H, D) for i in range(3))
-    ring = _ring(B, W, H, D, dtype, g, max_position)
+    ring = _ring(B, W, H, D, dtype, g, max_position, n_real)
     real = torch.tensor([True, False, True, True, False], device=DEVICE)
     before = {name: t.clone() for name, t in ring.items()}
     want, rotated_k = _reference(q, k, v, ring, theta)

@@ -9,7 +9,7 @@ counters), which at B = 1 cost their launches and at B = 64 SDPA's bandwidth. He
 
 - ``_swa_partial_kernel``, program (block of slots, row, head): rotates q, and over its block of ring slots (the
   slot being replaced left out) the block's running maximum, sum of exponentials and weighted sum of values, in fp32
-  (split-K over the ring, as flash-decoding does);
+  (split-K over the ring, as flash-decoding does), the slots a piece at a time (online softmax, loads pipelined);
 - ``_swa_combine_kernel``, program (row, head): rotates the new key, folds its score and value into the blocks'
   partials (the query always sees its own key), writes the output, and writes the rotated key, the value and the
   token's flag into the ring's slot: the partial kernel has read every other slot by then, so nothing races.
@@ -26,10 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-# ring slots per program of the partial kernel (a ring of 2048: 64 programs per row and head), and its warps: at B = 64
-# (H200, 4 heads of 256, a ring of 2048, bf16) 166 us a step, 3.2 TB/s, against 182 us with 64 slots and 4 warps,
-# 184 us for SDPA with the mask (session 77)
-BLOCK_W, WARPS = 32, 2
+# ring slots per program of the partial kernel (a ring of 2048: 32 programs per row and head) and its warps; the
+# slots SUB at a time, their loads pipelined over STAGES. At B = 64 (H200, 4 heads of 256, a ring of 2048, bf16,
+# every slot real) 157-162 us a step, 3.3-3.4 TB/s, against 174-177 us for 32 slots in one piece (session 77's
+# launch), 211 us for 64 slots unpipelined, 184 us for SDPA with the mask; at B = 16 60.3 us against 62.5. With 200
+# real slots, blocks without one skipped: 86-127 us against 156-165 (session 78)
+BLOCK_W, WARPS = 64, 2
+SUB, STAGES = 32, 2
 
 
 @triton.jit
@@ -61,46 +64,62 @@ def _rotated(x_ptr, pos, freq_ptr, HALF: tl.constexpr, HALF_P2: tl.constexpr):
 
 @triton.jit
 def _swa_partial_kernel(q_ptr, sq_b, sq_h, rk_ptr, rv_ptr, sr_b, sr_w, sr_h, real_ptr, sreal_b, count_ptr, next_ptr,
-                        m_ptr, l_ptr, acc_ptr, freq_ptr, H, W, S, scale_log2e,
-                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_W: tl.constexpr):
+                        m_ptr, l_ptr, acc_ptr, freq_ptr, H, W, S, SCALE_LOG2E: tl.constexpr,
+                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_W: tl.constexpr, SUB: tl.constexpr,
+                        STAGES: tl.constexpr):
     blk, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = D // 2
     HALF_P2: tl.constexpr = D_P2 // 2
     pos = tl.load(count_ptr + b).to(tl.float32)
     q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, HALF, HALF_P2)
-    q1, q2 = q1 * scale_log2e, q2 * scale_log2e  # scores in log2 units
-    w = blk * BLOCK_W + tl.arange(0, BLOCK_W)
+    q1, q2 = q1 * SCALE_LOG2E, q2 * SCALE_LOG2E  # scores in log2 units
     nxt = tl.load(next_ptr + b)
-    seen = (w < W) & (w != nxt)
-    seen &= tl.load(real_ptr + b * sreal_b + w, mask=w < W, other=0) != 0
     i = tl.arange(0, HALF_P2)
-    rows = b * sr_b + w[:, None] * sr_w + h * sr_h
-    halves = seen[:, None] & (i < HALF)[None, :]
-    k1 = tl.load(rk_ptr + rows + i[None, :], mask=halves, other=0.0).to(tl.float32)
-    k2 = tl.load(rk_ptr + rows + HALF + i[None, :], mask=halves, other=0.0).to(tl.float32)
-    score = tl.sum(k1 * q1[None, :], 1) + tl.sum(k2 * q2[None, :], 1)
-    score = tl.where(seen, score, -float("inf"))
-    m = tl.max(score, 0)
-    p = tl.where(seen, tl.exp2(score - tl.where(m == -float("inf"), 0.0, m)), 0.0)
     d = tl.arange(0, D_P2)
-    vals = tl.load(rv_ptr + rows + d[None, :], mask=seen[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    m = tl.max(tl.full([SUB], -float("inf"), tl.float32), 0)  # the block's running maximum, sum and weighted values
+    total = tl.sum(tl.zeros([SUB], tl.float32), 0)
+    acc = tl.zeros([D_P2], tl.float32)
+    # the block's slots SUB at a time (online softmax), their loads pipelined over STAGES; none if no slot is real
+    # (a short prompt's ring is mostly empty: a block's loads, masked off, still cost as much as reading it)
+    start = blk * BLOCK_W
+    wb = start + tl.arange(0, BLOCK_W)
+    flags = tl.load(real_ptr + b * sreal_b + wb, mask=wb < W, other=0)
+    end = tl.where(tl.max(flags.to(tl.int32), 0) > 0, start + BLOCK_W, start)
+    for w0 in tl.range(start, end, SUB, num_stages=STAGES):
+        w = w0 + tl.arange(0, SUB)
+        seen = (w < W) & (w != nxt)
+        seen &= tl.load(real_ptr + b * sreal_b + w, mask=w < W, other=0) != 0
+        rows = b * sr_b + w[:, None] * sr_w + h * sr_h
+        halves = seen[:, None] & (i < HALF)[None, :]
+        k1 = tl.load(rk_ptr + rows + i[None, :], mask=halves, other=0.0).to(tl.float32)
+        k2 = tl.load(rk_ptr + rows + HALF + i[None, :], mask=halves, other=0.0).to(tl.float32)
+        vals = tl.load(rv_ptr + rows + d[None, :], mask=seen[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        score = tl.where(seen, tl.sum(k1 * q1[None, :], 1) + tl.sum(k2 * q2[None, :], 1), -float("inf"))
+        top = tl.maximum(m, tl.max(score, 0))
+        shift = tl.where(top == -float("inf"), 0.0, top)  # nothing seen yet: every weight 0
+        p = tl.where(seen, tl.exp2(score - shift), 0.0)
+        keep = tl.exp2(m - shift)
+        total = total * keep + tl.sum(p, 0)
+        acc = acc * keep + tl.sum(p[:, None] * vals, 0)
+        m = top
     at = (b * H + h) * S + blk
     tl.store(m_ptr + at, m)
-    tl.store(l_ptr + at, tl.sum(p, 0))
-    tl.store(acc_ptr + at * D + d, tl.sum(p[:, None] * vals, 0), mask=d < D)
+    tl.store(l_ptr + at, total)
+    tl.store(acc_ptr + at * D + d, acc, mask=d < D)
 
 
 @triton.jit
 def _swa_combine_kernel(q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h, o_ptr, rk_ptr, rv_ptr, sr_b, sr_w,
                         sr_h, real_ptr, sreal_b, tok_real_ptr, count_ptr, next_ptr, m_ptr, l_ptr, acc_ptr,
-                        freq_ptr, H, S, scale_log2e, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_S: tl.constexpr):
+                        freq_ptr, H, S, SCALE_LOG2E: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                        BLOCK_S: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     HALF: tl.constexpr = D // 2
     HALF_P2: tl.constexpr = D_P2 // 2
     pos = tl.load(count_ptr + b).to(tl.float32)
     q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, HALF, HALF_P2)
     k1, k2 = _rotated(k_ptr + b * sk_b + h * sk_h, pos, freq_ptr, HALF, HALF_P2)
-    own = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * scale_log2e  # the query's own key, always seen
+    own = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * SCALE_LOG2E  # the query's own key, always seen
     s = tl.arange(0, BLOCK_S)
     at = (b * H + h) * S + s
     m = tl.load(m_ptr + at, mask=s < S, other=-float("inf"))
@@ -163,12 +182,12 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     acc = torch.empty(B, H, S, D, device=q.device, dtype=torch.float32)
     o = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     tok_real = real.to(rreal.dtype).contiguous()
-    scale_log2e = D ** -0.5 * math.log2(math.e)
+    scale_log2e = D ** -0.5 * math.log2(math.e)  # a constexpr (one value per D): inductor would pass a float as fp64
     count, nxt = ring["count"], ring["next"]
     _swa_partial_kernel[(S, B, H)](q, q.stride(0), q.stride(1), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
                                    rreal, rreal.stride(0), count, nxt, m, l, acc, inv_freq, H, W, S,
                                    scale_log2e, D=D, D_P2=triton.next_power_of_2(D), BLOCK_W=BLOCK_W,
-                                   num_warps=WARPS)
+                                   SUB=min(SUB, BLOCK_W), STAGES=STAGES, num_warps=WARPS)
     _swa_combine_kernel[(B, H)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                                 o, rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rreal, rreal.stride(0),
                                 tok_real, count, nxt, m, l, acc, inv_freq, H, S, scale_log2e, D=D,
