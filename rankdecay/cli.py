@@ -125,9 +125,11 @@ def _generate(args) -> int:
     if args.cuda_graph or args.compile:
         from .models import GraphDecoder
 
-        # --cuda-graph: a graph where there is a GPU, the same steps eagerly on a CPU
+        # --cuda-graph: a graph where there is a GPU, the same steps eagerly on a CPU; one generation, so the
+        # sliding-window rings take the prompt and the new tokens, not the whole window
         decoder = GraphDecoder(model, cuda_graph=None if args.cuda_graph else False, compile=args.compile,
-                               pack_projections=not args.no_pack)
+                               pack_projections=not args.no_pack,
+                               max_length=batch["input_ids"].shape[1] + max(args.max_new_tokens, 1))
         if len(prompts) > 1:  # packed into one row (cu_seqlens), no padding: a list in, a list out
             ids = [tokenizer([prompt], return_tensors="pt")["input_ids"][0].to(device) for prompt in prompts]
             outs = decoder.generate(ids, **kw)

@@ -158,12 +158,21 @@ class SlidingWindowAttention(nn.Module):
         """The linear maps of the input x (one packed product when decoding: ``rankdecay.layers.packing``)."""
         return ("q_proj", "k_proj", "v_proj")
 
-    def ring_cache(self, entry: dict) -> dict:
-        """A time-ordered cache entry as a ring of ``window_size`` slots: left-padded with slots
-        marked as padding, one free slot at the end, which the next token takes."""
+    def ring_cache(self, entry: dict, slots: int | None = None) -> dict:
+        """A time-ordered cache entry as a ring of ``slots`` slots (default and at most ``window_size``): its last
+        ``slots - 1`` keys, left-padded with slots marked as padding, and one free slot at the end, which the next
+        token takes. A ring smaller than the window is the caller's promise that no row holds more tokens than it
+        has slots, prompt and steps together (``GraphDecoder(max_length=)`` keeps it): the keys it leaves out must
+        be padding, and a step past that would write over a token still in the window."""
         if "next" in entry:
             return entry
-        W, P = self.window_size, entry["k"].shape[1]
+        W = self.window_size if slots is None else slots
+        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.window_size:
+            raise ValueError(f"slots must be an int from 1 to window_size = {self.window_size}, got {slots!r}")
+        drop = entry["k"].shape[1] - (W - 1)
+        if drop > 0:  # a packed prefill's rows are window - 1 long, padding first
+            entry = {**entry, **{name: entry[name][:, drop:] for name in ("k", "v", "real")}}
+        P = entry["k"].shape[1]
 
         def pad(x):
             B, rest = x.shape[0], tuple(x.shape[2:])
@@ -318,12 +327,12 @@ class SlidingWindowAttention(nn.Module):
             ring["k"].index_put_(at, k[:, 0])
             ring["v"].index_put_(at, v[:, 0])
             ring["real"].index_put_(at, real[:, 0])
-            mine = torch.arange(self.window_size, device=x.device) == slot[:, None]  # a padding query sees itself
+            mine = torch.arange(ring["k"].shape[1], device=x.device) == slot[:, None]  # a padding query sees itself
             allowed = (ring["real"] | mine)[:, None, None, :]  # [B, 1, 1, W]: every slot is within the window
             o = F.scaled_dot_product_attention(q.transpose(1, 2), ring["k"].transpose(1, 2),
                                                ring["v"].transpose(1, 2), attn_mask=allowed).transpose(1, 2)
         cache.layers[self.layer_idx] = {**ring, "count": ring["count"] + real.long()[:, 0],
-                                        "next": (slot + 1) % self.window_size}
+                                        "next": (slot + 1) % ring["k"].shape[1]}
         o = _output_linear(self.o_proj, o.reshape(B, 1, H * D), cache.packed(self.layer_idx, "mixer"))
         return o, cache
 

@@ -94,6 +94,12 @@ class GraphDecoder:
             408 MiB in bf16), taken again at each ``prefill`` where a weight changed. At B = 1 on a GPU the packed
             products and the layers' output maps take a one-row Triton kernel (``ops.triton.gemv``); ``False``
             turns both off.
+        max_length: the most tokens a row will hold, its prompt (with its left padding) and the new tokens, as
+            transformers' ``max_cache_len``. Sliding-window attention's rings then take ``min(window, max_length)``
+            slots, not the window's: with a window of 2048, 64 rows of a 128-token prompt and 64 new tokens keep
+            rings of 192 slots, not 2048 (the 340m GDN-H1's 12 rings: 0.6 GiB in bf16, not 6.0). ``prefill``
+            refuses a prompt of ``max_length`` tokens or more, and ``step`` / ``generate`` raise before a row would
+            pass it. Default None: rings of the window, and no bound.
 
     Each ``prefill`` records the step again where a parameter of the model has moved (``model.to``, a load with
     ``assign=True``), so the graph never reads a freed weight; weights changed in place are read as they are.
@@ -102,7 +108,8 @@ class GraphDecoder:
     new one (a few eager warm-up steps and the capture: milliseconds to a second).
     """
 
-    def __init__(self, model, cuda_graph: bool | None = None, compile: bool = False, pack_projections: bool = True):
+    def __init__(self, model, cuda_graph: bool | None = None, compile: bool = False, pack_projections: bool = True,
+                 max_length: int | None = None):
         device = next(model.parameters()).device
         if cuda_graph is None:
             cuda_graph = device.type == "cuda"
@@ -112,6 +119,11 @@ class GraphDecoder:
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if not isinstance(pack_projections, bool):
             raise ValueError(f"pack_projections must be True or False, got {pack_projections!r}")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                       or max_length < 2):
+            raise ValueError(f"max_length must be an int >= 2 (a prompt token and a new one) or None, "
+                             f"got {max_length!r}")
+        self.max_length, self._room = max_length, None  # _room: the steps left before max_length
         self.model, self.device, self.cuda_graph = model, device, bool(cuda_graph)
         self.pack_projections = pack_projections
         self._packs = None  # per layer {"mixer": PackedLinears | None, "mlp": ...}, built at the first prefill
@@ -133,11 +145,15 @@ class GraphDecoder:
         are each prompt's last ``[N, vocab]``."""
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {list(input_ids.shape)}")
-        rows = input_ids.shape[0]
+        rows, longest = input_ids.shape
         if cu_seqlens is not None:
             rows, lengths = check_cu_seqlens(cu_seqlens, rows, input_ids.shape[1])
             if min(lengths) < 1:
                 raise ValueError(f"every packed prompt needs at least one token, got cu_seqlens {cu_seqlens.tolist()}")
+            longest = max(lengths)
+        if self.max_length is not None and longest >= self.max_length:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room for a new one under max_length = "
+                             f"{self.max_length}")
         out = self.model(input_ids, attention_mask=attention_mask, use_cache=True, cu_seqlens=cu_seqlens)
         cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
@@ -148,6 +164,7 @@ class GraphDecoder:
             self._key = key
         self._load(layers)
         self._cache.seen_tokens = cache.seen_tokens
+        self._room = None if self.max_length is None else self.max_length - longest
         if cu_seqlens is not None:
             return out.logits[0, cu_seqlens[1:].to(out.logits.device) - 1]
         return out.logits[:, -1]
@@ -160,6 +177,12 @@ class GraphDecoder:
             raise RuntimeError("call prefill(input_ids) before step()")
         if token.shape != (self._key[0],):
             raise ValueError(f"token must have shape [B] = [{self._key[0]}], got {list(token.shape)}")
+        if self._room is not None:
+            if self._room <= 0:
+                raise RuntimeError(f"max_length = {self.max_length} reached: the rows hold that many tokens (a "
+                                   "sliding-window ring of that size would write over one still in its window); "
+                                   "prefill again, or make the decoder with a larger max_length")
+            self._room -= 1
         self._ids.copy_(token[:, None])
         if self._graph is not None:
             self._graph.replay()
@@ -194,7 +217,9 @@ class GraphDecoder:
 
     def _static_shape(self, i: int, entry):
         mixer = self.model.model.layers[i].mixer
-        return mixer.ring_cache(entry) if hasattr(mixer, "ring_cache") else entry
+        if not hasattr(mixer, "ring_cache"):
+            return entry
+        return mixer.ring_cache(entry, min(mixer.window_size, self.max_length or mixer.window_size))
 
     def _build(self, B: int, layers: list) -> None:
         """Allocate the static buffers and, with ``cuda_graph``, record the step."""
@@ -288,6 +313,10 @@ class GraphDecoder:
             lengths = torch.tensor([0] + [x.numel() for x in prompts])
             cu_seqlens = lengths.cumsum(0).to(self.device)
             input_ids = torch.cat(prompts).to(self.device)[None]
+        longest = input_ids.shape[-1] if prompts is None else max(x.numel() for x in prompts)
+        if self.max_length is not None and longest + max_new_tokens > self.max_length:
+            raise ValueError(f"a prompt of {longest} tokens and max_new_tokens = {max_new_tokens} pass the decoder's "
+                             f"max_length = {self.max_length}")
         config = self.model.generation_config
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
         eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.device)

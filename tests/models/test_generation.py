@@ -164,6 +164,57 @@ def test_bad_use_raises_clear_errors():
         decoder.prefill(random_ids(2, 3), cu_seqlens=torch.tensor([0, 3]))
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch", "swa-kernels"])
+def test_max_length_sizes_the_rings_and_decodes_as_the_whole_window(monkeypatch, kernels):
+    """``GraphDecoder(max_length=L)`` keeps sliding-window rings of min(window, L) slots: a hybrid (window 32)
+    with L = 23 decodes the left-padded batch, and a list of prompts, token for token as with rings of the window
+    (the rings wrap over their padding slots and fill to the last one); L past the window keeps the window. With
+    ``kernels``, the SWA step's Triton kernels (interpreted on the CPU), whose ring then is 23 slots."""
+    from rankdecay.layers import attention
+
+    if kernels:
+        if not attention._HAS_TRITON:
+            pytest.skip("triton is not installed (pip install triton)")
+        monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
+    model = _hybrid()
+    ids, mask = _left_padded((11, 4, 8))
+    kw = dict(max_new_tokens=12, eos_token_id=[])
+    want = GraphDecoder(model, cuda_graph=False).generate(ids, mask, **kw)
+    for max_length, slots in ((23, 23), (100, 32)):
+        decoder = GraphDecoder(model, cuda_graph=False, max_length=max_length)
+        got = decoder.generate(ids, mask, **kw)
+        assert decoder._buffers[1]["k"].shape[1] == slots
+        assert torch.equal(got, want), max_length
+    prompts = [row[ids.shape[1] - n:] for row, n in zip(ids, (11, 4, 8))]
+    got = GraphDecoder(model, cuda_graph=False, max_length=23).generate(prompts, **kw)
+    for i, (x, n) in enumerate(zip(got, (11, 4, 8))):
+        assert torch.equal(x, want[i, ids.shape[1] - n:]), f"prompt {i}"
+
+
+def test_max_length_is_checked():
+    """A bad max_length, a prompt that fills it, a generation that would pass it, a step past it: clear errors.
+    Up to it, steps go on."""
+    model = _hybrid()
+    for bad in (1, 0, True, 2.5, "8"):
+        with pytest.raises(ValueError, match="max_length must be an int >= 2"):
+            GraphDecoder(model, cuda_graph=False, max_length=bad)
+    decoder = GraphDecoder(model, cuda_graph=False, max_length=8)
+    with pytest.raises(ValueError, match="a prompt of 8 tokens leaves no room for a new one under max_length = 8"):
+        decoder.prefill(random_ids(2, 8))
+    with pytest.raises(ValueError, match="a prompt of 6 tokens and max_new_tokens = 3 pass the decoder's max_length"):
+        decoder.generate(random_ids(2, 6), max_new_tokens=3, eos_token_id=[])
+    with pytest.raises(ValueError, match="a prompt of 7 tokens and max_new_tokens = 2"):
+        decoder.generate([torch.tensor([1, 2]), random_ids(1, 7)[0]], max_new_tokens=2, eos_token_id=[])
+    assert decoder.generate(random_ids(2, 6), max_new_tokens=2, eos_token_id=[]).shape == (2, 8)
+    decoder.prefill(random_ids(2, 6))
+    for token in (3, 4):
+        assert torch.isfinite(decoder.step(torch.tensor([token, token]))).all()
+    with pytest.raises(RuntimeError, match="max_length = 8 reached"):
+        decoder.step(torch.tensor([5, 5]))
+    decoder.prefill(random_ids(2, 7))  # a new prompt: room again
+    decoder.step(torch.tensor([1, 1]))
+
+
 def _every_kind():
     """A tiny fp32 model with a delta-rule layer, an HDLA layer, a Head-in-Head one and SWA."""
     torch.manual_seed(0)

@@ -302,3 +302,37 @@ def test_sliding_window_attention_in_blocks_of_queries_equals_one_block(monkeypa
     for name in one:
         if name != "masks":
             assert_matches(blocked[name], one[name], 1e-6, name)
+
+
+def test_sliding_window_ring_cache_of_fewer_slots_than_the_window():
+    """``ring_cache(entry, slots)``: the entry's last ``slots - 1`` keys after padding slots, the free slot last;
+    slots checked (1 to the window); a window of 1 keeps a ring of one free slot. Steps on a ring of 6 slots then
+    attend as on the window's ring while the tokens fit."""
+    from rankdecay.layers import Cache
+
+    torch.manual_seed(0)
+    layer = SlidingWindowAttention(16, 2, 8, window_size=12).eval()
+    x, steps = torch.randn(2, 3, 16), torch.randn(3, 2, 1, 16)
+    with torch.no_grad():
+        _, cache = layer(x, cache=Cache(1), use_cache=True)
+        entry = cache.layers[0]
+        padded = {**entry, **{n: torch.cat([torch.zeros_like(entry[n][:, :4]), entry[n]], 1) for n in ("k", "v")},
+                  "real": torch.cat([torch.zeros_like(entry["real"][:, :4]), entry["real"]], 1)}
+        ring = layer.ring_cache(padded, 6)  # 7 columns, the first 4 padding: the last 5 kept
+        assert ring["k"].shape[1] == 6 and torch.equal(ring["k"][:, 2:5], entry["k"])
+        assert ring["real"].tolist() == [[False, False, True, True, True, False]] * 2
+        assert ring["next"].tolist() == [5, 5]
+        outs = {}
+        for slots in (12, 6):
+            c = Cache(1)
+            c.layers = [layer.ring_cache(entry, slots)]
+            outs[slots] = torch.cat([layer(s, cache=c, use_cache=True)[0] for s in steps], 1)
+            assert c.layers[0]["k"].shape[1] == slots
+        assert_matches(outs[6], outs[12], 1e-6, "steps on a ring of 6")
+    for bad in (0, 13, True, 2.0):
+        with pytest.raises(ValueError, match="slots must be an int from 1 to window_size = 12"):
+            layer.ring_cache(entry, bad)
+    one = SlidingWindowAttention(16, 2, 8, window_size=1)
+    with torch.no_grad():
+        _, cache = one(x, cache=Cache(1), use_cache=True)
+    assert one.ring_cache(cache.layers[0])["k"].shape[1] == 1
