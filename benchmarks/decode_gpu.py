@@ -62,16 +62,17 @@ def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayFor
 
 @torch.no_grad()
 def run(model, B: int, prompt: int, steps: int, new_tokens: int, compiled: bool = False,
-        unpacked: bool = False) -> dict:
+        unpacked: bool = False, max_length: int | None = None) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (B, prompt), device="cuda")
     row = {}
-    decoders = [("eager", GraphDecoder(model, cuda_graph=False)), ("graph", GraphDecoder(model))]
+    ring = dict(max_length=max_length)
+    decoders = [("eager", GraphDecoder(model, cuda_graph=False, **ring)), ("graph", GraphDecoder(model, **ring))]
     if compiled:
-        decoders.append(("compiled", GraphDecoder(model, compile=True)))
+        decoders.append(("compiled", GraphDecoder(model, compile=True, **ring)))
     if unpacked:
-        decoders.append(("graph_unpacked", GraphDecoder(model, pack_projections=False)))
+        decoders.append(("graph_unpacked", GraphDecoder(model, pack_projections=False, **ring)))
         if compiled:
-            decoders.append(("compiled_unpacked", GraphDecoder(model, compile=True, pack_projections=False)))
+            decoders.append(("compiled_unpacked", GraphDecoder(model, compile=True, pack_projections=False, **ring)))
     for name, decoder in decoders:
         t0 = time.perf_counter()
         decoder.prefill(ids)
@@ -169,14 +170,21 @@ def main() -> None:
                         help="also the graphs with pack_projections=False (one product per linear map)")
     parser.add_argument("--no-fused-norms", action="store_true",
                         help="the one-row kernel without its prologues (norms, gates, adds in kernels of their own)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="GraphDecoder(max_length=): sliding-window rings of min(window, N) slots; N must hold "
+                             "the prompt and 3 + --steps steps (and --new-tokens)")
     args = parser.parse_args()
+    if args.max_length is not None and args.prompt + max(args.steps + 3, args.new_tokens) > args.max_length:
+        parser.error(f"--max-length {args.max_length} must hold the prompt ({args.prompt}) and "
+                     f"max(3 + --steps, --new-tokens) = {max(args.steps + 3, args.new_tokens)} steps")
     if args.no_fused_norms:
         print("prologues off:", ", ".join(no_fused_norms()))
     import transformers
     import triton
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}")
+          f"transformers {transformers.__version__}; preset {args.preset}, bf16, prompt {args.prompt}"
+          + (f", max_length {args.max_length}" if args.max_length else ""))
     extra = " compiled graph ms | compile s | graph / compiled vs fp32 |" if args.compile else ""
     if args.unpacked:
         extra += " unpacked graph ms |" + (" unpacked compiled ms |" if args.compile else "")
@@ -189,7 +197,8 @@ def main() -> None:
             model = build(args.preset, mixer, state_dtype)
             for B in args.batches:
                 r = dict(mixer=mixer, state_dtype=state_dtype, B=B, preset=args.preset,
-                         **run(model, B, args.prompt, args.steps, args.new_tokens, args.compile, args.unpacked))
+                         **run(model, B, args.prompt, args.steps, args.new_tokens, args.compile, args.unpacked,
+                               args.max_length))
                 rows.append(r)
                 extra = (f" {r['compiled_ms']:.3f} | {r['compile_s']:.0f} | {r['graph_err']:.1e} / "
                          f"{r['compiled_err']:.1e} |" if args.compile else "")
