@@ -58,8 +58,9 @@ if _HAS_TRITON:
     from ..ops.triton import swa as _swa_kernels
 
 
-# whether a compiled decode step calls the SWA step's kernels (else inductor fuses the PyTorch step)
-_STEP_KERNELS_COMPILED = False
+# whether a compiled decode step calls the SWA step's kernels (else inductor fuses the PyTorch step): the kernels
+# measured 1.8x faster at B = 64 (BENCHMARKS.md, session 79)
+_STEP_KERNELS_COMPILED = True
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:
@@ -310,8 +311,7 @@ class SlidingWindowAttention(nn.Module):
     def _step(self, x, real, ring: dict, cache: Cache, projected=None):
         """One token against the ring: its key written in place over the slot that left the window. On a GPU
         without autograd, two Triton kernels (``ops.triton.swa``: the rotary embedding, the ring's write and the
-        attention split over the ring's slots); else PyTorch's operations, which ``torch.compile`` also keeps and
-        fuses (compiled, the kernels measured no faster: BENCHMARKS.md, session 77)."""
+        attention split over the ring's slots), compiled or not; else PyTorch's operations."""
         B, _, _ = x.shape
         H, D = self.num_heads, self.head_dim
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)

@@ -378,6 +378,16 @@ _GRAPH_SETTINGS = ("max_new_tokens", "max_length", "do_sample", "temperature", "
 _GRAPH_BOOKKEEPING = {"_from_model_config", "transformers_version"}  # a config's own records, not settings
 
 
+def _ring_length(model, needed: int) -> int | None:
+    """The ``max_length`` of the decoder ``generate(graph_decoder=True)`` keeps: ``needed`` rounded up to a power of
+    two, so that sliding-window rings hold the generation, not the window, and a later call needs a new decoder (a
+    new capture, or a new compile) only where it holds more than any before, at most log2(window) times. None (rings
+    of the window, no bound) where the model has no such ring or the power of two reaches its largest window."""
+    windows = [layer.mixer.window_size for layer in model.model.layers if hasattr(layer.mixer, "ring_cache")]
+    length = 1 << (needed - 1).bit_length()
+    return length if windows and length < max(windows) else None
+
+
 def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict) -> torch.Tensor:
     """``RankDecayForCausalLM.generate(graph_decoder=True)``: the generation config's settings through the decoder
     kept on the model (``model._graph_decoder``, built again where ``compile`` changed)."""
@@ -401,9 +411,11 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
     max_new = config.max_new_tokens
     if max_new is None:  # transformers' rule: max_length counts the prompt
         max_new = max(config.max_length - input_ids.shape[1], 0)
+    needed = input_ids.shape[1] + max(max_new, 1)  # what the rows will hold (a prompt alone still prefills)
     decoder = model.__dict__.get("_graph_decoder")
-    if decoder is None or (decoder._compiled is not None) != compile:
-        decoder = GraphDecoder(model, compile=compile)
+    if (decoder is None or (decoder._compiled is not None) != compile
+            or (decoder.max_length is not None and needed > decoder.max_length)):
+        decoder = GraphDecoder(model, compile=compile, max_length=_ring_length(model, needed))
         model.__dict__["_graph_decoder"] = decoder
     return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new, do_sample=bool(config.do_sample),
                             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,

@@ -1,5 +1,7 @@
 """GraphDecoder: the step on static buffers (eager on the CPU, a CUDA graph on a GPU) decodes
 exactly as transformers' generate with the dynamic cache."""
+import itertools
+
 import pytest
 import torch
 
@@ -169,22 +171,25 @@ def test_max_length_sizes_the_rings_and_decodes_as_the_whole_window(monkeypatch,
     """``GraphDecoder(max_length=L)`` keeps sliding-window rings of min(window, L) slots: a hybrid (window 32)
     with L = 23 decodes the left-padded batch, and a list of prompts, token for token as with rings of the window
     (the rings wrap over their padding slots and fill to the last one); L past the window keeps the window. With
-    ``kernels``, the SWA step's Triton kernels (interpreted on the CPU), whose ring then is 23 slots."""
+    ``kernels``, the SWA step's Triton kernels (on a GPU, or interpreted on the CPU), whose ring then is 23 slots."""
     from rankdecay.layers import attention
 
+    device = "cpu"
     if kernels:
         if not attention._HAS_TRITON:
             pytest.skip("triton is not installed (pip install triton)")
         monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
-    model = _hybrid()
-    ids, mask = _left_padded((11, 4, 8))
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take no CPU tensor
+    model = _hybrid().to(device)
+    ids, mask = (t.to(device) for t in _left_padded((11, 4, 8)))
     kw = dict(max_new_tokens=12, eos_token_id=[])
     want = GraphDecoder(model, cuda_graph=False).generate(ids, mask, **kw)
-    for max_length, slots in ((23, 23), (100, 32)):
-        decoder = GraphDecoder(model, cuda_graph=False, max_length=max_length)
+    graphs = (False, True) if device == "cuda" else (False,)  # on a GPU, also the rings a CUDA graph replays
+    for (max_length, slots), graph in itertools.product(((23, 23), (100, 32)), graphs):
+        decoder = GraphDecoder(model, cuda_graph=graph, max_length=max_length)
         got = decoder.generate(ids, mask, **kw)
         assert decoder._buffers[1]["k"].shape[1] == slots
-        assert torch.equal(got, want), max_length
+        assert torch.equal(got, want), (max_length, graph)
     prompts = [row[ids.shape[1] - n:] for row, n in zip(ids, (11, 4, 8))]
     got = GraphDecoder(model, cuda_graph=False, max_length=23).generate(prompts, **kw)
     for i, (x, n) in enumerate(zip(got, (11, 4, 8))):
@@ -334,6 +339,23 @@ def test_compiled_cuda_graph_decodes_as_the_plain_one():
     ids, mask = _left_padded((40, 9, 25))
     compiled = _compiled_matches_uncompiled(model, ids.cuda(), mask.cuda(), cuda_graph=True)
     assert compiled._graph is not None
+
+
+def test_model_generate_with_graph_decoder_sizes_the_rings_to_the_generation():
+    """``model.generate(graph_decoder=True)`` keeps a decoder whose sliding-window rings hold the generation rounded
+    up to a power of two (a prompt of 11 and 5 new tokens: 16 slots, not the window's 32), makes a new one only where
+    a call needs more (then the window's rings: 32 is the window), and gives transformers' tokens each time."""
+    model = _hybrid()
+    ids, mask = _left_padded((11, 4, 8))
+    for new, max_length, same in ((5, 16, False), (3, 16, True), (12, None, False), (30, None, True)):
+        before = model.__dict__.get("_graph_decoder")
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[])
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], graph_decoder=True)
+        decoder = model.__dict__["_graph_decoder"]
+        assert torch.equal(got, ref), new
+        assert decoder.max_length == max_length and (decoder is before) == same, new
+        assert decoder._buffers[1]["k"].shape[1] == (max_length or 32), new
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])

@@ -121,10 +121,12 @@ def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype):
         assert torch.equal(got_cache[name], want_cache[name]), name
 
 
-def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling(monkeypatch):
-    """With autograd, a head size the kernels do not take (below 8), or under torch.compile (which fuses the
-    PyTorch step itself), the step is PyTorch's."""
+def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling_if_told(monkeypatch):
+    """With autograd, a head size the kernels do not take (below 8), or under torch.compile with
+    ``_STEP_KERNELS_COMPILED`` off (inductor then fuses the PyTorch step itself), the step is PyTorch's."""
     from rankdecay.layers import attention
+
+    monkeypatch.setattr(attention, "_STEP_KERNELS_COMPILED", False)
 
     monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(attention._swa_kernels, "swa_step", lambda *a: pytest.fail("the kernels ran"))
@@ -142,6 +144,45 @@ def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling(mo
         layer(torch.randn(2, 3, 48, device=DEVICE), cache=cache, use_cache=True)
         step = torch.compile(lambda x: layer(x, cache=cache, use_cache=True)[0], backend="eager", fullgraph=True)
         assert torch.isfinite(step(torch.randn(2, 1, 48, device=DEVICE))).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: Triton's CPU interpreter cannot run under torch.compile")
+def test_a_compiled_step_calls_the_kernels(monkeypatch):
+    """By default a compiled step (inductor, one graph) calls the two kernels (at B = 64 they measured 1.8x faster
+    than the PyTorch step inductor fuses: BENCHMARKS.md, session 79), and decodes as the eager PyTorch step:
+    outputs and rings over steps that wrap the ring, one row a padding step."""
+    from rankdecay.layers import attention
+
+    torch.manual_seed(0)
+    layer = SlidingWindowAttention(64, 2, 32, window_size=6).to(DEVICE)
+    x = torch.randn(3, 4, 64, device=DEVICE)
+    steps = torch.randn(9, 3, 1, 64, device=DEVICE)
+    real = torch.ones(9, 3, 1, dtype=torch.long, device=DEVICE)
+    real[3, 2] = 0
+    from torch._inductor.utils import run_and_get_code
+
+    def decode(compiled):
+        monkeypatch.setattr(attention, "_on_kernel_device", lambda t: compiled)
+        cache = Cache(1)
+        with torch.no_grad():
+            layer(x, cache=cache, use_cache=True)
+            one = lambda xt, r: layer(xt, r, cache=cache, use_cache=True)[0]  # noqa: E731
+            if not compiled:
+                return torch.cat([one(xt, r) for xt, r in zip(steps, real)], 1), cache.layers[0], ""
+            one = torch.compile(one, fullgraph=True)
+            first, code = run_and_get_code(one, steps[0], real[0])
+            outs = [first] + [one(xt, r) for xt, r in zip(steps[1:], real[1:])]
+            return torch.cat(outs, 1), cache.layers[0], "\n".join(code)
+
+    got, got_ring, code = decode(True)
+    for kernel in ("_swa_partial_kernel", "_swa_combine_kernel"):
+        assert kernel in code, f"the compiled step does not call {kernel}"
+    want, want_ring, _ = decode(False)
+    assert_matches(got, want, 1e-5, "outputs")
+    for name in ("k", "v"):
+        assert_matches(got_ring[name], want_ring[name], 1e-5, f"ring {name}")
+    for name in ("real", "count", "next"):
+        assert torch.equal(got_ring[name], want_ring[name]), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
