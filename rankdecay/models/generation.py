@@ -380,11 +380,13 @@ _GRAPH_BOOKKEEPING = {"_from_model_config", "transformers_version"}  # a config'
 
 def _ring_length(model, needed: int) -> int | None:
     """The ``max_length`` of the decoder ``generate(graph_decoder=True)`` keeps: ``needed`` rounded up to a power of
-    two, so that sliding-window rings hold the generation, not the window, and a later call needs a new decoder (a
-    new capture, or a new compile) only where it holds more than any before, at most log2(window) times. None (rings
-    of the window, no bound) where the model has no such ring or the power of two reaches its largest window."""
+    two, and to 64 at least (the SWA step's kernel walks 64 slots a program: a shorter ring is one block either
+    way), so that sliding-window rings hold the generation, not the window, and a later call needs a new decoder (a
+    new capture, or a new compile) only where it holds more than any before: with a window of 2048 at most five
+    times (64 ... 1024). None (rings of the window, no bound) where the model has no such ring or the power of two
+    reaches its largest window."""
     windows = [layer.mixer.window_size for layer in model.model.layers if hasattr(layer.mixer, "ring_cache")]
-    length = 1 << (needed - 1).bit_length()
+    length = max(64, 1 << (needed - 1).bit_length())
     return length if windows and length < max(windows) else None
 
 

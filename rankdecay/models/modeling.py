@@ -250,7 +250,8 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         from the arguments or the generation config; a ``streamer``) and returns the ids ``[B, T + new]``; any other
         setting is refused by name. The decoder is built at the first such call and kept for the next ones (a copy
         or pickle of the model leaves it behind); its sliding-window rings hold the prompt and the new tokens rounded
-        up to a power of two, or the window if that is less, and a call that needs more builds it again."""
+        up to a power of two (64 at least), or the window if that is less, and a call that needs more builds it
+        again."""
         if not graph_decoder and not compile:
             return super().generate(inputs, generation_config, **kwargs)
         from .generation import graph_generate

@@ -343,11 +343,15 @@ def test_compiled_cuda_graph_decodes_as_the_plain_one():
 
 def test_model_generate_with_graph_decoder_sizes_the_rings_to_the_generation():
     """``model.generate(graph_decoder=True)`` keeps a decoder whose sliding-window rings hold the generation rounded
-    up to a power of two (a prompt of 11 and 5 new tokens: 16 slots, not the window's 32), makes a new one only where
-    a call needs more (then the window's rings: 32 is the window), and gives transformers' tokens each time."""
-    model = _hybrid()
+    up to a power of two, 64 at least (a hybrid with a window of 256: a prompt of 11 and 5 new tokens, 64 slots; 11
+    + 60, 128), makes a new one only where a call needs more (then the window's rings: 256 is the window), and
+    gives transformers' tokens each time."""
+    torch.manual_seed(0)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "swa"], initializer_range=0.2, swa_window=256)
+    model = RankDecayForCausalLM(config).eval()
     ids, mask = _left_padded((11, 4, 8))
-    for new, max_length, same in ((5, 16, False), (3, 16, True), (12, None, False), (30, None, True)):
+    for new, max_length, same in ((5, 64, False), (3, 64, True), (60, 128, False), (130, None, False),
+                                  (3, None, True)):
         before = model.__dict__.get("_graph_decoder")
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[])
@@ -355,7 +359,7 @@ def test_model_generate_with_graph_decoder_sizes_the_rings_to_the_generation():
         decoder = model.__dict__["_graph_decoder"]
         assert torch.equal(got, ref), new
         assert decoder.max_length == max_length and (decoder is before) == same, new
-        assert decoder._buffers[1]["k"].shape[1] == (max_length or 32), new
+        assert decoder._buffers[1]["k"].shape[1] == (max_length or 256), new
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])
