@@ -379,12 +379,12 @@ _GRAPH_BOOKKEEPING = {"_from_model_config", "transformers_version"}  # a config'
 
 
 def _ring_length(model, needed: int) -> int | None:
-    """The ``max_length`` of the decoder ``generate(graph_decoder=True)`` keeps: ``needed`` rounded up to a power of
-    two, and to 64 at least (the SWA step's kernel walks 64 slots a program: a shorter ring is one block either
-    way), so that sliding-window rings hold the generation, not the window, and a later call needs a new decoder (a
-    new capture, or a new compile) only where it holds more than any before: with a window of 2048 at most five
-    times (64 ... 1024). None (rings of the window, no bound) where the model has no such ring or the power of two
-    reaches its largest window."""
+    """The ``max_length`` of the decoder ``generate(graph_decoder=True)`` keeps (uncompiled): ``needed`` rounded up
+    to a power of two, and to 64 at least (the SWA step's kernel walks 64 slots a program: a shorter ring is one
+    block either way), so that sliding-window rings hold the generation, not the window, and a later call needs a
+    new decoder (a new capture: milliseconds to a second) only where it holds more than any before: with a window
+    of 2048 at most five times (64 ... 1024). None (rings of the window, no bound) where the model has no such ring
+    or the power of two reaches its largest window."""
     windows = [layer.mixer.window_size for layer in model.model.layers if hasattr(layer.mixer, "ring_cache")]
     length = max(64, 1 << (needed - 1).bit_length())
     return length if windows and length < max(windows) else None
@@ -417,7 +417,9 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
     decoder = model.__dict__.get("_graph_decoder")
     if (decoder is None or (decoder._compiled is not None) != compile
             or (decoder.max_length is not None and needed > decoder.max_length)):
-        decoder = GraphDecoder(model, compile=compile, max_length=_ring_length(model, needed))
+        # compiled, a new ring size compiles the step again (tens of seconds, and towards the recompile limit):
+        # rings of the window, as GraphDecoder makes them, unless the caller makes one with max_length
+        decoder = GraphDecoder(model, compile=compile, max_length=None if compile else _ring_length(model, needed))
         model.__dict__["_graph_decoder"] = decoder
     return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new, do_sample=bool(config.do_sample),
                             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,

@@ -249,9 +249,9 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         ``max_length``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``,
         from the arguments or the generation config; a ``streamer``) and returns the ids ``[B, T + new]``; any other
         setting is refused by name. The decoder is built at the first such call and kept for the next ones (a copy
-        or pickle of the model leaves it behind); its sliding-window rings hold the prompt and the new tokens rounded
-        up to a power of two (64 at least), or the window if that is less, and a call that needs more builds it
-        again."""
+        or pickle of the model leaves it behind); uncompiled, its sliding-window rings hold the prompt and the new
+        tokens rounded up to a power of two (64 at least), or the window if that is less, and a call that needs more
+        builds it again; compiled, the window's (a new size would compile again)."""
         if not graph_decoder and not compile:
             return super().generate(inputs, generation_config, **kwargs)
         from .generation import graph_generate

@@ -362,6 +362,30 @@ def test_model_generate_with_graph_decoder_sizes_the_rings_to_the_generation():
         assert decoder._buffers[1]["k"].shape[1] == (max_length or 256), new
 
 
+def test_model_generate_compiled_keeps_the_windows_rings(monkeypatch):
+    """Compiled, ``model.generate`` makes its decoder with rings of the window (no max_length): a new ring size would
+    compile the step again."""
+    from rankdecay.models import generation
+
+    made = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(model, compile=False, max_length=None, **kw):
+        made.append((compile, max_length))
+        raise Recorded
+
+    monkeypatch.setattr(generation, "GraphDecoder", record)
+    torch.manual_seed(0)
+    config = RankDecayConfig.from_preset("tiny", layer_mixers=["gdn", "swa"], swa_window=256)
+    model = RankDecayForCausalLM(config).eval()
+    for compile in (True, False):
+        with pytest.raises(Recorded):
+            model.generate(random_ids(2, 11), max_new_tokens=5, compile=compile, graph_decoder=True)
+    assert made == [(True, None), (False, 64)]
+
+
 @pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])
 def test_model_generate_with_graph_decoder(mixer):
     """``model.generate(graph_decoder=True)`` (Mamba's ``cg=True``) gives transformers' tokens, greedy, left-padded,
