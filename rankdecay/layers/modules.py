@@ -97,8 +97,9 @@ class ShortConvolution(nn.Module):
         ``ops._inputs.sequence_ids(cu_seqlens, T)``, where it has it already (a mixer's three convolutions).
 
         On a GPU, more than one token (training, prefill) takes one Triton kernel forward and two backward
-        (``ops.triton.conv.short_conv``), not a pass over x per tap and per mask; a differentiated ``state`` and
-        ``torch.compile`` (which fuses these operations itself) keep the PyTorch operations."""
+        (``ops.triton.conv.short_conv``, ``state`` differentiated too where it requires grad), not a pass over x
+        per tap and per mask; ``torch.compile`` (which fuses these operations itself) keeps the PyTorch
+        operations."""
         B, T, D = x.shape
         past = self.kernel_size - 1
         if D != self.dim:
@@ -113,7 +114,7 @@ class ShortConvolution(nn.Module):
             what = f"N = {rows} sequences" if cu_seqlens is not None else f"B = {B}"
             raise ValueError(f"state must have shape [{rows}, {D}, {past}] ({what}), got {list(state.shape)}")
         w = self.filters().to(x.dtype)
-        if self._kernel_applies(x, state):
+        if self._kernel_applies(x):
             y = _short_conv(x, w, state, cu, seq, self.activation)
         else:
             if cu is not None:
@@ -128,10 +129,9 @@ class ShortConvolution(nn.Module):
                 y = F.silu(y)
         return y, (self._final(x, state, cu) if output_final_state else None)
 
-    def _kernel_applies(self, x, state) -> bool:
+    def _kernel_applies(self, x) -> bool:
         return (_HAS_TRITON and _on_kernel_device(x) and x.shape[1] > 1 and self.activation in ("silu", None)
-                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-                and (state is None or not state.requires_grad))
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not torch.compiler.is_compiling())
 
     def _past(self, state, x):
         """The inputs before x's rows [B, past, D] (zeros without a state)."""

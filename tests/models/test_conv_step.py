@@ -119,11 +119,16 @@ def _conv_case(case, kernel_size, activation, groups, dtype):
 
 
 def _conv_run(conv, x, state, cu):
+    """y, the final state and the gradients of x and the filters, and of the state where there is one (the state's
+    own gradient, and through the final state, which holds its last inputs where a row is shorter than the taps)."""
     x = x.detach().requires_grad_()
+    state = None if state is None else state.detach().requires_grad_()
     y, final = conv(x, state, cu)
     dy = torch.linspace(-1, 1, y.numel(), device=y.device).view(y.shape)
-    gx, gw = torch.autograd.grad((y.float() * dy).sum(), [x, conv.weight])
-    return y.float(), final.float(), gx.float(), gw.float()
+    dfinal = torch.linspace(1, -0.5, final.numel(), device=y.device).view(final.shape)
+    leaves = [x, conv.weight] + ([state] if state is not None else [])
+    grads = torch.autograd.grad((y.float() * dy).sum() + (final.float() * dfinal).sum(), leaves)
+    return (y.float(), final.float()) + tuple(g.float() for g in grads)
 
 
 @pytest.mark.parametrize("groups", [None, 5])
@@ -131,9 +136,10 @@ def _conv_run(conv, x, state, cu):
 @pytest.mark.parametrize("case", ["rows", "rows-state", "packed", "packed-state"])
 def test_the_sequence_kernel_matches_the_pytorch_path(case, kernel_size, activation, groups, monkeypatch):
     """Training's and prefill's convolution in one Triton kernel (``ops.triton.conv.short_conv``, forward, and two
-    kernels backward): the outputs, final states and the gradients of x and of the filters (shared ones too) are the
-    PyTorch path's (fp32), for rows (B = 2) and for packed sequences (lengths 37, 0, 1, 2, 50), from initial states
-    and from zeros; 150 channels (a partial block)."""
+    kernels backward): the outputs, final states and the gradients of x, of the filters (shared ones too) and of
+    the initial state are the PyTorch path's (fp32), for rows (B = 2) and for packed sequences (lengths 37, 0, 1, 2,
+    50: sequences shorter than the taps, whose state reaches the next ones' outputs not at all and their own through
+    fewer taps), from initial states and from zeros; 150 channels (a partial block)."""
     from rankdecay.layers import modules
 
     conv, x, state, cu = _conv_case(case, kernel_size, activation, groups, torch.float32)
@@ -144,7 +150,9 @@ def test_the_sequence_kernel_matches_the_pytorch_path(case, kernel_size, activat
     monkeypatch.setattr(modules, "_short_conv", lambda *a: calls.append(1) or kernel(*a))
     got = _conv_run(conv, x, state, cu)
     assert calls == [1]
-    for a, b, name in zip(got, want, ("y", "final state", "grad x", "grad filters")):
+    assert len(got) == len(want) == (5 if state is not None else 4)
+    names = ("y", "final state", "grad x", "grad filters", "grad state")[:len(got)]
+    for a, b, name in zip(got, want, names, strict=True):
         assert_matches(a, b, 1e-5, f"{case}: {name}")
 
 
@@ -160,6 +168,6 @@ def test_the_sequence_kernel_in_16_bits_rounds_once(case, monkeypatch):
     plain = _conv_run(conv, x, state, cu)
     monkeypatch.setattr(modules, "_on_kernel_device", lambda x: True)
     fused = _conv_run(conv, x, state, cu)
-    for a, b, want, name in zip(fused, plain, ref, ("y", "final state", "grad x", "grad filters")):
+    for a, b, want, name in zip(fused, plain, ref, ("y", "final state", "grad x", "grad filters", "grad state")):
         err, bound = ((a - want).norm() / want.norm()).item(), ((b - want).norm() / want.norm()).item()
         assert err <= bound * 1.01 + 1e-7, f"{case}: {name}: {err:.2e} against PyTorch's {bound:.2e}"

@@ -257,19 +257,40 @@ class _ShortConv(torch.autograd.Function):
         dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
         _conv_bwd_dx_kernel[grid](g, weight, cu_, seq_, dx, T, D, KW=KW, PACKED=packed, BT=CONV_BT, BD=CONV_BD,
                                   num_warps=CONV_WARPS)
-        return dx, dw.sum(0).to(weight.dtype), None, None, None, None
+        dstate = _state_grad(g, weight, cu).to(state.dtype) if has_state and ctx.needs_input_grad[2] else None
+        return dx, dw.sum(0).to(weight.dtype), dstate, None, None, None
+
+
+def _state_grad(g: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor | None) -> torch.Tensor:
+    """The initial state's gradient ``[B or N, D, W - 1]`` (fp32) from g ``[B, T, D]``, the loss's gradient at the
+    sums before the activation: the state's input j (oldest first) came W - 1 - j steps before its row's (its
+    sequence's) first token and meets token t <= j through the tap ``w[:, j - t]``, so only the first W - 1 tokens of
+    each row (of each sequence, where it has them) reach it: a few small products, not a pass over T."""
+    past = weight.shape[1] - 1
+    T = g.shape[1]
+    if cu is None:
+        first = g[:, :past]  # [B, min(T, past), D]
+    else:  # each sequence's first `past` tokens, zeros past its end
+        at = cu[:-1].long()[:, None] + torch.arange(past, device=g.device)  # [N, past]
+        first = torch.where((at < cu[1:].long()[:, None])[..., None], g[0, at.clamp(max=T - 1)], 0.0)
+    w = weight.float()
+    return torch.stack([sum(first[:, t] * w[:, j - t] for t in range(min(j + 1, first.shape[1])))
+                        if first.shape[1] else first.new_zeros(first.shape[0], g.shape[2])
+                        for j in range(past)], -1)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None, seq: torch.Tensor | None = None,
                activation: str | None = "silu") -> torch.Tensor:
-    """A depthwise causal convolution over whole sequences in one kernel, with autograd (x and the filters).
+    """A depthwise causal convolution over whole sequences in one kernel, with autograd (x, the filters and the
+    state).
 
     Args:
         x: ``[B, T, D]``, channels contiguous.
         weight: ``[D, W]`` (``ShortConvolution.filters()``); the newest input pairs with the last tap.
         state: None (zeros), or the inputs before each row (each sequence with ``cu_seqlens``):
-            ``[B or N, D, W - 1]``, oldest first; not differentiated (the caller's PyTorch path does that).
+            ``[B or N, D, W - 1]``, oldest first; differentiated where it requires grad (a state carried over from
+            an earlier segment without ``detach``, or a learned one).
         cu_seqlens: ``[N + 1]`` offsets of sequences packed along T (B = 1): no tap crosses a start.
         seq: each token's sequence ``[T]`` (``ops._inputs.sequence_ids``), where the caller has it.
         activation: ``"silu"`` or None.
@@ -296,5 +317,5 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
     if state is not None:
         if state.shape != (rows, D, W - 1):
             raise ValueError(f"state must be [{rows}, {D}, {W - 1}], got {list(state.shape)}")
-        state = state.detach().to(x.dtype).contiguous()
+        state = state.to(x.dtype).contiguous()
     return _ShortConv.apply(x, weight, state, cu, seq, activation == "silu")
