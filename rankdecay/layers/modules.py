@@ -161,7 +161,7 @@ class ShortConvolution(nn.Module):
             mine = x[0][p.clamp(min=0)]
         else:  # no tokens at all: every input is a state's
             mine = x.new_zeros(*inside.shape, x.shape[2])
-        if state is None:
+        if state is None or self.kernel_size == 1:  # (one tap: a state of no slots, never read)
             return torch.where(inside[..., None], mine, 0)
         slot = (self.kernel_size - 1 - (begins - p)).clamp(0, self.kernel_size - 2)
         return torch.where(inside[..., None], mine, state.transpose(1, 2).to(x.dtype)[n, slot])

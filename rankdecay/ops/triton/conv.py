@@ -267,7 +267,9 @@ def _state_grad(g: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor | None) 
     sequence's) first token and meets token t <= j through the tap ``w[:, j - t]``, so only the first W - 1 tokens of
     each row (of each sequence, where it has them) reach it: a few small products, not a pass over T."""
     past = weight.shape[1] - 1
-    T = g.shape[1]
+    B, T, D = g.shape
+    if not past:  # a one-tap filter keeps no state
+        return g.new_zeros(B if cu is None else cu.shape[0] - 1, D, 0)
     if cu is None:
         first = g[:, :past]  # [B, min(T, past), D]
     else:  # each sequence's first `past` tokens, zeros past its end
@@ -275,8 +277,7 @@ def _state_grad(g: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor | None) 
         first = torch.where((at < cu[1:].long()[:, None])[..., None], g[0, at.clamp(max=T - 1)], 0.0)
     w = weight.float()
     return torch.stack([sum(first[:, t] * w[:, j - t] for t in range(min(j + 1, first.shape[1])))
-                        if first.shape[1] else first.new_zeros(first.shape[0], g.shape[2])
-                        for j in range(past)], -1)
+                        for j in range(past)], -1)  # (T >= 1: every sum has a term)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
