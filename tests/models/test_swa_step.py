@@ -127,7 +127,6 @@ def test_the_kernels_are_left_out_with_autograd_an_odd_head_size_or_compiling_if
     from rankdecay.layers import attention
 
     monkeypatch.setattr(attention, "_STEP_KERNELS_COMPILED", False)
-
     monkeypatch.setattr(attention, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(attention._swa_kernels, "swa_step", lambda *a: pytest.fail("the kernels ran"))
     for head_dim, grad in ((16, True), (6, False)):
@@ -151,6 +150,8 @@ def test_a_compiled_step_calls_the_kernels(monkeypatch):
     """By default a compiled step (inductor, one graph) calls the two kernels (at B = 64 they measured 1.8x faster
     than the PyTorch step inductor fuses: BENCHMARKS.md, session 79), and decodes as the eager PyTorch step:
     outputs and rings over steps that wrap the ring, one row a padding step."""
+    from torch._inductor.utils import run_and_get_code
+
     from rankdecay.layers import attention
 
     torch.manual_seed(0)
@@ -159,7 +160,6 @@ def test_a_compiled_step_calls_the_kernels(monkeypatch):
     steps = torch.randn(9, 3, 1, 64, device=DEVICE)
     real = torch.ones(9, 3, 1, dtype=torch.long, device=DEVICE)
     real[3, 2] = 0
-    from torch._inductor.utils import run_and_get_code
 
     def decode(compiled):
         monkeypatch.setattr(attention, "_on_kernel_device", lambda t: compiled)
