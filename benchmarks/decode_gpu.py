@@ -3,7 +3,8 @@
     python benchmarks/decode_gpu.py [--preset 340m] [--mixers gdn hdla hh-gdn gdn-h1] [--batches 1 64]
 
 Mixers: any of ``rankdecay.models.config.MIXERS``, ``gdn-h1`` (Gated DeltaNet with every other layer sliding-window
-attention), ``kda-kimi`` (KDA as fla's checkpoints convert: a sigmoid output gate through a low-rank map, the decay
+attention), ``gdn-h1-gqa`` (the same with attention layers of 16 heads of 64 over 4 key/value heads, as fla's hybrids
+make them), ``kda-kimi`` (KDA as fla's checkpoints convert: a sigmoid output gate through a low-rank map, the decay
 bounded by -5).
 
 Random weights in bf16. For each mixer and batch size, after a prompt of --prompt tokens:
@@ -49,7 +50,9 @@ def per_step(fn, steps: int) -> float:
 
 
 def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayForCausalLM:
-    kw = {"layer_mixers": ["gdn", "swa"] * 12} if mixer == "gdn-h1" else {"mixer": mixer}
+    kw = {"layer_mixers": ["gdn", "swa"] * 12} if mixer.startswith("gdn-h1") else {"mixer": mixer}
+    if mixer == "gdn-h1-gqa":
+        kw.update(swa_num_heads=16, swa_num_kv_heads=4)
     if mixer == "kda-kimi":
         head_v = RankDecayConfig.from_preset(preset).head_v_dim
         kw = dict(mixer="kda", output_gate_act="sigmoid", output_gate_rank=head_v, gate_lower_bound=-5.0)

@@ -66,7 +66,12 @@ class RankDecayConfig(PretrainedConfig):
         shared_qk_conv: one short-conv filter per head for q and k (state-reduction App. D.6).
         attn_scale: the linear mixers' query scale (default head_k_dim ** -0.5; a model
             pruned by ``rankdecay.prune`` keeps the scale of its original key size).
-        swa_window, swa_num_heads, swa_head_dim, rope_theta: the attention layers.
+        swa_window, swa_num_heads, swa_head_dim, rope_theta: the attention layers (``layers.SlidingWindowAttention``):
+            the tokens a query sees (itself included; None: full causal attention), query heads (default
+            num_heads), head width (default hidden_size / heads) and the rotary embedding's base.
+        swa_num_kv_heads, swa_qkv_bias, swa_qk_norm: the attention layers' grouped key/value heads (a divisor of
+            their heads; None: as many), biases on q, k and v, and RMSNorms of each head of q and k (fla's
+            ``Attention``: ``num_kv_heads``, ``qkv_bias``, ``qk_norm``).
         intermediate_size: SwiGLU width (default: fla's rule from hidden_size).
         use_cache: return a decoding cache by default.
         state_dtype: the dtype the linear mixers keep their recurrent state in, in the decoding
@@ -110,9 +115,12 @@ class RankDecayConfig(PretrainedConfig):
         mixer_mode: str = "chunk",
         attn_scale: float | None = None,
         shared_qk_conv: bool = False,
-        swa_window: int = 2048,
+        swa_window: int | None = 2048,
         swa_num_heads: int | None = None,
         swa_head_dim: int | None = None,
+        swa_num_kv_heads: int | None = None,
+        swa_qkv_bias: bool = False,
+        swa_qk_norm: bool = False,
         rope_theta: float = 10000.0,
         intermediate_size: int | None = None,
         rms_norm_eps: float = 1e-6,
@@ -140,6 +148,7 @@ class RankDecayConfig(PretrainedConfig):
         self.shared_qk_conv = shared_qk_conv
         self.swa_window, self.swa_num_heads, self.swa_head_dim, self.rope_theta = (
             swa_window, swa_num_heads, swa_head_dim, rope_theta)
+        self.swa_num_kv_heads, self.swa_qkv_bias, self.swa_qk_norm = swa_num_kv_heads, swa_qkv_bias, swa_qk_norm
         if intermediate_size is None:
             intermediate_size = swiglu_width(hidden_size)
         self.intermediate_size, self.rms_norm_eps, self.initializer_range = (

@@ -21,9 +21,14 @@ a low-rank ``g_proj`` with a bias (``output_gate_act="sigmoid"``, ``output_gate_
 checkpoint converts by renaming (``attn.`` -> ``mixer.``, ``q_conv1d.weight [D, 1, W]`` -> ``q_conv.weight [D, W]``)
 and its config by mapping fields; then rankdecay decodes it with its kernels and CUDA graphs, and prunes it (the
 state-reduction paper prunes such checkpoints). Gated DeltaNet's grouped value heads (``num_v_heads``, fla's GVA)
-convert too. Settings rankdecay has no counterpart for (other mechanisms' grouped value heads, attention layers,
-convolution biases, DeltaNet without β or with another feature map or q/k norm, GLA with grouped key/value heads,
-a feature map, a clamped gate or an output norm without weights, ...) are refused by name rather than dropped.
+convert too, and so do hybrids: fla's ``attn`` config (a dict, or a list of them with one setting) puts its
+``Attention`` layer at ``attn["layers"]``, which is rankdecay's ``"swa"`` mixer there (``layer_mixers``): its heads
+(``swa_num_heads``; the head width ``hidden_size / num_heads``, as fla forms it), ``num_kv_heads`` (grouped
+key/value heads), ``qkv_bias``, ``window_size`` (None: full causal attention) and ``rope_theta``; fla's
+``attn.q_proj`` ... become ``mixer.q_proj`` ... as for any layer. Settings rankdecay has no counterpart for (other
+mechanisms' grouped value heads, convolution biases, DeltaNet without β or with another feature map or q/k norm, GLA
+with grouped key/value heads, a feature map, a clamped gate or an output norm without weights, ...) are refused by
+name rather than dropped.
 
     from rankdecay.models import from_fla
     model = from_fla("path/to/fla-checkpoint")       # a folder fla saved, or an fla model in memory
@@ -42,7 +47,7 @@ from .config import RankDecayConfig, swiglu_width
 
 # fla config fields that change the network, and the values rankdecay's models have (the first value is the default
 # where the config does not name the field): those every converted model shares, then each model type's own
-_SHARED = {"attn": (None,), "conv_bias": (False,), "attnres_block_size": (None,), "use_l2warp": (False,),
+_SHARED = {"conv_bias": (False,), "attnres_block_size": (None,), "use_l2warp": (False,),
            "hidden_act": ("swish", "silu")}
 _TYPES = {  # fla model_type: its name, rankdecay's mixer, its fixed fields, the output gate's field and default
     # (None: always one), and the defaults of use_short_conv, expand_k (None: widths from head_dim) and expand_v
@@ -77,9 +82,49 @@ def _head_dims(fla: dict) -> tuple[int, int]:
     return dims[0], dims[1]
 
 
+# fla's attention settings (an ``attn`` spec's keys besides ``layers``), their defaults, and rankdecay's fields
+_ATTN = {"num_heads": (None, "swa_num_heads"), "num_kv_heads": (None, "swa_num_kv_heads"),
+         "qkv_bias": (False, "swa_qkv_bias"), "window_size": (None, "swa_window"),
+         "rope_theta": (10000.0, "rope_theta")}
+
+
+def _attention(fla: dict, mixer: str) -> dict:
+    """The config fields of fla's hybrid attention layers (``attn``): ``layer_mixers`` with ``"swa"`` at its
+    layers, and the attention layers' settings; ``{}`` without ``attn``."""
+    specs = fla.get("attn")
+    if specs is None:
+        return {}
+    specs = [specs] if isinstance(specs, dict) else list(specs)
+    if not specs or not all(isinstance(spec, dict) and "layers" in spec and "num_heads" in spec for spec in specs):
+        raise ValueError(f"fla config attn = {fla['attn']!r}: expected a dict, or a list of dicts, each with "
+                         "'layers' and 'num_heads'")
+    settings = [{key: spec.get(key) if spec.get(key) is not None else default for key, (default, _) in _ATTN.items()}
+                for spec in specs]
+    settings[0]["num_kv_heads"] = settings[0]["num_kv_heads"] or settings[0]["num_heads"]
+    for other in settings[1:]:
+        other["num_kv_heads"] = other["num_kv_heads"] or other["num_heads"]
+        if other != settings[0]:
+            raise ValueError(f"fla config attn has attention layers of different settings ({settings[0]} and "
+                             f"{other}): rankdecay's attention layers share one; not converted")
+    unknown = sorted({key for spec in specs for key in spec} - set(_ATTN) - {"layers", "qk_norm"})
+    if unknown or any(spec.get("qk_norm") for spec in specs):  # (fla's hybrid blocks build no q/k norm)
+        raise ValueError(f"fla config attn has {unknown or ['qk_norm']}, which rankdecay's conversion does not "
+                         "know; not converted")
+    layers = {i for spec in specs for i in spec["layers"]}
+    if not layers <= set(range(fla["num_hidden_layers"])):
+        raise ValueError(f"fla config attn layers {sorted(layers)} are not all below num_hidden_layers = "
+                         f"{fla['num_hidden_layers']}")
+    heads = settings[0]["num_heads"]
+    if fla["hidden_size"] % heads:
+        raise ValueError(f"fla config attn num_heads = {heads} does not divide hidden_size = {fla['hidden_size']}")
+    fields = {field: settings[0][key] for key, (_, field) in _ATTN.items()}
+    return dict(fields, swa_head_dim=fla["hidden_size"] // heads,
+                layer_mixers=["swa" if i in layers else mixer for i in range(fla["num_hidden_layers"])])
+
+
 def fla_config(fla: dict) -> RankDecayConfig:
     """The ``RankDecayConfig`` of an fla Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct or KDA config (as a dict:
-    ``config.json`` or ``to_dict()``)."""
+    ``config.json`` or ``to_dict()``), with the attention layers of a hybrid (fla's ``attn``)."""
     name = fla.get("model_type")
     if name not in _TYPES:
         *most, last = FLA_NAMES.values()
@@ -114,7 +159,8 @@ def fla_config(fla: dict) -> RankDecayConfig:
         initializer_range=fla.get("initializer_range", 0.02), tie_word_embeddings=fla.get("tie_word_embeddings", False),
         use_cache=fla.get("use_cache", True), bos_token_id=fla.get("bos_token_id"),
         eos_token_id=fla.get("eos_token_id"), pad_token_id=fla.get("pad_token_id"),
-        num_v_heads=fla.get("num_v_heads") if name == "gated_deltanet" else None, **product)
+        num_v_heads=fla.get("num_v_heads") if name == "gated_deltanet" else None, **product,
+        **_attention(fla, kind["mixer"]))
 
 
 def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,7 +181,8 @@ def fla_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def from_fla(source, dtype: torch.dtype | None = None):
     """A ``RankDecayForCausalLM`` with the weights of an fla ``GatedDeltaNetForCausalLM``, ``DeltaNetForCausalLM``,
-    ``GLAForCausalLM``, ``GatedDeltaProductForCausalLM`` or ``KDAForCausalLM``.
+    ``GLAForCausalLM``, ``GatedDeltaProductForCausalLM`` or ``KDAForCausalLM``, hybrids with attention layers
+    (fla's ``attn``: Gated DeltaNet-H1 / H2 and the like) included.
 
     source: a folder fla saved (``config.json`` and safetensors or ``pytorch_model.bin`` files; fla itself need not
         be installed), a Hugging Face Hub repository of one (``"org/name"``, downloaded with ``huggingface_hub``

@@ -99,7 +99,8 @@ class GraphDecoder:
             slots, not the window's: with a window of 2048, 64 rows of a 128-token prompt and 64 new tokens keep
             rings of 192 slots, not 2048 (the 340m GDN-H1's 12 rings: 0.6 GiB in bf16, not 6.0). ``prefill``
             refuses a prompt of ``max_length`` tokens or more, and ``step`` / ``generate`` raise before a row would
-            pass it. Default None: rings of the window, and no bound.
+            pass it. Default None: rings of the window, and no bound. A model with full attention layers (no
+            window: ``swa_window=None``) needs it: their rings hold ``max_length`` slots.
 
     Each ``prefill`` records the step again where a parameter of the model has moved (``model.to``, a load with
     ``assign=True``), so the graph never reads a freed weight; weights changed in place are read as they are.
@@ -123,6 +124,9 @@ class GraphDecoder:
                                        or max_length < 2):
             raise ValueError(f"max_length must be an int >= 2 (a prompt token and a new one) or None, "
                              f"got {max_length!r}")
+        if max_length is None and None in _attention_windows(model):
+            raise ValueError("the model has full attention layers (no window), whose keys a decoder keeps in rings "
+                             "of max_length slots: give max_length (the most tokens a row will hold)")
         self.max_length, self._room = max_length, None  # _room: the steps left before max_length
         self.model, self.device, self.cuda_graph = model, device, bool(cuda_graph)
         self.pack_projections = pack_projections
@@ -219,7 +223,7 @@ class GraphDecoder:
         mixer = self.model.model.layers[i].mixer
         if not hasattr(mixer, "ring_cache"):
             return entry
-        return mixer.ring_cache(entry, min(mixer.window_size, self.max_length or mixer.window_size))
+        return mixer.ring_cache(entry, min(mixer.window_size or self.max_length, self.max_length or mixer.window_size))
 
     def _build(self, B: int, layers: list) -> None:
         """Allocate the static buffers and, with ``cuda_graph``, record the step."""
@@ -378,16 +382,21 @@ _GRAPH_SETTINGS = ("max_new_tokens", "max_length", "do_sample", "temperature", "
 _GRAPH_BOOKKEEPING = {"_from_model_config", "transformers_version"}  # a config's own records, not settings
 
 
+def _attention_windows(model) -> list[int | None]:
+    """The windows of the model's attention layers (None: full attention)."""
+    return [layer.mixer.window_size for layer in model.model.layers if hasattr(layer.mixer, "ring_cache")]
+
+
 def _ring_length(model, needed: int) -> int | None:
     """The ``max_length`` of the decoder ``generate(graph_decoder=True)`` keeps (uncompiled): ``needed`` rounded up
     to a power of two, and to 64 at least (the SWA step's kernel walks 64 slots a program: a shorter ring is one
     block either way), so that sliding-window rings hold the generation, not the window, and a later call needs a
     new decoder (a new capture: milliseconds to a second) only where it holds more than any before: with a window
     of 2048 at most five times (64 ... 1024). None (rings of the window, no bound) where the model has no such ring
-    or the power of two reaches its largest window."""
-    windows = [layer.mixer.window_size for layer in model.model.layers if hasattr(layer.mixer, "ring_cache")]
+    or the power of two reaches its largest window; never None with a full attention layer (no window)."""
+    windows = _attention_windows(model)
     length = max(64, 1 << (needed - 1).bit_length())
-    return length if windows and length < max(windows) else None
+    return length if windows and (None in windows or length < max(windows)) else None
 
 
 def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict) -> torch.Tensor:
@@ -418,8 +427,11 @@ def graph_generate(model, inputs, generation_config, compile: bool, kwargs: dict
     if (decoder is None or (decoder._compiled is not None) != compile
             or (decoder.max_length is not None and needed > decoder.max_length)):
         # compiled, a new ring size compiles the step again (tens of seconds, and towards the recompile limit):
-        # rings of the window, as GraphDecoder makes them, unless the caller makes one with max_length
-        decoder = GraphDecoder(model, compile=compile, max_length=None if compile else _ring_length(model, needed))
+        # rings of the window, as GraphDecoder makes them, unless the caller makes one with max_length (full
+        # attention has no window: rings of the generation, compiled again for each power of two)
+        length = _ring_length(model, needed)
+        decoder = GraphDecoder(model, compile=compile,
+                               max_length=None if compile and None not in _attention_windows(model) else length)
         model.__dict__["_graph_decoder"] = decoder
     return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new, do_sample=bool(config.do_sample),
                             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,

@@ -43,7 +43,10 @@ def build_mixer(name: str, config: RankDecayConfig, layer_idx: int) -> nn.Module
     if name == "swa":
         heads = config.swa_num_heads or config.num_heads
         return SlidingWindowAttention(config.hidden_size, heads, config.swa_head_dim, window_size=config.swa_window,
-                                      rope_theta=config.rope_theta, layer_idx=layer_idx)
+                                      rope_theta=config.rope_theta, layer_idx=layer_idx,
+                                      num_kv_heads=getattr(config, "swa_num_kv_heads", None),
+                                      qkv_bias=getattr(config, "swa_qkv_bias", False),
+                                      qk_norm=getattr(config, "swa_qk_norm", False))
     common = dict(use_short_conv=config.use_short_conv, conv_size=config.conv_size, chunk_size=config.chunk_size,
                   mode=config.mixer_mode, norm_eps=config.rms_norm_eps, layer_idx=layer_idx,
                   scale=config.attn_scale, shared_qk_conv=config.shared_qk_conv,
@@ -319,7 +322,7 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
 def mixer_flops_per_token(mixer: nn.Module, seq_len: int) -> float:
     """Forward FLOPs per token of a mixer's sequence mixing (projections excluded)."""
     if isinstance(mixer, SlidingWindowAttention):
-        context = min(mixer.window_size, seq_len / 2)  # average causal context
+        context = min(mixer.window_size or seq_len, seq_len / 2)  # average causal context
         return 4 * mixer.num_heads * mixer.head_dim * context
     assert isinstance(mixer, LinearMixer)
     H, K, V, C = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.chunk_size  # a state per value head

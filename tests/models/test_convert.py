@@ -109,12 +109,17 @@ def test_grouped_value_heads_give_fla_logits():
     mixer = ours.model.layers[0].mixer
     assert ours.config.num_v_heads == 4 and mixer.num_v_heads == 4 and mixer.A_log.shape == (4,)
     _assert_same_logits(fla, ours, "gated_deltanet", short=20)
+    _assert_decodes_as_full_forward(ours, prompt=6)
+
+
+def _assert_decodes_as_full_forward(ours, prompt):
+    """A prompt of ``prompt`` tokens, then one token a step up to 12: the logits of the full forward."""
     ids = _batch(12)[0]
     with torch.no_grad():
         full = ours(ids, use_cache=False).logits
-        out = ours(ids[:, :6], use_cache=True)
+        out = ours(ids[:, :prompt], use_cache=True)
         steps = [out.logits] + [ours(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True).logits
-                                for t in range(6, 12)]
+                                for t in range(prompt, 12)]
     assert rel_rms(torch.cat(steps, 1), full) < 1e-5
 
 
@@ -151,6 +156,97 @@ def test_sigmoid_output_gates_give_fla_logits(kind, change):
         assert ours.config.head_v_dim == 32 * change.get("expand_v", 1) and ours.config.use_short_conv == change.get(
             "use_short_conv", True)
     _assert_same_logits(fla, ours, kind, short=20)
+
+
+def _flash_reference(q, k, v, cu_q, cu_k, causal=True, window_size=(-1, -1)):
+    """flash-attn's ``flash_attn_varlen_func`` (which fla's ``Attention`` calls and this machine lacks) in PyTorch,
+    written from its documented contract: per sequence, causal aligned to the bottom right (query i of Tq sees key
+    j of Tk where j <= i + Tk - Tq), a window of ``left`` keys before that, GQA by repeating key/value heads."""
+    assert causal and window_size[1] in (-1, 0)
+    left, out = window_size[0], torch.empty_like(q)
+    for n in range(cu_q.numel() - 1):
+        qi, ki, vi = q[cu_q[n]:cu_q[n + 1]], k[cu_k[n]:cu_k[n + 1]], v[cu_k[n]:cu_k[n + 1]]
+        G = qi.shape[1] // ki.shape[1]
+        ki, vi = ki.repeat_interleave(G, 1), vi.repeat_interleave(G, 1)
+        i = torch.arange(qi.shape[0], device=q.device)[:, None] + ki.shape[0] - qi.shape[0]
+        j = torch.arange(ki.shape[0], device=q.device)[None]
+        seen = (j <= i) & ((i - j <= left) if left >= 0 else True)
+        scores = torch.einsum("qhd,khd->hqk", qi.float(), ki.float()) * qi.shape[-1] ** -0.5
+        out[cu_q[n]:cu_q[n + 1]] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, -float("inf")).softmax(-1),
+                                                vi.float()).to(q.dtype)
+    return out
+
+
+@pytest.fixture
+def _fla_attention(monkeypatch):
+    """fla's ``Attention`` runs here with ``_flash_reference`` for flash-attn's two functions."""
+    import fla.layers.attn as attn
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, **kw):
+        return _flash_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+
+    def padded(q, k, v, **kw):  # [B, T, H, D]: each row a sequence
+        B, Tq, Tk = q.shape[0], q.shape[1], k.shape[1]
+        cu_q, cu_k = (torch.arange(0, (B + 1) * T, T, device=q.device) for T in (Tq, Tk))
+        return _flash_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, **kw).unflatten(
+            0, (B, Tq))
+
+    monkeypatch.setattr(attn, "flash_attn_varlen_func", varlen, raising=False)  # (absent where flash-attn is)
+    monkeypatch.setattr(attn, "flash_attn_func", padded)
+
+
+@pytest.mark.parametrize("kind,attn", [
+    ("gated_deltanet", {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True, "window_size": 8}),
+    ("gated_deltanet", {"layers": [0], "num_heads": 2}),
+    ("kda", [{"layers": [1], "num_heads": 4, "num_kv_heads": 1, "window_size": None, "rope_theta": 500.0}]),
+])
+def test_hybrids_with_attention_layers_give_fla_logits(_fla_attention, kind, attn):
+    """fla's hybrids (``attn``: its ``Attention`` at the layers named, the rest the linear mixer): a sliding window
+    of 8 with 4 query heads over 2 key/value heads and q/k/v biases (Gated DeltaNet-H1's kind of layer), full
+    attention (``window_size`` None, fla's default) as the first layer, and one key/value head for 4 (MQA) in a list
+    of specs with another RoPE base; the converted model gives fla's logits for a left-padded batch (T = 40, past
+    the window) and decodes token by token as its own full forward."""
+    with torch.no_grad():
+        fla = _fla_model(kind=kind, attn=attn)
+        for name, p in fla.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.add_(0.5 * torch.randn_like(p))
+    ours = from_fla(fla)
+    spec = attn if isinstance(attn, dict) else attn[0]
+    cfg = ours.config
+    assert cfg.layer_mixers == ["swa" if i in spec["layers"] else cfg.mixer for i in range(2)]
+    mixer = ours.model.layers[spec["layers"][0]].mixer
+    assert (mixer.num_heads, mixer.num_kv_heads, mixer.head_dim) == (
+        spec["num_heads"], spec.get("num_kv_heads", spec["num_heads"]), 64 // spec["num_heads"])
+    assert mixer.window_size == spec.get("window_size") and mixer.rope_theta == spec.get("rope_theta", 10000.0)
+    assert (mixer.q_proj.bias is not None) == spec.get("qkv_bias", False)
+    _assert_same_logits(fla, ours, kind, short=40)
+    _assert_decodes_as_full_forward(ours, prompt=5)
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_attention_layer_with_qk_norm_is_flas(_fla_attention, window):
+    """rankdecay's attention layer with fla's ``Attention``'s weights (4 query heads over 2 key/value heads, q/k/v
+    biases, and the q/k RMSNorms no fla hybrid builds but its layer has) gives its output for a left-padded batch,
+    windowed and full."""
+    from fla.layers.attn import Attention
+
+    from rankdecay.layers import SlidingWindowAttention
+
+    torch.manual_seed(0)
+    fla = Attention(64, 4, num_kv_heads=2, qkv_bias=True, qk_norm=True, window_size=window).to(DEVICE)
+    ours = SlidingWindowAttention(64, 4, window_size=window, num_kv_heads=2, qkv_bias=True, qk_norm=True).to(DEVICE)
+    with torch.no_grad():
+        for p in fla.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ours.load_state_dict(fla.state_dict())
+    x = torch.randn(2, 20, 64, device=DEVICE)
+    mask = torch.ones(2, 20, dtype=torch.long, device=DEVICE)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        want, got = fla(x, attention_mask=mask)[0], ours(x, attention_mask=mask)[0]
+    real = mask.bool()
+    assert rel_rms(got[real], want[real]) < 1e-5, rel_rms(got[real], want[real])
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "delta_net", "gla", "kda"])
@@ -207,9 +303,13 @@ def test_a_hub_name_is_downloaded(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind,change,match", [
     ("gated_deltanet", dict(output_gate_activation="relu"), "output_gate_activation = 'relu'"),
-    ("kda", dict(num_v_heads=4), "num_v_heads = 4"), ("kda", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
+    ("kda", dict(num_v_heads=4), "num_v_heads = 4"),
+    ("kda", dict(attn=[{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 2, "window_size": 4}]),
+     "attention layers of different settings"),
     ("gated_deltanet", dict(conv_bias=True), "conv_bias = True"),
-    ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 2}), "attn = "),
+    ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 2, "qk_norm": True}), "attn has \\['qk_norm'\\]"),
+    ("gated_deltanet", dict(attn={"layers": [1]}), "each with 'layers' and 'num_heads'"),
+    ("gated_deltanet", dict(attn={"layers": [1], "num_heads": 3}), "num_heads = 3 does not divide hidden_size"),
     ("gated_deltanet", dict(model_type="rwkv7"), "only fla's Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct and KDA"),
     ("delta_net", dict(use_beta=False), "use_beta = False"),
     ("delta_net", dict(qk_norm="sum"), "qk_norm = 'sum'"),

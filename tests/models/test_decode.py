@@ -25,8 +25,9 @@ def _decode(model, ids, pieces):
     return torch.cat(logits, 1)
 
 
-@pytest.mark.parametrize("mixer", MIXERS + ("hh-gdn-data",))
+@pytest.mark.parametrize("mixer", MIXERS + ("hh-gdn-data", "attn"))
 def test_full_equals_token_by_token_equals_pieces(mixer):
+    """(``attn``: full attention, whose ring of keys doubles as the steps fill it: 16 -> 32 -> 64 -> 128.)"""
     extra = {"hh_mask": "data"} if mixer == "hh-gdn-data" else {}
     model = tiny_model(mixer.removesuffix("-data"), **extra)
     ids = random_ids(2, T)
@@ -127,7 +128,7 @@ def test_state_dtype_is_checked():
         tiny_model("gdn", state_dtype="float64")
 
 
-@pytest.mark.parametrize("mixer", ["gdn", "swa"])
+@pytest.mark.parametrize("mixer", ["gdn", "swa", "attn"])
 def test_cache_reorder_selects_rows(mixer):
     """Beam search's reorder, after a prompt and after decode steps (SWA's ring)."""
     model = tiny_model(mixer)
@@ -197,13 +198,16 @@ def _check_each_alone(model, seqs, lengths, parts, what, tol=1e-5):
         assert_matches(batched[i], ref[n + 2:], tol, f"{what}: prompt {i}'s steps")
 
 
-@pytest.mark.parametrize("mixer", MIXERS + ("gdn+swa",))
+@pytest.mark.parametrize("mixer", MIXERS + ("gdn+swa", "gdn+attn"))
 def test_packed_prompts_fill_one_cache_row_each(mixer):
     """Packed prefill for serving: N prompts of any lengths in one row (cu_seqlens), no padding, fill a cache of N
     rows (the short convolutions' states [N, D, 3], each from its own prompt's last inputs; the recurrent states
     [N, H, K, V]; SWA's last window - 1 keys of each prompt); packed tokens continue each row; one-token steps then
     decode the N rows as a batch. Every logit is that sequence's alone."""
     model = (tiny_model("gdn", layer_mixers=["gdn", "swa"]) if mixer == "gdn+swa" else tiny_model(mixer))
+    if mixer == "gdn+attn":  # (full attention: each row keeps as many keys as the longest prompt, 70 + 2)
+        assert output_cache(model(random_ids(1, 72), cu_seqlens=torch.tensor([0, 70, 72]), use_cache=True)).layers[
+            1]["k"].shape[:3] == (2, 70, 2)
     seqs = [random_ids(1, n + 4, seed=i) for i, n in enumerate(PACKED)]
     with torch.no_grad():
         parts = _packed_then_batched(model, seqs, PACKED)
@@ -253,7 +257,7 @@ def test_packed_continuation_takes_the_decode_kernels(mixer, monkeypatch):
         _check_each_alone(model, seqs, lengths, parts, mixer)
 
 
-@pytest.mark.parametrize("mixer", ["swa", "gdn"])
+@pytest.mark.parametrize("mixer", ["swa", "gdn", "attn"])
 def test_packed_tokens_continue_a_cache_after_steps(mixer):
     """Packed tokens after one-token steps: SWA's cache is then a ring of window slots (rolled back into time
     order), the convolutions' states were shifted by the steps; each sequence continues as alone."""

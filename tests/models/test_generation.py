@@ -364,7 +364,7 @@ def test_model_generate_with_graph_decoder_sizes_the_rings_to_the_generation():
 
 def test_model_generate_compiled_keeps_the_windows_rings(monkeypatch):
     """Compiled, ``model.generate`` makes its decoder with rings of the window (no max_length): a new ring size would
-    compile the step again."""
+    compile the step again. Full attention, which has no window, takes rings of the generation compiled too."""
     from rankdecay.models import generation
 
     made = []
@@ -384,6 +384,9 @@ def test_model_generate_compiled_keeps_the_windows_rings(monkeypatch):
         with pytest.raises(Recorded):
             model.generate(random_ids(2, 11), max_new_tokens=5, compile=compile, graph_decoder=True)
     assert made == [(True, None), (False, 64)]
+    with pytest.raises(Recorded):  # full attention has no window: rings of the generation, compiled too
+        tiny_model("gdn+attn").generate(random_ids(2, 11), max_new_tokens=5, compile=True, graph_decoder=True)
+    assert made[-1] == (True, 64)
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+swa"])
@@ -458,3 +461,23 @@ def test_streamer_is_fed_as_transformers_feeds_it():
     for name in ("decoder", "model"):
         assert len(fed[name]) == len(fed["transformers"]), name
         assert all(torch.equal(a, b) for a, b in zip(fed[name], fed["transformers"])), name
+
+
+def test_full_attention_decodes_in_rings_of_max_length():
+    """A hybrid with full attention (no window; 4 query heads over 2 key/value heads, biases, q/k norms): a decoder
+    without max_length is refused by name (its rings have no window to take their size from);
+    ``model.generate(graph_decoder=True)`` sizes them to the generation (64, then 128) and gives transformers'
+    tokens for a left-padded batch, as does a decoder of max_length 40 stepped to its last slot."""
+    model = tiny_model("gdn+attn")
+    with pytest.raises(ValueError, match="full attention layers .* give max_length"):
+        GraphDecoder(model, cuda_graph=False)
+    ids, mask = _left_padded((11, 4, 8))
+    for new, slots in ((5, 64), (60, 128)):
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[])
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], graph_decoder=True)
+        assert torch.equal(got, ref), new
+        assert model.__dict__["_graph_decoder"]._buffers[1]["k"].shape[1] == slots
+    decoder = GraphDecoder(model, cuda_graph=False, max_length=40)
+    got = decoder.generate(ids, mask, max_new_tokens=40 - 11, eos_token_id=[])
+    assert torch.equal(got, ref[:, :40]) and decoder._buffers[1]["k"].shape[1] == 40

@@ -86,6 +86,8 @@ def test_padding_positions_are_identity_steps():
     (lambda: HeadInHead(D, H, num_v_heads=4), "num_v_heads = 4: HeadInHead has no grouped value heads"),
     (lambda: SlidingWindowAttention(D, H, window_size=0), "window_size must be a positive int"),
     (lambda: SlidingWindowAttention(D, 16), "head_dim must be even"),
+    (lambda: SlidingWindowAttention(D, 4, num_kv_heads=3), "num_kv_heads must be a positive divisor of num_heads = 4"),
+    (lambda: SlidingWindowAttention(D, 4, window_size=True), "window_size must be a positive int or None"),
 ])
 def test_bad_layer_arguments(make, match):
     with pytest.raises(ValueError, match=match):
@@ -212,18 +214,21 @@ def test_hdla_saved_before_the_normalizer_keeps_its_decay(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention over packed sequences needs a CUDA GPU "
                     "(the GPU run is in BENCHMARKS.md)")
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
-def test_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch, packed):
+@pytest.mark.parametrize("kind", ["window", "grouped-full"])
+def test_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch, packed, kind):
     """bf16 on a GPU: packed documents, or rows (training, a prompt: no cache to read, no padding) take PyTorch's
     flash attention for packed sequences with the window (no [T, T] mask), also under
     torch.compile(fullgraph=True); outputs and the gradients of x are within bf16's error of the fp32 masked path's,
-    as close as the bf16 masked path's."""
+    as close as the bf16 masked path's. Also full attention with 4 query heads over 2 key/value heads."""
     from rankdecay.layers import attention
 
     calls = []
     flash = attention._varlen_attn
     monkeypatch.setattr(attention, "_varlen_attn", lambda *a, **kw: calls.append(kw["window_size"]) or flash(*a, **kw))
     torch.manual_seed(0)
-    layer = SlidingWindowAttention(256, 4, window_size=128).cuda()
+    layer = SlidingWindowAttention(256, 4, window_size=128) if kind == "window" else SlidingWindowAttention(
+        256, 4, window_size=None, num_kv_heads=2, qkv_bias=True, qk_norm=True)
+    layer = layer.cuda()
     lengths = [300, 1, 1000, 45, 130]
     cu = torch.tensor([0] + lengths).cumsum(0).cuda() if packed else None
     x = torch.randn(1, sum(lengths), 256, device="cuda") if packed else torch.randn(3, 500, 256, device="cuda")
@@ -239,7 +244,7 @@ def test_sliding_window_attention_takes_flash_varlen_on_a_gpu(monkeypatch, packe
     assert not calls, "fp32 takes the masked path"
     half = layer.to(torch.bfloat16)
     flash_out = run(half, torch.bfloat16)
-    assert calls == [(127, 0)], calls
+    assert calls == [(127, 0) if kind == "window" else (-1, 0)], calls
     compiled = run(half, torch.bfloat16, compiled=True)
     assert len(calls) > 1, "the compiled layer took it too"
     monkeypatch.setattr(attention, "_flash_varlen", lambda q: False)

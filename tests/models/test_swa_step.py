@@ -41,28 +41,31 @@ def _reference(q, k, v, ring, theta):
     rk, rv, seen = ring["k"].double().clone(), ring["v"].double().clone(), ring["real"].clone()
     rk[rows, ring["next"]], rv[rows, ring["next"]], seen[rows, ring["next"]] = k, v.double(), True
     o = F.scaled_dot_product_attention(q[:, :, None], rk.transpose(1, 2), rv.transpose(1, 2),
-                                       attn_mask=seen[:, None, None])
+                                       attn_mask=seen[:, None, None], enable_gqa=True)
     return o[:, :, 0], k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("W, D, max_position, n_real", [(70, 32, 100, None), (64, 64, 200_000, None),
-                                                         (1, 16, 10, None), (33, 24, 5000, None), (300, 16, 50, 5)],
-                         ids=["partial-block", "far-positions", "window-1", "head-24", "short-prompt"])
-def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position, n_real):
+@pytest.mark.parametrize("W, D, max_position, n_real, H, Hkv",
+                         [(70, 32, 100, None, 3, 3), (64, 64, 200_000, None, 3, 3), (1, 16, 10, None, 3, 3),
+                          (33, 24, 5000, None, 3, 3), (300, 16, 50, 5, 3, 3), (70, 32, 100, None, 6, 2)],
+                         ids=["partial-block", "far-positions", "window-1", "head-24", "short-prompt", "grouped"])
+def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position, n_real, H, Hkv):
     """Against fp64 from the same inputs: the output, within the dtype's rounding of it; the ring's slot ``next``
     holds the rotated key (rounded once), the value and the token's flag, and every other slot is untouched. q, k
     and v are strided slices of one packed product; positions up to 200,000 (angles far past 2 pi); a window of
     70 (a partial block of slots), of 1 (only the token's own key); a head of 24 (neither it nor its half a power
-    of two); a ring of 300 with only its first 5 slots real (a short prompt: blocks with no real slot, skipped); a
-    padding token still sees itself."""
+    of two); a ring of 300 with only its first 5 slots real (a short prompt: blocks with no real slot, skipped); 6
+    query heads over 2 key/value heads (GQA: head h reads head h // 3, each slot written once); a padding token
+    still sees itself."""
     from rankdecay.ops.triton.swa import swa_step
 
     g = torch.Generator().manual_seed(W + D)
-    B, H, theta = 5, 3, 10000.0
-    packed = torch.randn(B, 3 * H * D + 8, generator=g).to(DEVICE, dtype)
-    q, k, v = (packed[:, i * H * D:(i + 1) * H * D].view(B, H, D) for i in range(3))
-    ring = _ring(B, W, H, D, dtype, g, max_position, n_real)
+    B, theta = 5, 10000.0
+    packed = torch.randn(B, (H + 2 * Hkv) * D + 8, generator=g).to(DEVICE, dtype)
+    q = packed[:, :H * D].view(B, H, D)
+    k, v = (packed[:, (H + i * Hkv) * D:(H + (i + 1) * Hkv) * D].view(B, Hkv, D) for i in range(2))
+    ring = _ring(B, W, Hkv, D, dtype, g, max_position, n_real)
     real = torch.tensor([True, False, True, True, False], device=DEVICE)
     before = {name: t.clone() for name, t in ring.items()}
     want, rotated_k = _reference(q, k, v, ring, theta)
@@ -83,15 +86,25 @@ def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_po
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype):
+@pytest.mark.parametrize("kind", ["window", "grouped-full"])
+def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype, kind):
     """A prompt with a left-padded row, then steps past the window (the ring wraps; one step pads a row): outputs
-    and the cache (keys, values, flags, counts, next slot) match the PyTorch step's."""
+    and the cache (keys, values, flags, counts, next slot) match the PyTorch step's. Also full attention with 4
+    query heads over 2 key/value heads, q/k norms and biases, whose ring of 16 slots doubles after its 12th step
+    (4 prompt tokens) and holds every key."""
     from rankdecay.layers import attention
 
     torch.manual_seed(0)
-    layer = SlidingWindowAttention(32, 2, 16, window_size=5).to(DEVICE, dtype)
+    if kind == "window":
+        layer = SlidingWindowAttention(32, 2, 16, window_size=5)
+    else:
+        layer = SlidingWindowAttention(32, 4, 16, window_size=None, num_kv_heads=2, qk_norm=True, qkv_bias=True)
+        with torch.no_grad():
+            for p in (layer.q_norm.weight, layer.k_norm.weight, layer.q_proj.bias, layer.k_proj.bias):
+                p.add_(torch.randn_like(p) * 0.5)
+    layer = layer.to(DEVICE, dtype)
     x = torch.randn(3, 4, 32, device=DEVICE, dtype=dtype)
-    steps = torch.randn(9, 3, 1, 32, device=DEVICE, dtype=dtype)
+    steps = torch.randn(9 if kind == "window" else 14, 3, 1, 32, device=DEVICE, dtype=dtype)
     mask = torch.ones(3, 4, dtype=torch.long, device=DEVICE)
     mask[1, :2] = 0
 
@@ -115,6 +128,7 @@ def test_the_layer_decodes_with_the_kernels_as_with_pytorch(monkeypatch, dtype):
     want, want_cache = decode(False)
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert_matches(got.float(), want.float(), tol, "outputs")
+    assert got_cache["k"].shape[1] == (5 if kind == "window" else 32)
     for name in ("k", "v"):
         assert_matches(got_cache[name].float(), want_cache[name].float(), tol, f"cached {name}")
     for name in ("real", "count", "next"):

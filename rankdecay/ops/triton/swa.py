@@ -14,6 +14,9 @@ counters), which at B = 1 cost their launches and at B = 64 SDPA's bandwidth. He
   partials (the query always sees its own key), writes the output, and writes the rotated key, the value and the
   token's flag into the ring's slot: the partial kernel has read every other slot by then, so nothing races.
 
+Grouped key/value heads (GQA): query head h reads the ring's head h // G (G query heads per key/value head), and
+the combine kernel's first program of each group writes that head's slot.
+
 The rotation is the rotate-half form of ``layers.attention.rotary`` (angles ``position x theta^(-2i / D)`` in fp32),
 the scores are scaled by ``D^-0.5`` as SDPA's default, and every sum is in fp32. Traced by ``torch.compile`` as
 user-defined Triton kernels.
@@ -66,7 +69,7 @@ def _rotated(x_ptr, pos, freq_ptr, HALF: tl.constexpr, HALF_P2: tl.constexpr):
 def _swa_partial_kernel(q_ptr, sq_b, sq_h, rk_ptr, rv_ptr, sr_b, sr_w, sr_h, real_ptr, sreal_b, count_ptr, next_ptr,
                         m_ptr, l_ptr, acc_ptr, freq_ptr, H, W, S, SCALE_LOG2E: tl.constexpr,
                         D: tl.constexpr, D_P2: tl.constexpr, BLOCK_W: tl.constexpr, SUB: tl.constexpr,
-                        STAGES: tl.constexpr):
+                        STAGES: tl.constexpr, G: tl.constexpr):
     blk, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = D // 2
     HALF_P2: tl.constexpr = D_P2 // 2
@@ -89,7 +92,7 @@ def _swa_partial_kernel(q_ptr, sq_b, sq_h, rk_ptr, rv_ptr, sr_b, sr_w, sr_h, rea
         w = w0 + tl.arange(0, SUB)
         seen = (w < W) & (w != nxt)
         seen &= tl.load(real_ptr + b * sreal_b + w, mask=w < W, other=0) != 0
-        rows = b * sr_b + w[:, None] * sr_w + h * sr_h
+        rows = b * sr_b + w[:, None] * sr_w + (h // G) * sr_h
         halves = seen[:, None] & (i < HALF)[None, :]
         k1 = tl.load(rk_ptr + rows + i[None, :], mask=halves, other=0.0).to(tl.float32)
         k2 = tl.load(rk_ptr + rows + HALF + i[None, :], mask=halves, other=0.0).to(tl.float32)
@@ -112,13 +115,14 @@ def _swa_partial_kernel(q_ptr, sq_b, sq_h, rk_ptr, rv_ptr, sr_b, sr_w, sr_h, rea
 def _swa_combine_kernel(q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h, o_ptr, rk_ptr, rv_ptr, sr_b, sr_w,
                         sr_h, real_ptr, sreal_b, tok_real_ptr, count_ptr, next_ptr, m_ptr, l_ptr, acc_ptr,
                         freq_ptr, H, S, SCALE_LOG2E: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                        BLOCK_S: tl.constexpr):
+                        BLOCK_S: tl.constexpr, G: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
+    hk = h // G  # the key/value head
     HALF: tl.constexpr = D // 2
     HALF_P2: tl.constexpr = D_P2 // 2
     pos = tl.load(count_ptr + b).to(tl.float32)
     q1, q2 = _rotated(q_ptr + b * sq_b + h * sq_h, pos, freq_ptr, HALF, HALF_P2)
-    k1, k2 = _rotated(k_ptr + b * sk_b + h * sk_h, pos, freq_ptr, HALF, HALF_P2)
+    k1, k2 = _rotated(k_ptr + b * sk_b + hk * sk_h, pos, freq_ptr, HALF, HALF_P2)
     own = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * SCALE_LOG2E  # the query's own key, always seen
     s = tl.arange(0, BLOCK_S)
     at = (b * H + h) * S + s
@@ -128,26 +132,29 @@ def _swa_combine_kernel(q_ptr, sq_b, sq_h, k_ptr, sk_b, sk_h, v_ptr, sv_b, sv_h,
     f_own = tl.exp2(own - top)
     total = tl.sum(tl.load(l_ptr + at, mask=s < S, other=0.0) * f, 0) + f_own
     d = tl.arange(0, D_P2)
-    v = tl.load(v_ptr + b * sv_b + h * sv_h + d, mask=d < D, other=0.0)
+    v = tl.load(v_ptr + b * sv_b + hk * sv_h + d, mask=d < D, other=0.0)
     acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :], other=0.0)
     out = (tl.sum(acc * f[:, None], 0) + f_own * v.to(tl.float32)) / total
     tl.store(o_ptr + (b * H + h) * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
-    # the ring's slot: the partial kernel has read every slot it needed before this kernel started
-    slot = b * sr_b + tl.load(next_ptr + b) * sr_w + h * sr_h
-    i = tl.arange(0, HALF_P2)
-    tl.store(rk_ptr + slot + i, k1.to(rk_ptr.dtype.element_ty), mask=i < HALF)
-    tl.store(rk_ptr + slot + HALF + i, k2.to(rk_ptr.dtype.element_ty), mask=i < HALF)
-    tl.store(rv_ptr + slot + d, v, mask=d < D)
+    # the ring's slot, once per key/value head: the partial kernel has read every slot it needed before this
+    # kernel started
+    if h % G == 0:
+        slot = b * sr_b + tl.load(next_ptr + b) * sr_w + hk * sr_h
+        i = tl.arange(0, HALF_P2)
+        tl.store(rk_ptr + slot + i, k1.to(rk_ptr.dtype.element_ty), mask=i < HALF)
+        tl.store(rk_ptr + slot + HALF + i, k2.to(rk_ptr.dtype.element_ty), mask=i < HALF)
+        tl.store(rv_ptr + slot + d, v, mask=d < D)
     if h == 0:
         tl.store(real_ptr + b * sreal_b + tl.load(next_ptr + b), tl.load(tok_real_ptr + b))
 
 
 def takes(q: torch.Tensor, ring_k: torch.Tensor) -> bool:
-    """Whether :func:`swa_step` takes these: q [B, H, D] and a ring [B, W, H, D] of one dtype (fp32 / bf16 / fp16),
-    D even from 8 to 256, each last axis contiguous."""
+    """Whether :func:`swa_step` takes these: q [B, H, D] and a ring [B, W, Hkv, D] (Hkv dividing H) of one dtype
+    (fp32 / bf16 / fp16), D even from 8 to 256, each last axis contiguous."""
     D = q.shape[-1]
     return (q.dtype in (torch.float32, torch.bfloat16, torch.float16) and ring_k.dtype == q.dtype
-            and 8 <= D <= 256 and D % 2 == 0 and q.stride(-1) == 1 and ring_k.stride(-1) == 1)
+            and 8 <= D <= 256 and D % 2 == 0 and q.stride(-1) == 1 and ring_k.stride(-1) == 1
+            and q.shape[1] % ring_k.shape[2] == 0)
 
 
 def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real: torch.Tensor,
@@ -155,9 +162,10 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     """One token of sliding-window attention against its ring, the ring updated in place.
 
     Args:
-        q, k, v: ``[B, H, D]``, the token's projections before the rotary embedding (any strides with the last
-            axis contiguous, as slices of one packed product are).
-        ring: ``SlidingWindowAttention``'s ring cache: ``"k"``, ``"v"`` ``[B, W, H, D]`` (keys rotated), ``"real"``
+        q: ``[B, H, D]``; k, v: ``[B, Hkv, D]`` (Hkv dividing H: grouped key/value heads); the token's projections
+            before the rotary embedding (any strides with the last axis contiguous, as slices of one packed product
+            are).
+        ring: ``SlidingWindowAttention``'s ring cache: ``"k"``, ``"v"`` ``[B, W, Hkv, D]`` (keys rotated), ``"real"``
             ``[B, W]`` bool, ``"count"`` ``[B]`` (the token's position: the real tokens before it), ``"next"``
             ``[B]`` (the slot this token takes).
         real: ``[B]`` bool, whether the token is real (a padding token still attends to itself).
@@ -170,10 +178,13 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     """
     B, H, D = q.shape
     rk, rv, rreal = ring["k"], ring["v"], ring["real"]
-    W = rk.shape[1]
-    if rv.stride() != rk.stride() or rk.shape != (B, W, H, D) or rv.shape != rk.shape or rreal.stride(-1) != 1:
-        raise ValueError(f"the ring's k and v must be [B, W, H, D] = {[B, W, H, D]} with one layout, got "
-                         f"{list(rk.shape)} / {list(rv.shape)}")
+    W, Hkv = rk.shape[1], rk.shape[2]
+    if (rv.stride() != rk.stride() or rk.shape != (B, W, Hkv, D) or rv.shape != rk.shape or rreal.stride(-1) != 1
+            or H % Hkv):
+        raise ValueError(f"the ring's k and v must be [B, W, Hkv, D] = {[B, W, 'Hkv', D]} with one layout and Hkv "
+                         f"dividing H = {H}, got {list(rk.shape)} / {list(rv.shape)}")
+    if k.shape != (B, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B, Hkv, D] = {[B, Hkv, D]}, got {list(k.shape)} / {list(v.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last axis")
     S = triton.cdiv(W, BLOCK_W)
@@ -187,9 +198,10 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     _swa_partial_kernel[(S, B, H)](q, q.stride(0), q.stride(1), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
                                    rreal, rreal.stride(0), count, nxt, m, l, acc, inv_freq, H, W, S,
                                    scale_log2e, D=D, D_P2=triton.next_power_of_2(D), BLOCK_W=BLOCK_W,
-                                   SUB=min(SUB, BLOCK_W), STAGES=STAGES, num_warps=WARPS)
+                                   SUB=min(SUB, BLOCK_W), STAGES=STAGES, G=H // Hkv, num_warps=WARPS)
     _swa_combine_kernel[(B, H)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                                 o, rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rreal, rreal.stride(0),
                                 tok_real, count, nxt, m, l, acc, inv_freq, H, S, scale_log2e, D=D,
-                                D_P2=triton.next_power_of_2(D), BLOCK_S=triton.next_power_of_2(S), num_warps=WARPS)
+                                D_P2=triton.next_power_of_2(D), BLOCK_S=triton.next_power_of_2(S), G=H // Hkv,
+                                num_warps=WARPS)
     return o
