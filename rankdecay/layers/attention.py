@@ -105,6 +105,12 @@ def _flash_varlen(q: torch.Tensor) -> bool:
 _QUERY_BLOCK = 1024
 
 
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """SDPA's keyword for queries [B, T, H, D] over fewer key/value heads [B, L, Hkv, D] (GQA): ``enable_gqa``, only
+    where they are grouped (PyTorch 2.5 on)."""
+    return {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+
+
 def _windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int, window: int | None,
               allowed) -> torch.Tensor:
     """Masked SDPA for a sliding window, the queries in blocks: each block reads the ``lead`` keys any query may see
@@ -118,7 +124,7 @@ def _windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: i
     T = q.shape[1]
     block = _QUERY_BLOCK if window is None else max(window, _QUERY_BLOCK)
     spans = [(0, T)] if T <= 2 * block else [(s, min(s + block, T)) for s in range(0, T, block)]
-    gqa = {"enable_gqa": True} if q.shape[2] != keys.shape[2] else {}
+    gqa = _grouped(q, keys)
     out = []
     for s, e in spans:
         lo = 0 if window is None else max(0, s - window + 1)  # the first token whose key is in the block's window
@@ -407,7 +413,7 @@ class SlidingWindowAttention(nn.Module):
             allowed = (ring["real"] | mine)[:, None, None, :]  # [B, 1, 1, W]: every slot is within the window
             o = F.scaled_dot_product_attention(q.transpose(1, 2), ring["k"].transpose(1, 2),
                                                ring["v"].transpose(1, 2), attn_mask=allowed,
-                                               enable_gqa=self.num_kv_heads != H).transpose(1, 2)
+                                               **_grouped(q, ring["k"])).transpose(1, 2)
         cache.layers[self.layer_idx] = {**ring, "count": ring["count"] + real.long()[:, 0],
                                         "next": (slot + 1) % ring["k"].shape[1]}
         if "room" in ring:

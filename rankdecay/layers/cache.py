@@ -11,7 +11,8 @@ class Cache:
     "recurrent": [B, H, K, V]}`` (on the GPU's decode route a step writes both back into the same
     tensors); sliding-window attention keeps its last
     ``window - 1`` keys and values and which of them are real tokens. The size is
-    fixed whatever the context length. ``seen_tokens`` counts the steps fed so far.
+    fixed whatever the context length (but for full attention, ``window_size=None``, which keeps every key).
+    ``seen_tokens`` counts the steps fed so far.
 
     ``projections``: per layer, ``{"mixer": PackedLinears | None, "mlp": PackedLinears | None}``, the layer's
     linear maps of one input packed into one product (``rankdecay.layers.packing``), or None (each map its own
