@@ -3,9 +3,9 @@
     python benchmarks/decode_gpu.py [--preset 340m] [--mixers gdn hdla hh-gdn gdn-h1] [--batches 1 64]
 
 Mixers: any of ``rankdecay.models.config.MIXERS``, ``gdn-h1`` (Gated DeltaNet with every other layer sliding-window
-attention), ``gdn-h1-gqa`` (the same with attention layers of 16 heads of 64 over 4 key/value heads, as fla's hybrids
-make them), ``kda-kimi`` (KDA as fla's checkpoints convert: a sigmoid output gate through a low-rank map, the decay
-bounded by -5).
+attention), ``gdn-h1-gqa`` (the same with attention layers of 16 heads of 64 over 4 key/value heads, as fla's
+hybrids make them), ``gdn-h1-mha16`` (16 heads of 64, each its own key/value head), ``kda-kimi`` (KDA as fla's
+checkpoints convert: a sigmoid output gate through a low-rank map, the decay bounded by -5).
 
 Random weights in bf16. For each mixer and batch size, after a prompt of --prompt tokens:
 - ``generate``: ``model.generate`` (transformers' loop and dynamic cache), ms per new token;
@@ -53,6 +53,8 @@ def build(preset: str, mixer: str, state_dtype: str = "float32") -> RankDecayFor
     kw = {"layer_mixers": ["gdn", "swa"] * 12} if mixer.startswith("gdn-h1") else {"mixer": mixer}
     if mixer == "gdn-h1-gqa":
         kw.update(swa_num_heads=16, swa_num_kv_heads=4)
+    if mixer == "gdn-h1-mha16":
+        kw.update(swa_num_heads=16)
     if mixer == "kda-kimi":
         head_v = RankDecayConfig.from_preset(preset).head_v_dim
         kw = dict(mixer="kda", output_gate_act="sigmoid", output_gate_rank=head_v, gate_lower_bound=-5.0)

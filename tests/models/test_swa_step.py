@@ -46,19 +46,29 @@ def _reference(q, k, v, ring, theta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("W, D, max_position, n_real, H, Hkv",
-                         [(70, 32, 100, None, 3, 3), (64, 64, 200_000, None, 3, 3), (1, 16, 10, None, 3, 3),
-                          (33, 24, 5000, None, 3, 3), (300, 16, 50, 5, 3, 3), (70, 32, 100, None, 6, 2)],
-                         ids=["partial-block", "far-positions", "window-1", "head-24", "short-prompt", "grouped"])
-def test_the_kernels_attend_over_the_ring_and_write_its_slot(dtype, W, D, max_position, n_real, H, Hkv):
+@pytest.mark.parametrize("W, D, max_position, n_real, H, Hkv, wide",
+                         [(70, 32, 100, None, 3, 3, False), (64, 64, 200_000, None, 3, 3, False),
+                          (1, 16, 10, None, 3, 3, False), (33, 24, 5000, None, 3, 3, False),
+                          (300, 16, 50, 5, 3, 3, False), (70, 32, 100, None, 6, 2, False),
+                          (600, 16, 50, 300, 3, 3, True), (300, 32, 100, None, 6, 2, True)],
+                         ids=["partial-block", "far-positions", "window-1", "head-24", "short-prompt", "grouped",
+                              "wide-blocks", "wide-grouped"])
+def test_the_kernels_attend_over_the_ring_and_write_its_slot(monkeypatch, dtype, W, D, max_position, n_real, H, Hkv,
+                                                             wide):
     """Against fp64 from the same inputs: the output, within the dtype's rounding of it; the ring's slot ``next``
     holds the rotated key (rounded once), the value and the token's flag, and every other slot is untouched. q, k
     and v are strided slices of one packed product; positions up to 200,000 (angles far past 2 pi); a window of
     70 (a partial block of slots), of 1 (only the token's own key); a head of 24 (neither it nor its half a power
     of two); a ring of 300 with only its first 5 slots real (a short prompt: blocks with no real slot, skipped); 6
-    query heads over 2 key/value heads (GQA: head h reads head h // 3, each slot written once); a padding token
-    still sees itself."""
+    query heads over 2 key/value heads (GQA: head h reads head h // 3, each slot written once); ``wide``: the
+    partial kernel's wider blocks for narrow heads (taken where the programs stay many: forced here), 256 slots a
+    program for heads of 16 and 32 (a ring of 600, its first 300 real: a full block, a partial one, an empty one
+    skipped; a ring of 300 in two blocks); a padding token still sees itself."""
+    from rankdecay.ops.triton import swa
     from rankdecay.ops.triton.swa import swa_step
+
+    monkeypatch.setattr(swa, "PROGRAMS", 1 if wide else swa.PROGRAMS)
+    assert (swa._block_w(5, H, W, D) == 256) == wide
 
     g = torch.Generator().manual_seed(W + D)
     B, theta = 5, 10000.0

@@ -36,6 +36,19 @@ import triton.language as tl
 # real slots, blocks without one skipped: 86-127 us against 156-165 (session 78)
 BLOCK_W, WARPS = 64, 2
 SUB, STAGES = 32, 2
+# narrower heads take more slots a program, up to 256, so that a program moves what one of 64 slots of a head of 256
+# does, while the programs still number PROGRAMS at least: at B = 64 fewer programs and partials (16 heads of 64,
+# ring 2048: 2.89 ms a step instead of 3.17 at prompt 128, 3.65-3.89 instead of 3.95-4.11 at 1500, H200, session
+# 80); at B = 1 the 64 slots' 512 programs keep the GPU busier (0.94-0.99 ms against 1.01-1.12 with 256 slots)
+BLOCK_ELEMS, BLOCK_W_MAX, PROGRAMS = 64 * 256, 256, 4096
+
+
+def _block_w(B: int, H: int, W: int, D: int) -> int:
+    """Ring slots per program of the partial kernel: B rows of H heads of D, rings of W slots."""
+    block_w = max(BLOCK_W, min(BLOCK_W_MAX, BLOCK_ELEMS // triton.next_power_of_2(D)))
+    while block_w > BLOCK_W and B * H * triton.cdiv(W, block_w) < PROGRAMS:
+        block_w //= 2
+    return block_w
 
 
 @triton.jit
@@ -187,7 +200,8 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
         raise ValueError(f"k and v must be [B, Hkv, D] = {[B, Hkv, D]}, got {list(k.shape)} / {list(v.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last axis")
-    S = triton.cdiv(W, BLOCK_W)
+    block_w = _block_w(B, H, W, D)
+    S = triton.cdiv(W, block_w)
     m = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)  # noqa: E741
     acc = torch.empty(B, H, S, D, device=q.device, dtype=torch.float32)
@@ -197,8 +211,8 @@ def swa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: dict, real
     count, nxt = ring["count"], ring["next"]
     _swa_partial_kernel[(S, B, H)](q, q.stride(0), q.stride(1), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
                                    rreal, rreal.stride(0), count, nxt, m, l, acc, inv_freq, H, W, S,
-                                   scale_log2e, D=D, D_P2=triton.next_power_of_2(D), BLOCK_W=BLOCK_W,
-                                   SUB=min(SUB, BLOCK_W), STAGES=STAGES, G=H // Hkv, num_warps=WARPS)
+                                   scale_log2e, D=D, D_P2=triton.next_power_of_2(D), BLOCK_W=block_w,
+                                   SUB=min(SUB, block_w), STAGES=STAGES, G=H // Hkv, num_warps=WARPS)
     _swa_combine_kernel[(B, H)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                                 o, rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rreal, rreal.stride(0),
                                 tok_real, count, nxt, m, l, acc, inv_freq, H, S, scale_log2e, D=D,
