@@ -65,7 +65,9 @@ def _convert_fla(args) -> int:
         if f.is_file() and (f.name.startswith("tokenizer") or f.name == "special_tokens_map.json"):
             shutil.copy2(f, Path(args.out, f.name))
             copied.append(f.name)
-    print(f"converted fla's {FLA_NAMES[model.config.mixer]} in {args.source} ({model.num_params() / 1e6:.2f}M "
+    attention = [i for i, mixer in enumerate(model.config.mixers) if mixer == "swa"]  # a hybrid's (fla's attn)
+    hybrid = f" (attention at layers {', '.join(map(str, attention))})" if attention else ""
+    print(f"converted fla's {FLA_NAMES[model.config.mixer]}{hybrid} in {args.source} ({model.num_params() / 1e6:.2f}M "
           f"parameters) to {args.out}" + (f", with {', '.join(copied)}" if copied else ""))
     return 0
 
@@ -292,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert-fla",
                        help="a flash-linear-attention Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct or KDA "
-                            "checkpoint as a rankdecay model")
+                            "checkpoint (a hybrid with attention layers too) as a rankdecay model")
     p.add_argument("source", help="a folder an fla GatedDeltaNetForCausalLM, DeltaNetForCausalLM, GLAForCausalLM, "
                                   "GatedDeltaProductForCausalLM or KDAForCausalLM was saved to (config.json + "
                                   "weights), "

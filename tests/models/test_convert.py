@@ -200,12 +200,15 @@ def _fla_attention(monkeypatch):
     ("gated_deltanet", {"layers": [0], "num_heads": 2}),
     ("kda", [{"layers": [1], "num_heads": 4, "num_kv_heads": 1, "window_size": None, "rope_theta": 500.0}]),
 ])
-def test_hybrids_with_attention_layers_give_fla_logits(_fla_attention, kind, attn):
+def test_hybrids_with_attention_layers_give_fla_logits(_fla_attention, kind, attn, tmp_path, capsys):
     """fla's hybrids (``attn``: its ``Attention`` at the layers named, the rest the linear mixer): a sliding window
     of 8 with 4 query heads over 2 key/value heads and q/k/v biases (Gated DeltaNet-H1's kind of layer), full
     attention (``window_size`` None, fla's default) as the first layer, and one key/value head for 4 (MQA) in a list
-    of specs with another RoPE base; the converted model gives fla's logits for a left-padded batch (T = 40, past
-    the window) and decodes token by token as its own full forward."""
+    of specs with another RoPE base; the converted model gives fla's logits for a left-padded batch (T = 20, past
+    the window) and decodes token by token as its own full forward; ``rankdecay convert-fla`` names the attention
+    layers."""
+    from rankdecay.cli import main
+
     with torch.no_grad():
         fla = _fla_model(kind=kind, attn=attn)
         for name, p in fla.named_parameters():
@@ -220,8 +223,11 @@ def test_hybrids_with_attention_layers_give_fla_logits(_fla_attention, kind, att
         spec["num_heads"], spec.get("num_kv_heads", spec["num_heads"]), 64 // spec["num_heads"])
     assert mixer.window_size == spec.get("window_size") and mixer.rope_theta == spec.get("rope_theta", 10000.0)
     assert (mixer.q_proj.bias is not None) == spec.get("qkv_bias", False)
-    _assert_same_logits(fla, ours, kind, short=40)
+    _assert_same_logits(fla, ours, kind, short=20)
     _assert_decodes_as_full_forward(ours, prompt=5)
+    fla.save_pretrained(tmp_path / "fla")
+    assert main(["convert-fla", str(tmp_path / "fla"), str(tmp_path / "ours")]) == 0
+    assert f"(attention at layers {spec['layers'][0]}) in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("window", [8, None])
