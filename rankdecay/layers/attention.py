@@ -229,7 +229,7 @@ class SlidingWindowAttention(nn.Module):
             return entry
         W = slots
         if slots is None and self.window_size is None:
-            W = max(16, 1 << (2 * entry["k"].shape[1]).bit_length())
+            W = max(16, 1 << (2 * entry["k"].shape[1] - 1).bit_length())  # a power of two >= twice the keys
         elif slots is None:
             W = self.window_size
         if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= (self.window_size or W):
@@ -393,9 +393,8 @@ class SlidingWindowAttention(nn.Module):
         attention split over the ring's slots), compiled or not; else PyTorch's operations."""
         B, _, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        if ring.get("room") == 0:  # full attention, eager: the ring is full; twice the slots
-            ring = self.ring_cache(_rolled(ring, whole=True), 2 * ring["k"].shape[1])
-            ring["room"] = ring["k"].shape[1] // 2
+        if ring.get("room") == 0:  # full attention, eager: the ring is full; back in time order, then twice the slots
+            ring = self.ring_cache(_rolled(ring, whole=True))
         slot = ring["next"]  # [B] (one value unless rows were reordered from different caches)
         q, k, v = self._projections(x, cache, projected)
         if (_HAS_TRITON and _on_kernel_device(x) and not torch.is_grad_enabled()

@@ -100,9 +100,9 @@ def _attention(fla: dict, mixer: str) -> dict:
                          "'layers' and 'num_heads'")
     settings = [{key: spec.get(key) if spec.get(key) is not None else default for key, (default, _) in _ATTN.items()}
                 for spec in specs]
-    settings[0]["num_kv_heads"] = settings[0]["num_kv_heads"] or settings[0]["num_heads"]
+    for setting in settings:
+        setting["num_kv_heads"] = setting["num_kv_heads"] or setting["num_heads"]
     for other in settings[1:]:
-        other["num_kv_heads"] = other["num_kv_heads"] or other["num_heads"]
         if other != settings[0]:
             raise ValueError(f"fla config attn has attention layers of different settings ({settings[0]} and "
                              f"{other}): rankdecay's attention layers share one; not converted")
