@@ -138,13 +138,15 @@ def test_each_chunked_case_runs(name):
 
 @pytest.mark.parametrize("name", ["gdn-decode", "gdn-decode-inplace", "gdn-decode-bf16", "kda-decode"])
 def test_each_decode_case_runs_and_matches_its_peer(name):
-    """Every decode case of ``kernels.py`` builds inputs its op accepts (one token, on the CPU's PyTorch form of the
-    step): finite [B, 1, H, V] outputs; and where the case names fla's kernel as its peer (interpreted on the CPU),
-    the same outputs from the same inputs, so that the benchmark's ratio compares the same step."""
+    """Every decode case of ``kernels.py`` builds inputs its op accepts (one token through the decode kernel:
+    interpreted on the CPU, on the GPU where there is one, as the kernel takes only CUDA tensors there): finite
+    [B, 1, H, V] outputs; and where the case names fla's kernel as its peer, the same outputs from the same inputs,
+    so that the benchmark's ratio compares the same step."""
     from benchmarks.kernels import CASES
 
     case = CASES[name]
-    make = lambda: case.make(3, 1, 2, 16, 8, torch.device("cpu"), torch.float32)  # noqa: E731
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    make = lambda: case.make(3, 1, 2, 16, 8, device, torch.float32)  # noqa: E731
     torch.manual_seed(0)
     x = make()
     with torch.no_grad():

@@ -3541,6 +3541,93 @@ def test_cu_seqlens_under_torch_compile_new_packings_in_one_graph(path):
         torch._dynamo.reset()
 
 
+def _laid_out(x: torch.Tensor, layout: str):
+    """(storage, view): a contiguous tensor laid out otherwise and a view of it that holds x's values, not contiguous:
+    "split" (x among other maps' outputs along the last axis: q, k and v split from one projection), "head_first"
+    (tokens and heads swapped underneath: fla's [B, H, T, ...] layout) or "transposed" (the last two axes swapped)."""
+    if layout == "split":
+        storage = torch.cat([x, torch.zeros_like(x[..., :3])], -1)
+        return storage, lambda t: t[..., :x.shape[-1]]
+    dims = (1, 2) if layout == "head_first" else (-1, -2)
+    return x.transpose(*dims).contiguous(), lambda t: t.transpose(*dims)
+
+
+_LAYOUTS = dict(q="split", k="head_first", v="split", g="head_first", beta="split", lam="head_first", a="head_first",
+                b="split", h0="transposed", mask="transposed", k2="split", v2="head_first", beta2="head_first")
+
+_STRIDED_CASES = {  # each: the op on the named inputs (a dict), (o, final state); and the names it reads
+    "gated_delta_rule": lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode="triton",
+                                                       initial_state=x["h0"], output_final_state=True),
+    "delta_rule": lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["h0"],
+                                           output_final_state=True, mode="triton"),
+    "retention": lambda x: ops.retention(x["q"], x["k"], x["v"], x["lg"], initial_state=x["h0"],
+                                         output_final_state=True, mode="triton"),
+    "gla": lambda x: ops.gla(x["q"], x["k"], x["v"], x["lam"], initial_state=x["h0"], output_final_state=True,
+                             mode="triton"),
+    "kda": lambda x: ops.kda(x["q"], x["k"], x["v"], x["lam"], x["beta"], initial_state=x["h0"],
+                             output_final_state=True, mode="triton"),
+    "hdla": lambda x: ops.hdla(x["q"], x["k"], x["v"], x["lam"], 2 * x["beta"], initial_state=x["h0"],
+                               output_final_state=True, mode="triton"),
+    "hh_delta_rule": lambda x: ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"],
+                                                 initial_state=x["h0"], output_final_state=True, mode="triton"),
+    "gated_delta_product": lambda x: ops.gated_delta_product(x["q"], x["k2"], x["v2"], x["g"], x["beta2"], 2,
+                                                             initial_state=x["h0"], output_final_state=True,
+                                                             mode="triton"),
+    "dplr-2": lambda x: ops.dplr(x["q"], x["k"], x["v"], x["a"][..., :2, :], x["b"][..., :2, :], x["lam"],
+                                 initial_state=x["h0"], output_final_state=True, mode="triton"),
+    "dplr-5": lambda x: ops.dplr(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], initial_state=x["h0"],
+                                 output_final_state=True, mode="triton", chunk_size=16),
+}
+
+
+@pytest.mark.parametrize("case", list(_STRIDED_CASES))
+def test_inputs_that_are_views_give_their_copies_results(case):
+    """Inputs that are not contiguous (q, k, v split from one projection, fla's head-first layouts, a transposed
+    initial state; retention's per-head decay expanded over [B, T, H] by the op itself) give the outputs, final
+    states and gradients that their contiguous copies give (retention: ``simple_gla`` on the decay expanded into a
+    tensor of its own), on the kernels with autograd. Until session 81 the forward copied what it read but the
+    backward's kernels read the tensors saved as given, strides ignored: wrong dq and dk for Gated DeltaNet on split
+    projections and for retention on a GPU, NaN under the interpreter."""
+    B, T, H, K = 2, 20, 2, 16
+    q, k, v, g, beta, lam, a, h0 = _compile_inputs(T, seed=3, B=B, H=H, K=K)
+    gen = torch.Generator().manual_seed(4)
+    values = dict(q=q, k=k, v=v, g=g, beta=beta, lam=lam, a=a, b=F.normalize(a.roll(1, -1), dim=-1), h0=h0,
+                  lg=-torch.rand(H, generator=gen).to(DEVICE) / 4,
+                  mask=ops.head_in_head_mask(torch.rand(H, 2, 2, generator=gen)).to(DEVICE),
+                  k2=F.normalize(torch.randn(B, 2 * T, H, K, generator=gen), dim=-1).to(DEVICE),
+                  v2=torch.randn(B, 2 * T, H, K, generator=gen).to(DEVICE),
+                  beta2=torch.rand(B, 2 * T, H, generator=gen).to(DEVICE))
+    op = _STRIDED_CASES[case]
+    w = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
+
+    def results(strided: bool):
+        leaves, views = {}, {}
+        for name, x in values.items():
+            if strided and name in _LAYOUTS:
+                storage, view = _laid_out(x, _LAYOUTS[name])
+                leaves[name] = storage.requires_grad_()
+                views[name] = view(leaves[name])
+                assert not views[name].is_contiguous(), name
+            else:
+                leaves[name] = views[name] = x.clone().requires_grad_()
+                view = lambda t: t  # noqa: E731
+            if name == "lg" and not strided:  # the decay as a tensor of its own, for simple_gla
+                views["g_lg"] = leaves[name].expand(B, T, H).contiguous()
+            leaves[name]._view = view
+        if case == "retention" and not strided:
+            o, s = ops.simple_gla(views["q"], views["k"], views["v"], views["g_lg"], initial_state=views["h0"],
+                                  output_final_state=True, mode="triton")
+        else:
+            o, s = op(views)
+        ((o * w).sum() + s.sin().sum()).backward()
+        return [o.detach(), s.detach()] + [x._view(x.grad) for x in leaves.values() if x.grad is not None]
+
+    got, want = results(True), results(False)
+    assert len(got) == len(want) > 3
+    for i, (x, ref) in enumerate(zip(got, want, strict=True)):
+        assert_matches(x, ref, 1e-6, f"{case}: result {i}")
+
+
 def test_mechanisms_trace_whole_on_the_kernels():
     """Traced by Dynamo, the mechanism functions on the Triton kernels make one graph, with and without autograd:
     no graph break (a break splits a compiled model and can make Dynamo compile what follows it again at every

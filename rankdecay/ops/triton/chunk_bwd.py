@@ -1085,6 +1085,8 @@ class _ChunkDPLR(torch.autograd.Function):
         fa, fb = (k, k) if tied else (a, b)
         o, ht, saved = chunk_dplr_fwd(q, k, v, fa, fb, g, scale, h0, save=True, a_scale=a_scale, v_scale=v_scale,
                                       hh_mask=hh_mask, kda_b=kda_b, offsets=offsets)
+        q, k, v, a, b, g = saved["inputs"]  # contiguous where the kernels read them, as the backward's kernels do
+        a, b = (None, None) if tied else (a, b)
         ctx.save_for_backward(q, k, v, a, b, g, h0, a_scale, v_scale, *(saved[n] for n in _SAVED), hh_mask, offsets)
         ctx.scale, ctx.C, ctx.tied, ctx.paired, ctx.kda_rows = scale, saved["TC"], tied, saved["paired"], kda_rows
         ctx.ut = saved["ut"]
@@ -1358,7 +1360,8 @@ class _GatedDeltaRule(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         k1, v1, g1, sa, sv = _delta_rule_rows(k, v, g, beta)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, k1, k1, g1, scale, h0, save=True, a_scale=sa, v_scale=sv)
-        ctx.save_for_backward(q, k1, v1, None, None, g1, h0, sa, sv, *(saved[n] for n in _SAVED), beta)
+        q, k1, v1, _, _, g1 = saved["inputs"]  # contiguous, as the backward's kernels read them
+        ctx.save_for_backward(q, k1, v1, None, None, g1, h0, sa, sv, *(saved[n] for n in _SAVED), beta.contiguous())
         ctx.scale, ctx.C, ctx.ut = scale, saved["TC"], saved["ut"]
         return o, ht
 
@@ -1496,6 +1499,7 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
         ctx.set_materialize_grads(False)
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # (ops.hdla's are): the kernels read them so
         a, b, c = _hdla_factors(q, k, g, beta, with_c=True)
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)

@@ -1226,7 +1226,9 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     k_t ⊙ e^{G_t}, the intra kernel forms its rows from k (its KDA_B), the scaled form reads none, and the products
     take L_BK (and L_BA) as k's, in M_QK's kernel; where a form still reads b (a not paired with k, or the products
     apart), without ``save`` it is built here (``factors.kda_factor``). Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32), and with
-    ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``). Needs
+    ``save`` a dict of the per-chunk tensors the backward needs (``rankdecay.ops.triton.chunk_bwd``), with "inputs":
+    (q, k, v, a, b, g) as the kernels read them, contiguous where they read them (the backward's kernels take the
+    same strides; the autograd Functions save these rather than their arguments). Needs
     ``fused_chunk_size(Rab, Rkv)``.
 
     ``offsets`` (int32 [N + 1], on q's device): N sequences lie along one row (B = 1), sequence i on tokens
@@ -1276,6 +1278,7 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     g = g.contiguous() if g is not None else None
     sa = a_scale.float().contiguous() if a_scale is not None and Rab else None
     sv = v_scale.float().contiguous() if v_scale is not None else None
+    read = (q, k, v, a, b, g)  # as the kernels read them: the backward's kernels read these (saved "inputs")
     # a decay per row (scalar gate or none): the state and output kernels, and the backward's,
     # read q, k, v and a as given, with the rows' decays as factors (their RAW forms); no decayed
     # copies Q̃, K̃, Ã or V are stored
@@ -1499,5 +1502,5 @@ def chunk_dplr_fwd(q, k, v, a, b, g, scale: float, initial_state, save: bool = F
     # (with ``u_from_t`` only the backward's state kernel reads T: the 16-bit copy where there is one)
     saved = dict(qd=qd, mqk=mqk, mqa=mqa, kd=kd, vf=vf, w=w, ad=ad, dch=dch, tinv=t_read, lba=lba,
                  lbk=lbk, s0=s0, u=u, qf=qf, af=af, kdec=kdec, gc=g if gate == 2 else None, TC=TC, paired=paired,
-                 ut=ut)
+                 ut=ut, inputs=read)
     return o, ht, saved
