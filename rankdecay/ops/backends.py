@@ -42,7 +42,11 @@ def triton_runs_on(x: torch.Tensor) -> bool:
 
 def resolve_mode(mode: str, q: torch.Tensor, compute_dtype: torch.dtype) -> str:
     """``mode`` with "auto" made concrete: "triton" for fp32-computed CUDA tensors when triton is
-    installed, else "chunk"; any other mode is returned as given."""
+    installed, else "chunk"; any other mode is returned as given, but "triton" for inputs without tokens (B or T
+    zero): those take "chunk" (nothing to launch; the kernels' backward has no empty form), which returns the state
+    as it came in, and its gradient as the final state's."""
+    if mode in ("auto", "triton") and (q.shape[0] == 0 or q.shape[1] == 0):
+        return "chunk"
     if mode != "auto":
         return mode
     return "triton" if compute_dtype == torch.float32 and q.is_cuda and triton_runs_on(q) else "chunk"

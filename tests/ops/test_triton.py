@@ -3628,6 +3628,25 @@ def test_inputs_that_are_views_give_their_copies_results(case):
         assert_matches(x, ref, 1e-6, f"{case}: result {i}")
 
 
+@pytest.mark.parametrize("B, T", [(2, 0), (0, 5)])
+@pytest.mark.parametrize("case", ["gated_delta_rule", "hdla", "kda", "hh_delta_rule", "gla", "dplr-5"])
+def test_inputs_without_tokens(case, B, T):
+    """No tokens (T = 0, or B = 0) with autograd, asked for the kernels: an empty output, the state as it came in,
+    and its gradient as the final state's; empty gradients for the rest (the PyTorch chunked path takes them: the
+    kernels' backward raised a reshape error)."""
+    H, K = 2, 16
+    *tokens, h0 = _compile_inputs(max(T, 1), seed=5, B=max(B, 1), H=H, K=K)
+    (q, k, v, g, beta, lam, a), h0 = (t[:B, :T] for t in tokens), h0[:B]
+    x = dict(q=q, k=k, v=v, g=g, beta=beta, lam=lam, a=a, b=F.normalize(a, dim=-1), h0=h0,
+             mask=ops.head_in_head_mask(torch.rand(H, 2, 2, generator=torch.Generator().manual_seed(6))).to(DEVICE))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, s = _STRIDED_CASES[case](leaves)
+    (o.sum() + (s * s).sum()).backward()
+    assert o.shape == (B, T, H, K) and torch.equal(s, h0.float())
+    assert_matches(leaves["h0"].grad, 2 * h0, 1e-7, "dh0")
+    assert all(t.grad is None or t.grad.shape == t.shape for t in leaves.values())
+
+
 def test_mechanisms_trace_whole_on_the_kernels():
     """Traced by Dynamo, the mechanism functions on the Triton kernels make one graph, with and without autograd:
     no graph break (a break splits a compiled model and can make Dynamo compile what follows it again at every
