@@ -1499,7 +1499,7 @@ class _HDLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale):
         ctx.set_materialize_grads(False)
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # (ops.hdla's are): the kernels read them so
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # as the kernels read them (ops.hdla's are)
         a, b, c = _hdla_factors(q, k, g, beta, with_c=True)
         k1, v1 = k.unsqueeze(3), v.unsqueeze(3)
         o, ht, saved = chunk_dplr_fwd(q, k1, v1, a, b, g, scale, h0, save=True, hdla_beta=beta)
