@@ -40,6 +40,13 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return _HAS_TRITON and (x.is_cuda or interpreting())
 
 
+# Log-gates below this count as it on the chunked paths (PyTorch and Triton), where decays are exps of differences of
+# log-cumsums: e^-1000 is 0 in fp64 as in fp32, so every decay over such a step is 0 as it would be, while -inf
+# (a gate of 0, "forget") made the differences inf - inf = NaN and -1e30 swallowed the other gates of its chunk's
+# log-cumsums. The per-token paths multiply by e^g and need no floor.
+LOG_GATE_FLOOR = -1000.0
+
+
 def resolve_mode(mode: str, q: torch.Tensor, compute_dtype: torch.dtype) -> str:
     """``mode`` with "auto" made concrete: "triton" for fp32-computed CUDA tensors when triton is
     installed, else "chunk"; any other mode is returned as given, but "triton" for inputs without tokens (B or T

@@ -27,7 +27,8 @@ need no decay at all; a chunk size with an odd factor leaves odd-sized blocks th
 are formed elementwise).
 
 Log-cumsums are kept in fp64: G_i - G_j of two large cumsums (a log-gate of -1e4 at
-one step) would otherwise lose the small difference.
+one step) would otherwise lose the small difference. Log-gates below ``LOG_GATE_FLOOR``
+(-1000, where e^g is 0 in fp64 already) count as it: -inf gave inf - inf.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import functools
 import torch
 import torch.utils.checkpoint
 
-from .backends import needs_grad
+from .backends import LOG_GATE_FLOOR, needs_grad
 
 
 def _causal_mask(n: int, strict: bool, device) -> torch.Tensor:
@@ -199,7 +200,7 @@ def chunk_dplr_core(
         G = G_prev = None
         q_dec, k_dec, a_dec = q, k, a
     else:
-        G = chunked(g, torch.float64).cumsum(-2)  # [B, H, NC, C, Kg]
+        G = chunked(g, torch.float64).clamp_min(LOG_GATE_FLOOR).cumsum(-2)  # [B, H, NC, C, Kg]
         G_prev = torch.cat([torch.zeros_like(G[..., :1, :]), G[..., :-1, :]], dim=-2)  # G_{i-1}
         G_last = G[..., -1:, :]
         to_end = (G_last - G).to(dtype).exp()[..., None, :]  # exp(G_C - G_i), [B, H, NC, C, 1, Kg]

@@ -3647,6 +3647,32 @@ def test_inputs_without_tokens(case, B, T):
     assert all(t.grad is None or t.grad.shape == t.shape for t in leaves.values())
 
 
+_GATES_AT_ZERO = {  # each: (o, final state) of the inputs (q, k, v, g, beta, lam, a, h0) on a path
+    "gated_delta_rule": lambda x, m: ops.gated_delta_rule(*x[:5], initial_state=x[7], output_final_state=True, mode=m),
+    "gla": lambda x, m: ops.gla(*x[:3], x[5], initial_state=x[7], output_final_state=True, mode=m),
+    "kda": lambda x, m: ops.kda(*x[:3], x[5], x[4], initial_state=x[7], output_final_state=True, mode=m),
+    "hdla": lambda x, m: ops.hdla(*x[:3], x[5], 2 * x[4], initial_state=x[7], output_final_state=True, mode=m),
+    "dplr-5": lambda x, m: ops.dplr(*x[:3], x[6], F.normalize(x[6], dim=-1), x[3], initial_state=x[7],
+                                    output_final_state=True, mode=m, chunk_size=16),
+}
+
+
+@pytest.mark.parametrize("mode", ["chunk", "triton"])
+@pytest.mark.parametrize("case", list(_GATES_AT_ZERO))
+def test_gates_of_zero(case, mode):
+    """Log-gates of -inf (a gate of 0: forget) and -1e30 at a few tokens, inside chunks and on a chunk's first token:
+    the chunked paths give the per-token recurrence's outputs, final state and gradients (they count log-gates below
+    -1000 as -1000, ``backends.LOG_GATE_FLOOR``; -inf gave NaN and -1e30 swallowed the other gates of its chunk)."""
+    x = list(_compile_inputs(40, seed=7, B=1, H=2, K=16))
+    for i, strong in ((3, float("-inf")), (16, float("-inf")), (17, -1e30), (33, -1e30)):
+        x[3][:, i], x[5][:, i, :, ::2] = strong, strong  # the scalar gate; half the per-channel gate's channels
+    fn = _GATES_AT_ZERO[case]
+    want, got = _grads_of(lambda *t: fn(t, "naive"), x), _grads_of(lambda *t: fn(t, mode), x)
+    for name, r, w in zip(["o", "state", "dq", "dk", "dv", "dg", "dbeta", "dlam", "da", "dh0"], got, want, strict=True):
+        if w is not None:
+            assert_matches(r, w, 1e-5, f"{case} {mode}: {name}")
+
+
 def test_mechanisms_trace_whole_on_the_kernels():
     """Traced by Dynamo, the mechanism functions on the Triton kernels make one graph, with and without autograd:
     no graph break (a break splits a compiled model and can make Dynamo compile what follows it again at every

@@ -44,9 +44,11 @@ from .channel import (_CHANNEL, _gc_at, _input_dot, channel_product, hdla_a2, hd
                       hdla_row_products, row_span)
 from .factors import placeholder
 from .fused_recurrent import _cdiv, _pow2, gate_kind
+from ..backends import LOG_GATE_FLOOR
 from .opaque import opaque, same_memory
 
 MAX_ROWS = 64  # rows of one row set (tokens x padded rank) in a chunk tile
+_FLOOR = tl.constexpr(LOG_GATE_FLOOR)  # log-gates below count as it (``backends.LOG_GATE_FLOOR``)
 
 
 @triton.jit
@@ -57,10 +59,10 @@ def _rows(i_b, i_h, i_c, T, H: tl.constexpr, TC: tl.constexpr, R: tl.constexpr, 
 
 @triton.jit
 def _g_at(g, i_b, i_h, t, ok, T, H: tl.constexpr, KG: tl.constexpr):
-    """Scalar log-gate at time t for each row where ok (else 0), [rows]. (A per-channel gate is read
-    as chunk-local log-cumsums instead: ``_gc_at``.)"""
+    """Scalar log-gate at time t for each row where ok (else 0), [rows], at least ``_FLOOR``. (A per-channel gate
+    is read as chunk-local log-cumsums instead: ``_gc_at``.)"""
     ok = ok & (t >= 0) & (t < T)
-    return tl.load(g + ((i_b * T + t) * H + i_h) * KG, mask=ok, other=0.0).to(tl.float32)
+    return tl.maximum(tl.load(g + ((i_b * T + t) * H + i_h) * KG, mask=ok, other=0.0).to(tl.float32), _FLOOR)
 
 
 @triton.jit
@@ -381,7 +383,7 @@ def _chunk_log_cumsum_kernel(g, gc, T, q, k, qd, kd, dch, scale, H: tl.constexpr
     m_k = o_k < K
     m_t = (t < T)[:, None] & m_k[None, :]
     rows = ((i_b * T + t[:, None]) * H + i_h) * K + o_k[None, :]
-    x = tl.load(g + rows, mask=m_t, other=0.0)
+    x = tl.maximum(tl.load(g + rows, mask=m_t, other=0.0).to(tl.float32), _FLOOR)
     c = i_bh * tl.num_programs(1) + i_c
     G64 = tl.cumsum(x.to(tl.float64), axis=0)
     G = G64.to(gc.dtype.element_ty)  # summed in fp64, kept in gc's dtype
