@@ -3555,32 +3555,34 @@ def _laid_out(x: torch.Tensor, layout: str):
 _LAYOUTS = dict(q="split", k="head_first", v="split", g="head_first", beta="split", lam="head_first", a="head_first",
                 b="split", h0="transposed", mask="transposed", k2="split", v2="head_first", beta2="head_first")
 
-_STRIDED_CASES = {  # each: the op on the named inputs (a dict), (o, final state); and the names it reads
-    "gated_delta_rule": lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode="triton",
-                                                       initial_state=x["h0"], output_final_state=True),
-    "delta_rule": lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["h0"],
-                                           output_final_state=True, mode="triton"),
-    "retention": lambda x: ops.retention(x["q"], x["k"], x["v"], x["lg"], initial_state=x["h0"],
-                                         output_final_state=True, mode="triton"),
-    "gla": lambda x: ops.gla(x["q"], x["k"], x["v"], x["lam"], initial_state=x["h0"], output_final_state=True,
-                             mode="triton"),
-    "kda": lambda x: ops.kda(x["q"], x["k"], x["v"], x["lam"], x["beta"], initial_state=x["h0"],
-                             output_final_state=True, mode="triton"),
-    "hdla": lambda x: ops.hdla(x["q"], x["k"], x["v"], x["lam"], 2 * x["beta"], initial_state=x["h0"],
-                               output_final_state=True, mode="triton"),
-    "hh_delta_rule": lambda x: ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"],
-                                                 initial_state=x["h0"], output_final_state=True, mode="triton"),
-    "gated_delta_product": lambda x: ops.gated_delta_product(x["q"], x["k2"], x["v2"], x["g"], x["beta2"], 2,
-                                                             initial_state=x["h0"], output_final_state=True,
-                                                             mode="triton"),
-    "dplr-2": lambda x: ops.dplr(x["q"], x["k"], x["v"], x["a"][..., :2, :], x["b"][..., :2, :], x["lam"],
-                                 initial_state=x["h0"], output_final_state=True, mode="triton"),
-    "dplr-5": lambda x: ops.dplr(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], initial_state=x["h0"],
-                                 output_final_state=True, mode="triton", chunk_size=16),
+_ENTRY_POINTS = {  # each: (o, final state) of the op on the named inputs (a dict), on the path ``mode``
+    "gated_delta_rule": lambda x, mode="triton": ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                                      initial_state=x["h0"], output_final_state=True,
+                                                                      mode=mode),
+    "delta_rule": lambda x, mode="triton": ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["h0"],
+                                                          output_final_state=True, mode=mode),
+    "retention": lambda x, mode="triton": ops.retention(x["q"], x["k"], x["v"], x["lg"], initial_state=x["h0"],
+                                                        output_final_state=True, mode=mode),
+    "gla": lambda x, mode="triton": ops.gla(x["q"], x["k"], x["v"], x["lam"], initial_state=x["h0"],
+                                            output_final_state=True, mode=mode),
+    "kda": lambda x, mode="triton": ops.kda(x["q"], x["k"], x["v"], x["lam"], x["beta"], initial_state=x["h0"],
+                                            output_final_state=True, mode=mode),
+    "hdla": lambda x, mode="triton": ops.hdla(x["q"], x["k"], x["v"], x["lam"], 2 * x["beta"], initial_state=x["h0"],
+                                              output_final_state=True, mode=mode),
+    "hh_delta_rule": lambda x, mode="triton": ops.hh_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["mask"], x["g"],
+                                                                initial_state=x["h0"], output_final_state=True,
+                                                                mode=mode),
+    "gated_delta_product": lambda x, mode="triton": ops.gated_delta_product(x["q"], x["k2"], x["v2"], x["g"],
+                                                                            x["beta2"], 2, initial_state=x["h0"],
+                                                                            output_final_state=True, mode=mode),
+    "dplr-2": lambda x, mode="triton": ops.dplr(x["q"], x["k"], x["v"], x["a"][..., :2, :], x["b"][..., :2, :],
+                                                x["lam"], initial_state=x["h0"], output_final_state=True, mode=mode),
+    "dplr-5": lambda x, mode="triton": ops.dplr(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], initial_state=x["h0"],
+                                                output_final_state=True, mode=mode, chunk_size=16),
 }
 
 
-@pytest.mark.parametrize("case", list(_STRIDED_CASES))
+@pytest.mark.parametrize("case", list(_ENTRY_POINTS))
 def test_inputs_that_are_views_give_their_copies_results(case):
     """Inputs that are not contiguous (q, k, v split from one projection, fla's head-first layouts, a transposed
     initial state; retention's per-head decay expanded over [B, T, H] by the op itself) give the outputs, final
@@ -3597,30 +3599,27 @@ def test_inputs_that_are_views_give_their_copies_results(case):
                   k2=F.normalize(torch.randn(B, 2 * T, H, K, generator=gen), dim=-1).to(DEVICE),
                   v2=torch.randn(B, 2 * T, H, K, generator=gen).to(DEVICE),
                   beta2=torch.rand(B, 2 * T, H, generator=gen).to(DEVICE))
-    op = _STRIDED_CASES[case]
+    op = _ENTRY_POINTS[case]
     w = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
 
     def results(strided: bool):
-        leaves, views = {}, {}
+        leaves, views, unview = {}, {}, {}  # unview: a leaf's gradient in x's layout
         for name, x in values.items():
             if strided and name in _LAYOUTS:
-                storage, view = _laid_out(x, _LAYOUTS[name])
+                storage, unview[name] = _laid_out(x, _LAYOUTS[name])
                 leaves[name] = storage.requires_grad_()
-                views[name] = view(leaves[name])
+                views[name] = unview[name](leaves[name])
                 assert not views[name].is_contiguous(), name
             else:
                 leaves[name] = views[name] = x.clone().requires_grad_()
-                view = lambda t: t  # noqa: E731
-            if name == "lg" and not strided:  # the decay as a tensor of its own, for simple_gla
-                views["g_lg"] = leaves[name].expand(B, T, H).contiguous()
-            leaves[name]._view = view
-        if case == "retention" and not strided:
-            o, s = ops.simple_gla(views["q"], views["k"], views["v"], views["g_lg"], initial_state=views["h0"],
-                                  output_final_state=True, mode="triton")
+                unview[name] = lambda t: t  # noqa: E731
+        if case == "retention" and not strided:  # the decay as a tensor of its own, for simple_gla
+            o, s = ops.simple_gla(views["q"], views["k"], views["v"], views["lg"].expand(B, T, H).contiguous(),
+                                  initial_state=views["h0"], output_final_state=True, mode="triton")
         else:
             o, s = op(views)
         ((o * w).sum() + s.sin().sum()).backward()
-        return [o.detach(), s.detach()] + [x._view(x.grad) for x in leaves.values() if x.grad is not None]
+        return [o.detach(), s.detach()] + [unview[n](x.grad) for n, x in leaves.items() if x.grad is not None]
 
     got, want = results(True), results(False)
     assert len(got) == len(want) > 3
@@ -3640,25 +3639,15 @@ def test_inputs_without_tokens(case, B, T):
     x = dict(q=q, k=k, v=v, g=g, beta=beta, lam=lam, a=a, b=F.normalize(a, dim=-1), h0=h0,
              mask=ops.head_in_head_mask(torch.rand(H, 2, 2, generator=torch.Generator().manual_seed(6))).to(DEVICE))
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, s = _STRIDED_CASES[case](leaves)
+    o, s = _ENTRY_POINTS[case](leaves)
     (o.sum() + (s * s).sum()).backward()
     assert o.shape == (B, T, H, K) and torch.equal(s, h0.float())
     assert_matches(leaves["h0"].grad, 2 * h0, 1e-7, "dh0")
     assert all(t.grad is None or t.grad.shape == t.shape for t in leaves.values())
 
 
-_GATES_AT_ZERO = {  # each: (o, final state) of the inputs (q, k, v, g, beta, lam, a, h0) on a path
-    "gated_delta_rule": lambda x, m: ops.gated_delta_rule(*x[:5], initial_state=x[7], output_final_state=True, mode=m),
-    "gla": lambda x, m: ops.gla(*x[:3], x[5], initial_state=x[7], output_final_state=True, mode=m),
-    "kda": lambda x, m: ops.kda(*x[:3], x[5], x[4], initial_state=x[7], output_final_state=True, mode=m),
-    "hdla": lambda x, m: ops.hdla(*x[:3], x[5], 2 * x[4], initial_state=x[7], output_final_state=True, mode=m),
-    "dplr-5": lambda x, m: ops.dplr(*x[:3], x[6], F.normalize(x[6], dim=-1), x[3], initial_state=x[7],
-                                    output_final_state=True, mode=m, chunk_size=16),
-}
-
-
 @pytest.mark.parametrize("mode", ["chunk", "triton"])
-@pytest.mark.parametrize("case", list(_GATES_AT_ZERO))
+@pytest.mark.parametrize("case", ["gated_delta_rule", "gla", "kda", "hdla", "dplr-5"])
 def test_gates_of_zero(case, mode):
     """Log-gates of -inf (a gate of 0: forget) and -1e30 at a few tokens, inside chunks and on a chunk's first token:
     the chunked paths give the per-token recurrence's outputs, final state and gradients (they count log-gates below
@@ -3666,8 +3655,12 @@ def test_gates_of_zero(case, mode):
     x = list(_compile_inputs(40, seed=7, B=1, H=2, K=16))
     for i, strong in ((3, float("-inf")), (16, float("-inf")), (17, -1e30), (33, -1e30)):
         x[3][:, i], x[5][:, i, :, ::2] = strong, strong  # the scalar gate; half the per-channel gate's channels
-    fn = _GATES_AT_ZERO[case]
-    want, got = _grads_of(lambda *t: fn(t, "naive"), x), _grads_of(lambda *t: fn(t, mode), x)
+    names = ["q", "k", "v", "g", "beta", "lam", "a", "h0"]  # ``_compile_inputs``' order; b from a, through autograd
+
+    def fn(*t, mode):
+        return _ENTRY_POINTS[case](dict(zip(names, t), b=F.normalize(t[6], dim=-1)), mode)
+
+    want, got = _grads_of(lambda *t: fn(*t, mode="naive"), x), _grads_of(lambda *t: fn(*t, mode=mode), x)
     for name, r, w in zip(["o", "state", "dq", "dk", "dv", "dg", "dbeta", "dlam", "da", "dh0"], got, want, strict=True):
         if w is not None:
             assert_matches(r, w, 1e-5, f"{case} {mode}: {name}")
