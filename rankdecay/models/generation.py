@@ -158,7 +158,8 @@ class GraphDecoder:
         if self.max_length is not None and longest >= self.max_length:
             raise ValueError(f"a prompt of {longest} tokens leaves no room for a new one under max_length = "
                              f"{self.max_length}")
-        out = self.model(input_ids, attention_mask=attention_mask, use_cache=True, cu_seqlens=cu_seqlens)
+        out = self.model(input_ids, attention_mask=attention_mask, use_cache=True, cu_seqlens=cu_seqlens,
+                         return_dict=True)
         cache = output_cache(out)
         layers = [self._static_shape(i, entry) for i, entry in enumerate(cache.layers)]
         self._pack()
@@ -249,7 +250,7 @@ class GraphDecoder:
 
     def _forward(self, check: bool = False) -> torch.Tensor:
         """The model on the buffers, then its new cache copied into them; the last logits [B, vocab]."""
-        out = self.model(self._ids, past_key_values=self._cache, use_cache=True)
+        out = self.model(self._ids, past_key_values=self._cache, use_cache=True, return_dict=True)
         for i, (old, new) in enumerate(zip(self._buffers, self._cache.layers)):
             olds, news = _leaves(old), _leaves(new)
             if check and [t.shape for t in olds] != [t.shape for t in news]:

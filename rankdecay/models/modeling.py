@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .. import ops
 from ..layers import (
@@ -21,6 +22,8 @@ from ..layers.packing import fused_output_linear as _fused_output_linear
 from ..layers.packing import output_linear as _output_linear
 from ..layers.packing import projections as _packed_projections
 from .config import RankDecayConfig
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the outputs' and generate's ``past_key_values`` to ``cache`` (the old name
 # still works there, with a deprecation warning). The model takes both and answers in the installed name.
@@ -179,13 +182,17 @@ class RankDecayModel(RankDecayPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
                 use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None, cache: Cache | None = None,
-                **kwargs):
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, **kwargs):
         """input_ids [B, T] (or inputs_embeds [B, T, D]); attention_mask [B, T] or [B, past + T] with 0 at
         (left) padding; cu_seqlens [N + 1] for sequences packed along T (B = 1). The cache of earlier
         tokens comes as ``past_key_values`` or ``cache`` (transformers >= 5.24 names it so) and goes
         back in the output under the installed transformers' name (``output_cache`` reads either).
         With ``cu_seqlens`` the cache has one row per sequence: packed prompts fill it (N rows), then steps
         ``input_ids [N, 1]`` continue them as a batch, and packed tokens with it continue each row.
+        ``output_hidden_states`` (or the config's): ``hidden_states``, a tuple of N + 1 [B, T, D] tensors, the
+        input of each layer and the final norm's output, as transformers' models give them. There are no
+        attention weights (``output_attentions`` gives None, with a warning). ``return_dict=False``: a tuple.
 
         Other keyword arguments that transformers' generation passes (position_ids, ...) are
         not used: positions live in the cache.
@@ -196,6 +203,14 @@ class RankDecayModel(RankDecayPreTrainedModel):
         B, T = x.shape[:2]
         past_key_values = _one_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        output_hidden_states = _flag(output_hidden_states, self.config.output_hidden_states)
+        if _flag(output_attentions, self.config.output_attentions):
+            logger.warning_once("rankdecay's mixers form no attention weights: output_attentions gives None")
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # the backward runs each layer again, which would read the cache the forward had already written
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: setting use_cache=False "
+                                "(a cache given is read, not written)")
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = Cache(self.config.num_hidden_layers)
         if attention_mask is not None:
@@ -206,15 +221,19 @@ class RankDecayModel(RankDecayPreTrainedModel):
             if bool(attention_mask.all()):
                 attention_mask = None
         if (use_cache and past_key_values.projections is not None and B * T == 1 and attention_mask is None
-                and cu_seqlens is None and not torch.is_grad_enabled()):
+                and cu_seqlens is None and not torch.is_grad_enabled() and not output_hidden_states):
             # a one-row step with packs (GraphDecoder): each residual add and norm inside the next product
             pending = None
             for layer in self.layers:
                 x, pending = layer.decode_step(x, pending, past_key_values)
             past_key_values.seen_tokens += T
             x = x if pending is None else x + pending
-            return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: past_key_values})
+            out = BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: past_key_values})
+            return out if _flag(return_dict, self.config.return_dict) else out.to_tuple()
+        hidden = []
         for layer in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, attention_mask, past_key_values, use_cache,
                                                       cu_seqlens)
@@ -222,8 +241,14 @@ class RankDecayModel(RankDecayPreTrainedModel):
                 x = layer(x, attention_mask, past_key_values, use_cache, cu_seqlens)
         if use_cache:  # packed sequences: as many as the longest one's (as a left-padded batch of them would)
             past_key_values.seen_tokens += T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
-                                       **{CACHE_FIELD: past_key_values if use_cache else None})
+        x = self.norm(x)
+        out = BaseModelOutputWithPast(last_hidden_state=x, hidden_states=(*hidden, x) if output_hidden_states else None,
+                                      **{CACHE_FIELD: past_key_values if use_cache else None})
+        return out if _flag(return_dict, self.config.return_dict) else out.to_tuple()
+
+
+def _flag(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
 
 
 class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
@@ -275,7 +300,9 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values: Cache | None = None, inputs_embeds=None,
                 labels=None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
-                logits_to_keep: int = 0, cache: Cache | None = None, loss_reduction: str = "mean", **kwargs):
+                logits_to_keep: int = 0, cache: Cache | None = None, loss_reduction: str = "mean",
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, **kwargs):
         """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy (labels are shifted
         inside; -100 is ignored): its mean over the targets, or with ``loss_reduction`` "sum" their sum, "none"
         [B, T - 1] per target (0 where ignored), fp32. With ``config.fuse_linear_cross_entropy`` in training
@@ -283,9 +310,15 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         ``rankdecay.layers.linear_cross_entropy`` and ``logits`` is None. See ``RankDecayModel.forward``."""
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {_LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        if labels is not None:
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            if labels.shape != shape:
+                raise ValueError(f"labels must be [B, T] = {list(shape)}, as the inputs; got {list(labels.shape)}")
         out = self.model(input_ids, attention_mask, _one_cache(past_key_values, cache), inputs_embeds, use_cache,
-                         cu_seqlens)
+                         cu_seqlens, output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True)
         h = out.last_hidden_state
+        as_tuple = not _flag(return_dict, self.config.return_dict)
         if (labels is not None and self.training and self.config.fuse_linear_cross_entropy
                 and type(self.lm_head) is nn.Linear):
             # every position, the last one's target ignored: x stays h itself (no copy), and no logits are formed
@@ -293,14 +326,18 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
             loss = linear_cross_entropy(h, target, self.lm_head.weight, self.lm_head.bias,
                                         reduction=loss_reduction)
             loss = loss[:, :-1] if loss_reduction == "none" else loss
-            return CausalLMOutputWithPast(loss=loss, logits=None, **{CACHE_FIELD: output_cache(out)})
+            result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states,
+                                            **{CACHE_FIELD: output_cache(out)})
+            return result.to_tuple() if as_tuple else result
         logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
                                    reduction=loss_reduction)
             loss = loss.view(labels[:, 1:].shape) if loss_reduction == "none" else loss
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: output_cache(out)})
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                        **{CACHE_FIELD: output_cache(out)})
+        return result.to_tuple() if as_tuple else result
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters (tied weights counted once); optionally without the embeddings."""

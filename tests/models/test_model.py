@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rankdecay.layers import Cache
 from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM, output_cache
 
 from ..conftest import assert_matches
@@ -89,6 +90,36 @@ def test_labels_are_shifted_and_ignore_index():
     ref = torch.nn.functional.cross_entropy(out.logits[:, 3:-1].reshape(-1, out.logits.shape[-1]),
                                             ids[:, 4:].reshape(-1))
     assert torch.allclose(out.loss, ref, atol=1e-6)
+    with pytest.raises(ValueError, match=r"labels must be \[B, T\] = \[2, 12\], as the inputs; got \[2, 11\]"):
+        model(ids, labels=labels[:, 1:])
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "gdn+attn"])
+def test_hidden_states_and_tuples_as_transformers_gives_them(mixer):
+    """``output_hidden_states``: each layer's input and the final norm's output (N + 1), in a forward and in
+    ``generate``; ``return_dict=False``: the output's tuple."""
+    model = tiny_model(mixer)
+    ids = random_ids(2, 12)
+    out = model(ids, labels=ids, output_hidden_states=True, output_attentions=True)
+    hidden, layers = out.hidden_states, model.model.layers
+    assert len(hidden) == len(layers) + 1 and out.attentions is None
+    assert torch.equal(hidden[0], model.get_input_embeddings()(ids))
+    for i, layer in enumerate(layers[:-1]):
+        assert_matches(layer(hidden[i]), hidden[i + 1], 1e-6, f"layer {i}")
+    assert_matches(model.model.norm(layers[-1](hidden[-2])), hidden[-1], 1e-6, "final norm")
+    assert torch.equal(model.lm_head(hidden[-1]), out.logits)
+    assert model(ids, labels=ids).hidden_states is None
+
+    as_tuple = model(ids, labels=ids, return_dict=False)  # loss, logits, cache
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 3 and isinstance(as_tuple[2], Cache)
+    assert torch.equal(as_tuple[0], out.loss) and torch.equal(as_tuple[1], out.logits)
+
+    gen = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                         output_hidden_states=True, output_logits=True)
+    assert len(gen.hidden_states) == 3
+    for step, (states, logits) in enumerate(zip(gen.hidden_states, gen.logits)):
+        assert len(states) == len(layers) + 1 and states[-1].shape[1] == (12 if step == 0 else 1)
+        assert_matches(model.lm_head(states[-1][:, -1]), logits, 1e-6, f"step {step}")
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "hh-gdn", "hdla"])
@@ -193,15 +224,21 @@ def test_hybrid_stack_gdn_h1():
     assert swa_cache["k"].shape[1] == config.swa_window, "the SWA cache must stay bounded (a ring of a window)"
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
-    model = tiny_model("gdn").train()
+@pytest.mark.parametrize("mixer", ["gdn", "gdn+attn"])
+@pytest.mark.parametrize("use_cache", [False, None, True])
+def test_gradient_checkpointing_gives_the_same_gradients(mixer, use_cache):
+    """With the config's default (``use_cache=None`` -> True) too, as transformers' Trainer calls it: the backward
+    runs each layer again, which must not read a cache the forward wrote (it raised, or read the wrong state)."""
+    model = tiny_model(mixer).train()
     ids = random_ids(2, 30)
     model(ids, labels=ids, use_cache=False).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
-    model(ids, labels=ids, use_cache=False).loss.backward()
+    out = model(ids, labels=ids, use_cache=use_cache)
+    out.loss.backward()
+    assert output_cache(out) is None, "a checkpointed training forward returns no cache"
     for n, p in model.named_parameters():
         assert_matches(p.grad, ref[n], 1e-5, n)
 
