@@ -92,6 +92,29 @@ def _pairs(items, flag: str, parse=_parse_value) -> dict:
     return out
 
 
+def _prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's token ids; an empty prompt starts where a training document starts, after the end-of-text
+    token that separates documents (the tokenizer's bos where it has no eos)."""
+    rows = [list(tokenizer.encode(prompt)) for prompt in prompts]
+    start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if start is None and not all(rows):
+        raise SystemExit("an empty --prompt needs a token to start from, and the tokenizer has no eos or bos token")
+    return [row or [start] for row in rows]
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> dict:
+    """input_ids and attention_mask [B, T] of the rows, left-padded (generation continues each row's end)."""
+    import torch
+
+    T = max(len(row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, T - len(row):] = torch.tensor(row)
+        mask[i, T - len(row):] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
 def _generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
@@ -109,9 +132,8 @@ def _generate(args) -> int:
     prompts = args.prompt
     if getattr(tokenizer, "pad_token", "") is None:
         tokenizer.pad_token = tokenizer.eos_token  # masked out; only needed to pad a batch of prompts
-    tokenizer.padding_side = "left"  # generation continues from the right end of every row
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    batch = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    rows = _prompt_ids(tokenizer, prompts)
+    batch = _left_padded(rows, tokenizer.pad_token_id, device)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sampling = args.temperature > 0
@@ -133,7 +155,7 @@ def _generate(args) -> int:
                                pack_projections=not args.no_pack,
                                max_length=batch["input_ids"].shape[1] + max(args.max_new_tokens, 1))
         if len(prompts) > 1:  # packed into one row (cu_seqlens), no padding: a list in, a list out
-            ids = [tokenizer([prompt], return_tensors="pt")["input_ids"][0].to(device) for prompt in prompts]
+            ids = [torch.tensor(row, device=device) for row in rows]
             outs = decoder.generate(ids, **kw)
             for prompt, row, out in zip(prompts, ids, outs):
                 print(prompt + tokenizer.decode(out[len(row):], skip_special_tokens=True))

@@ -78,6 +78,22 @@ def test_init_then_generate_matches_the_library(tmp_path, capsys, monkeypatch):
         assert capsys.readouterr().out.splitlines() == expected[1:], extra
 
 
+def test_generate_an_empty_prompt_starts_a_document(tmp_path, capsys):
+    """An empty prompt continues the end-of-text token that ends training's documents (it raised an IndexError)."""
+    main(["init", str(tmp_path), "--set", "initializer_range=0.5"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tok = ByteTokenizer()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[tok.eos_token_id]]), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    expected = tok.decode(out[0, 1:])
+    assert expected, "the test needs a continuation of bytes"
+    for extra in ([], ["--prompt", "Hi"], ["--cuda-graph"], ["--prompt", "Hi", "--cuda-graph"]):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path), "--prompt", "", "--max-new-tokens", "8", *extra]) == 0
+        assert capsys.readouterr().out.splitlines()[0] == expected, extra
+
+
 def test_generate_state_dtype_reaches_the_layers(tmp_path, capsys, monkeypatch):
     import rankdecay.layers.mixers as mixers
 

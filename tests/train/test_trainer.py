@@ -266,6 +266,9 @@ def test_a_local_tokenizer_file_trains_saves_and_generates(tmp_path, docs, capsy
     capsys.readouterr()
     assert main(["generate", str(out), "--prompt", "alpha", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("alpha")
+    assert main(["generate", str(out), "--prompt", "alpha beta", "--prompt", "", "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("alpha beta"), lines
     assert main(["eval", str(out), "--seq-len", "32", "--max-windows", "2", "--no-progress"]) == 0
 
 
