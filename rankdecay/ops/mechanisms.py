@@ -127,46 +127,61 @@ def retention(q, k, v, log_gamma, *, scale=None, initial_state=None, output_fina
                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
 
 
-def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               chunk_size=64, mode="auto", inplace_final_state=False):
+def simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None, chunk_size=64, mode="auto", inplace_final_state=False, state_v_first=False,
+               cu_seqlens_cpu=None):
     r"""Scalar-gated linear attention (Mamba2-style): :math:`S_t = e^{g_t} S_{t-1} + k_t v_t^\top`.
 
-    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log-decay.
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log-decay, or (fla's) ``g_gamma`` ``[H]``, one
+    log-decay per head for every token (:func:`retention`); one of the two, as fla's.
+    ``state_v_first`` (fla's): the states are ``[N, H, V, K]``; ``cu_seqlens_cpu`` is accepted and not needed.
     """
     _check_qkv(q, k, v)
+    if (g is None) == (g_gamma is None):
+        raise ValueError("give one of g [B, T, H] (a log-decay per token) and g_gamma [H] (one per head)")
     _check_gate(g, q, per_channel=False)
-    return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
+    if g_gamma is not None:
+        check_float(g_gamma, "g_gamma")
+        check_shape(g_gamma, "g_gamma", (q.shape[2],), "[H]")
+        g = g_gamma.expand(q.shape[:3])
+    _, _, initial_state = _fla_options(None, None, initial_state, inplace_final_state, state_v_first=state_v_first)
+    o, state = dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
+    return o, _state_out(state, state_v_first)
 
 
 def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        chunk_size=64, mode="auto", inplace_final_state=False):
+        chunk_size=64, mode="auto", inplace_final_state=False, state_v_first=False, cu_seqlens_cpu=None):
     r"""Gated linear attention (Yang et al. 2024): :math:`S_t = \mathrm{Diag}(e^{g_t}) S_{t-1} + k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decay per key channel.
+    ``state_v_first`` (fla's): the states are ``[N, H, V, K]``; ``cu_seqlens_cpu`` is accepted and not needed.
     """
     _check_qkv(q, k, v)
     check_float(g, "g")
     check_shape(g, "g", tuple(q.shape), "[B, T, H, K]")
-    return dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
+    _, _, initial_state = _fla_options(None, None, initial_state, inplace_final_state, state_v_first=state_v_first)
+    o, state = dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
+    return o, _state_out(state, state_v_first)
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
+               chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False,
+               cu_seqlens_cpu=None):
     r"""DeltaNet: :math:`S_t = (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised, or give ``use_qk_l2norm_in_kernel``);
-    v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+    v: ``[B, T, H, V]``; beta: ``[B, T, H]``. ``cu_seqlens_cpu`` (fla's) is accepted and not needed.
     """
-    return gated_delta_rule(q, k, v, None, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                            chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _gated_delta_rule(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                             mode, inplace_final_state, use_qk_l2norm_in_kernel)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
+                     chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False,
+                     use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                     allow_neg_eigval=False, state_v_first=False, cu_seqlens_cpu=None):
     r"""Gated DeltaNet (eq. 10): :math:`S_t = \alpha_t (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top`.
 
     q, k: ``[B, T, H, K]`` (k is expected L2-normalised); v: ``[B, T, H, V]``;
@@ -183,8 +198,71 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     k's H, and g, beta and the states with HV heads; value head h reads key head h // (HV / H). The decode kernel
     reads them so; the other paths repeat q and k to HV heads first (``repeat_interleave``, through autograd).
 
+    fla 0.6.0's other options, formed in PyTorch (through autograd) before the recurrence: ``use_gate_in_kernel``: g is
+    the decay's projection, ``g = -exp(A_log) softplus(g + dt_bias)`` (A_log ``[H]``, dt_bias ``[H]`` or None);
+    ``use_beta_sigmoid_in_kernel``: beta is β's logits, ``β = σ(beta)`` (``2 σ(beta)`` with ``allow_neg_eigval``);
+    ``state_v_first``: the states are ``[N, H, V, K]``; ``cu_seqlens_cpu`` is accepted and not needed.
+
     As DPLR: ``a = α β k``, ``b = k``, writes ``k (β v)ᵀ`` (DESIGN.md §1).
     """
+    if use_gate_in_kernel:  # g is checked as the gate's projection, one per (value) head
+        _check_qkv(q, k, v, value_groups=_value_groups(q, v))
+        _check_gate(g, _heads_like(q, v.shape[2]), per_channel=False)
+    g, beta, initial_state = _fla_options(
+        g, beta, initial_state, inplace_final_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first)
+    o, state = _gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                 mode, inplace_final_state, use_qk_l2norm_in_kernel)
+    return o, _state_out(state, state_v_first)
+
+
+def _fla_options(g, beta, initial_state, inplace_final_state, *, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                 lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                 per_channel=False):
+    """fla 0.6.0's in-kernel options of ``chunk_gated_delta_rule`` and ``chunk_kda``, formed here in PyTorch: returns
+    (g, beta, initial_state [N, H, K, V]). ``per_channel``: KDA's gate (``kda_log_decay``), else Mamba2's."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True scales σ(beta) to (0, 2) and needs use_beta_sigmoid_in_kernel=True "
+                         "(fla's rule); a beta in [0, 2] already is taken as it is without either")
+    if use_beta_sigmoid_in_kernel:
+        check_float(beta, "beta")
+        beta = (2.0 if allow_neg_eigval else 1.0) * _up(beta).sigmoid()
+    if use_gate_in_kernel:
+        if g is None:
+            raise ValueError("use_gate_in_kernel=True forms the decay from g, the decay's projection; got g None")
+        H = g.shape[2]
+        if A_log is not None:
+            check_float(A_log, "A_log")
+            check_shape(A_log, "A_log", (H,), "[H]")
+        elif not (per_channel and lower_bound is not None):
+            raise ValueError("use_gate_in_kernel=True needs A_log [H]" + (" (or a lower_bound)" if per_channel else ""))
+        if dt_bias is not None:
+            check_float(dt_bias, "dt_bias")
+            n = H * g.shape[3] if per_channel else H
+            check_shape(dt_bias, "dt_bias", (n,), "[H * K]" if per_channel else "[H]")
+        g = kda_log_decay(g, A_log, dt_bias, lower_bound) if per_channel else mamba2_log_decay(g, A_log, dt_bias)
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias form the decay only with use_gate_in_kernel=True; g is the log-decay "
+                         "itself without it")
+    if state_v_first and initial_state is not None:
+        if inplace_final_state:
+            raise ValueError("inplace_final_state writes the state in its [N, H, K, V] layout; not with "
+                             "state_v_first")
+        check_float(initial_state, "initial_state")
+        if initial_state.dim() != 4:
+            raise ValueError(f"initial_state must be [N, H, V, K] with state_v_first, got {list(initial_state.shape)}")
+        initial_state = initial_state.transpose(-1, -2)
+    return g, beta, initial_state
+
+
+def _state_out(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor | None:
+    """The final state [N, H, K, V], or [N, H, V, K] (contiguous) with fla's ``state_v_first``."""
+    return state.transpose(-1, -2).contiguous() if state_v_first and state is not None else state
+
+
+def _gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode,
+                      inplace_final_state, use_qk_l2norm_in_kernel):
     groups = _value_groups(q, v)
     _check_qkv(q, k, v, value_groups=groups)
     _check_beta(beta, _heads_like(q, v.shape[2]))
@@ -223,7 +301,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False):
+        chunk_size=64, mode="auto", inplace_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+        state_v_first=False, cu_seqlens_cpu=None):
     r"""Kimi Delta Attention: Gated DeltaNet with a per-channel gate applied before the delta step (fla's
     ``chunk_kda``, same arguments and order).
 
@@ -233,22 +313,39 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     (``[B, T, H]`` also accepted: then the order does not matter and this is :func:`gated_delta_rule`, which it
     calls); beta: ``[B, T, H]``.
     ``use_qk_l2norm_in_kernel``: q and k L2-normalised first, as in :func:`gated_delta_rule`.
+    fla 0.6.0's other options, formed in PyTorch first: ``use_gate_in_kernel``: g is the decay's projection
+    ``[B, T, H, K]``, the gate :func:`kda_log_decay` of it with ``A_log`` ``[H]``, ``dt_bias`` ``[H * K]`` (or None)
+    and ``lower_bound`` (which only this reads); ``use_beta_sigmoid_in_kernel`` and ``allow_neg_eigval``,
+    ``state_v_first`` and ``cu_seqlens_cpu`` as in :func:`gated_delta_rule`.
 
     As DPLR: ``a = β k`` (``a = k``, ``a_scale = β``), ``b = e^{g} ⊙ k``, writes ``k (β v)ᵀ``. With ``a`` the keys
     themselves, the fused forward takes each of the decay's intra-chunk products with its write's product
     (``q a`` with ``q k``, ``b a`` with ``b k``): two per-channel products instead of four. Without autograd it
     builds no ``b`` at all: ``b_t e^{G_{t-1}} = k_t e^{G_t}`` for the chunk's log-cumsums G.
     """
+    if use_gate_in_kernel:
+        _check_qkv(q, k, v)
+        check_float(g, "g")
+        check_shape(g, "g", tuple(q.shape), "[B, T, H, K]")
+    g, beta, initial_state = _fla_options(
+        g, beta, initial_state, inplace_final_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, per_channel=True)
+    o, state = _kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode,
+                    inplace_final_state, use_qk_l2norm_in_kernel)
+    return o, _state_out(state, state_v_first)
+
+
+def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, mode,
+         inplace_final_state, use_qk_l2norm_in_kernel):
     _check_qkv(q, k, v)
     _check_beta(beta, q)
     _check_gate(g, q)
     if g is None:
         raise ValueError("g must be a log-decay of shape [B, T, H, K] (kda), got None: use delta_rule")
     if g.dim() == 3:  # one decay per head commutes with the delta step
-        return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                                mode=mode, inplace_final_state=inplace_final_state,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return _gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                 mode, inplace_final_state, use_qk_l2norm_in_kernel)
     if mode == "fused_recurrent":  # the delta rule's decode kernel, decaying first
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state,
@@ -286,7 +383,8 @@ def _beta_alpha(a: torch.Tensor, beta: torch.Tensor | None,
 
 
 def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, chunk_size=64, mode="auto", inplace_final_state=False):
+                        cu_seqlens=None, chunk_size=64, mode="auto", inplace_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens_cpu=None):
     r"""Gated DeltaProduct (Siems et al. 2025): ``n_h`` delta-rule sub-steps per token.
 
     Per token t, with sub-steps j = 1..n_h and :math:`H_j = I - \beta_j k_j k_j^\top`:
@@ -297,6 +395,8 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     q: ``[B, T, H, K]``; k: ``[B, T * n_h, H, K]``; v: ``[B, T * n_h, H, V]``; beta:
     ``[B, T * n_h, H]`` (fla's interleaved layout: row ``t * n_h + j`` is sub-step j of
     token t); g: ``[B, T, H]`` or None (DeltaProduct); ``cu_seqlens`` counts tokens of q.
+    ``use_qk_l2norm_in_kernel``: q and k L2-normalised first, as in :func:`gated_delta_rule`; ``cu_seqlens_cpu``
+    (fla's) is accepted and not needed.
 
     Two exact forms, chosen by where it runs:
 
@@ -322,7 +422,10 @@ def gated_delta_product(q, k, v, g, beta, num_householder, *, scale=None, initia
     B, T, H, K = q.shape
     if (g is None or g.dim() == 3) and mode == "fused_recurrent":
         return _fused_recurrent_gdn(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    inplace_final_state=inplace_final_state, num_householder=nh, cu_seqlens=cu_seqlens)
+                                    use_qk_l2norm=use_qk_l2norm_in_kernel, inplace_final_state=inplace_final_state,
+                                    num_householder=nh, cu_seqlens=cu_seqlens)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
     if (g is None or g.dim() == 3) and (mode == "fused_recurrent" or _runs_triton(mode, q, (q, k, v, g, beta,
                                                                                             initial_state))):
         o, state = gated_delta_rule(
@@ -571,20 +674,24 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
                             inplace_final_state=inplace_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-def mamba2_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+def mamba2_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """Mamba2's log-decay per head, g = -exp(A_log) softplus(a + dt_bias), in at least fp32: a [..., H], A_log and
-    dt_bias [H] (Gated DeltaNet's and Head-in-Head's gate, as the layers and the decode kernel form it)."""
-    return -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    dt_bias [H] (Gated DeltaNet's and Head-in-Head's gate, as the layers and the decode kernel form it; dt_bias None:
+    no bias)."""
+    return -_up(A_log).exp() * F.softplus(_up(a) if dt_bias is None else _up(a) + _up(dt_bias))
 
 
-def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                   lower_bound: float | None = None) -> torch.Tensor:
     """Kimi Delta Attention's log-decay per key channel, in at least fp32: a [..., H, K], A_log [H], dt_bias [H * K]
     (fla's shapes); g = -exp(A_log) softplus(a + dt_bias), or with ``lower_bound`` b < 0 (fla's)
-    g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0)."""
+    g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0). dt_bias None: no bias; A_log None (with a lower bound
+    only): g = b sigmoid(a + dt_bias), as fla's."""
     H, K = a.shape[-2:]
-    f, scale = _up(a) + _up(dt_bias).view(H, K), _up(A_log).exp()[:, None]
-    return -scale * F.softplus(f) if lower_bound is None else lower_bound * torch.sigmoid(scale * f)
+    f = _up(a) if dt_bias is None else _up(a) + _up(dt_bias).view(H, K)
+    if lower_bound is None:
+        return -_up(A_log).exp()[:, None] * F.softplus(f)
+    return lower_bound * torch.sigmoid(f if A_log is None else _up(A_log).exp()[:, None] * f)
 
 
 def _check_channel_decode(q, k, v, a, b, mode: str) -> str:

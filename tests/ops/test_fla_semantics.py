@@ -166,6 +166,104 @@ def test_kda_decode_is_fla_fused_recurrent_kda(lower_bound, neg, mode):
         assert rel_rms(got, exp.to(got.dtype)) < 1e-5, (name, rel_rms(got, exp.to(got.dtype)))
 
 
+def _fla_060_cases():
+    """(name, ours(mode), fla's fused_recurrent call): fla 0.6.0's in-kernel options, states V-first."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from fla.ops.gla import fused_recurrent_gla
+    from fla.ops.kda import fused_recurrent_kda
+    from fla.ops.simple_gla import fused_recurrent_simple_gla
+
+    q, k, v, h0 = _qkv()
+    h0 = h0.transpose(-1, -2).contiguous()  # [B, H, V, K]
+    beta, A_log, dt = 2 * _rand(B, T, H, seed=40), _rand(H, seed=41), _rand(H, seed=42)
+    gdn = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt,
+               use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True, initial_state=h0,
+               output_final_state=True)
+    a = 3 * _rand(B, T, H, seed=43)
+    yield ("gated_delta_rule", lambda mode: ops.gated_delta_rule(q, k, v, a, beta, mode=mode, **gdn),
+           lambda: fused_recurrent_gated_delta_rule(q, k, v, a, beta=beta, **gdn))
+    gdn_no_bias = dict(gdn, dt_bias=None, allow_neg_eigval=False)
+    yield ("gated_delta_rule, no dt_bias", lambda mode: ops.gated_delta_rule(q, k, v, a, beta, mode=mode, **gdn_no_bias),
+           lambda: fused_recurrent_gated_delta_rule(q, k, v, a, beta=beta, **gdn_no_bias))
+    ak, dtk = 3 * _rand(B, T, H, K, seed=44), _rand(H * K, seed=45)
+    for lower_bound in (None, -5.0):
+        kda = dict(gdn, A_log=A_log, dt_bias=dtk, lower_bound=lower_bound)
+        yield (f"kda, lower_bound {lower_bound}", lambda mode, kda=kda: ops.kda(q, k, v, ak, beta, mode=mode, **kda),
+               lambda kda=kda: fused_recurrent_kda(q, k, v, ak, beta, **kda))
+    # fla's GLA kernels autotune, which the interpreter cannot: on the CPU their reference recurrences, the states
+    # transposed by hand (V-first is the [V, K] layout of the same state)
+    gk = F.logsigmoid(_rand(B, T, H, K, seed=46) + 2)
+    vfirst = dict(initial_state=h0, output_final_state=True, state_v_first=True)
+    gamma = torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32, device=DEVICE)))
+    if DEVICE == "cuda":
+        gla_ref = lambda: fused_recurrent_gla(q, k, v, gk, **vfirst)  # noqa: E731
+        simple_ref = lambda: fused_recurrent_simple_gla(q, k, v, g_gamma=gamma, **vfirst)  # noqa: E731
+    else:
+        from fla.ops.gla.naive import naive_recurrent_gla
+        from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+        def k_first(fn, *args):
+            o, state = fn(q, k, v, *args, initial_state=h0.transpose(-1, -2), output_final_state=True)
+            return o, state.transpose(-1, -2)
+
+        gla_ref = lambda: k_first(naive_recurrent_gla, gk)  # noqa: E731
+        simple_ref = lambda: k_first(naive_recurrent_simple_gla, gamma.expand(B, T, H))  # noqa: E731
+    yield "gla", lambda mode: ops.gla(q, k, v, gk, mode=mode, **vfirst), gla_ref
+    yield ("simple_gla, g_gamma", lambda mode: ops.simple_gla(q, k, v, g_gamma=gamma, mode=mode, **vfirst),
+           simple_ref)
+
+
+@pytest.fixture(scope="module")
+def fla_060():
+    """Each case's name, our call and fla's results (its kernels, interpreted on the CPU, run once for every mode)."""
+    with torch.no_grad():
+        return [(name, ours, ref()) for name, ours, ref in _fla_060_cases()]
+
+
+@pytest.mark.parametrize("mode", ["naive", "chunk", "fused_recurrent"])
+def test_fla_060_options_are_fla_fused_recurrent(mode, fla_060):
+    """fla 0.6.0's options of its ops (the gate and β's sigmoid formed in the kernel, negative eigenvalues, V-first
+    states, simple GLA's ``g_gamma``) against fla's ``fused_recurrent_*`` kernels (interpreted on the CPU; they have
+    no backward: ``test_fla_060_options_gradients`` checks ours through autograd), on each of our paths."""
+    for name, ours, exp in fla_060:
+        if mode == "fused_recurrent" and name.startswith(("gla", "simple_gla")):
+            continue  # their decode path is the chunked one at T > 1
+        with torch.no_grad():
+            got = ours(mode)
+        for what, x, y in zip(["o", "final state"], got, exp):
+            assert x.shape == y.shape and rel_rms(x, y.to(x.dtype)) < 1e-5, (name, what, rel_rms(x, y.to(x.dtype)))
+
+
+def test_fla_060_options_gradients():
+    """Through autograd the options are what fla's reference gate (``naive_gdn_gate``, ``naive_kda_gate``) and β's
+    sigmoid give, formed first: every input's gradient (A_log's, dt_bias's and β's logits' among them)."""
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+    from fla.ops.kda.gate import naive_kda_gate
+
+    q, k, v, h0 = _qkv()
+    h0 = h0.transpose(-1, -2).contiguous()
+    beta, A_log = 2 * _rand(B, T, H, seed=50), _rand(H, seed=51)
+    a, dt = 3 * _rand(B, T, H, seed=52), _rand(H, seed=53)
+    options = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                   state_v_first=True, output_final_state=True)
+
+    def v_first(out):
+        return out[0], out[1].transpose(-1, -2)
+
+    _check(lambda q, k, v, h0, a, b, A, d: ops.gated_delta_rule(q, k, v, a, b, A_log=A, dt_bias=d, initial_state=h0,
+                                                                **options),
+           lambda q, k, v, h0, a, b, A, d: v_first(ops.gated_delta_rule(
+               q, k, v, naive_gdn_gate(a, A, d), 2 * b.sigmoid(), initial_state=h0.transpose(-1, -2),
+               output_final_state=True)),
+           [q, k, v, h0, a, beta, A_log, dt], "gated_delta_rule")
+    ak, dtk = 3 * _rand(B, T, H, K, seed=54), _rand(H * K, seed=55)
+    _check(lambda q, k, v, h0, a, b, A, d: ops.kda(q, k, v, a, b, A_log=A, dt_bias=d, initial_state=h0, **options),
+           lambda q, k, v, h0, a, b, A, d: v_first(ops.kda(
+               q, k, v, naive_kda_gate(a, A, d), 2 * b.sigmoid(), initial_state=h0.transpose(-1, -2),
+               output_final_state=True)),
+           [q, k, v, h0, ak, beta, A_log, dtk], "kda")
+
+
 @pytest.mark.parametrize("smoothing,scale", [(0.0, 1.0), (0.1, 0.5)])
 def test_linear_cross_entropy_is_fla_fused_linear_cross_entropy(smoothing, scale):
     """``layers.linear_cross_entropy`` against fla's ``FusedLinearCrossEntropyLoss`` (Triton: interpreted on the
