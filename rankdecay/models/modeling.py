@@ -310,7 +310,7 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         ``rankdecay.layers.linear_cross_entropy`` and ``logits`` is None. See ``RankDecayModel.forward``."""
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {_LOSS_REDUCTIONS}; got {loss_reduction!r}")
-        if labels is not None:
+        if labels is not None and (input_ids is not None or inputs_embeds is not None):
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             if labels.shape != shape:
                 raise ValueError(f"labels must be [B, T] = {list(shape)}, as the inputs; got {list(labels.shape)}")
