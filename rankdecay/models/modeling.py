@@ -251,6 +251,15 @@ def _flag(value: bool | None, default: bool) -> bool:
     return default if value is None else value
 
 
+def _per_item(loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+    """A summed loss divided by transformers' ``num_items_in_batch`` (the targets of every accumulated batch)."""
+    if num_items_in_batch is None:
+        return loss
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
     """The language model: ``RankDecayModel`` and an LM head (tied to the embeddings or not)."""
 
@@ -302,14 +311,20 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
                 labels=None, use_cache: bool | None = None, cu_seqlens: torch.Tensor | None = None,
                 logits_to_keep: int = 0, cache: Cache | None = None, loss_reduction: str = "mean",
                 output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None, **kwargs):
+                return_dict: bool | None = None, num_items_in_batch: int | torch.Tensor | None = None, **kwargs):
         """Logits [B, T, vocab] and, with ``labels`` [B, T], the next-token cross-entropy (labels are shifted
         inside; -100 is ignored): its mean over the targets, or with ``loss_reduction`` "sum" their sum, "none"
-        [B, T - 1] per target (0 where ignored), fp32. With ``config.fuse_linear_cross_entropy`` in training
+        [B, T - 1] per target (0 where ignored), fp32. ``num_items_in_batch`` (transformers' Trainer passes it under
+        gradient accumulation): the mean is the sum over this batch's targets divided by it, the number of targets
+        in all the accumulated batches. With ``config.fuse_linear_cross_entropy`` in training
         (``model.train()``, labels given, a plain ``nn.Linear`` head) the loss goes through
         ``rankdecay.layers.linear_cross_entropy`` and ``logits`` is None. See ``RankDecayModel.forward``."""
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {_LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        if num_items_in_batch is not None and loss_reduction != "mean":
+            raise ValueError(f"num_items_in_batch divides the loss's sum in place of the mean: it needs "
+                             f"loss_reduction='mean', got {loss_reduction!r}")
+        reduction = "sum" if num_items_in_batch is not None else loss_reduction
         if labels is not None and (input_ids is not None or inputs_embeds is not None):
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             if labels.shape != shape:
@@ -323,9 +338,8 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
                 and type(self.lm_head) is nn.Linear):
             # every position, the last one's target ignored: x stays h itself (no copy), and no logits are formed
             target = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = linear_cross_entropy(h, target, self.lm_head.weight, self.lm_head.bias,
-                                        reduction=loss_reduction)
-            loss = loss[:, :-1] if loss_reduction == "none" else loss
+            loss = linear_cross_entropy(h, target, self.lm_head.weight, self.lm_head.bias, reduction=reduction)
+            loss = loss[:, :-1] if loss_reduction == "none" else _per_item(loss, num_items_in_batch)
             result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states,
                                             **{CACHE_FIELD: output_cache(out)})
             return result.to_tuple() if as_tuple else result
@@ -333,8 +347,8 @@ class RankDecayForCausalLM(RankDecayPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
-                                   reduction=loss_reduction)
-            loss = loss.view(labels[:, 1:].shape) if loss_reduction == "none" else loss
+                                   reduction=reduction)
+            loss = loss.view(labels[:, 1:].shape) if loss_reduction == "none" else _per_item(loss, num_items_in_batch)
         result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                         **{CACHE_FIELD: output_cache(out)})
         return result.to_tuple() if as_tuple else result

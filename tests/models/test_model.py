@@ -94,6 +94,63 @@ def test_labels_are_shifted_and_ignore_index():
         model(ids, labels=labels[:, 1:])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_num_items_in_batch_as_transformers_trainer_passes_it(fused):
+    """transformers' Trainer sees ``**kwargs`` in the forward, passes ``num_items_in_batch`` (the targets of every
+    batch it accumulates) and leaves the loss undivided by the accumulation steps: the accumulated batches' losses
+    must add up to the whole batch's mean (the mean of each was the steps' count too large)."""
+    import inspect
+
+    model = tiny_model("gdn", fuse_linear_cross_entropy=fused).train()
+    assert any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    ids = random_ids(4, 12)
+    labels = ids.clone()
+    labels[0, :5] = labels[3, 7:] = -100
+    whole = model(ids, labels=labels).loss
+    n = (labels[:, 1:] != -100).sum()
+    for count in (n, int(n)):
+        parts = sum(model(ids[i:i + 2], labels=labels[i:i + 2], num_items_in_batch=count).loss for i in (0, 2))
+        assert_matches(parts, whole, 1e-6)
+    with pytest.raises(ValueError, match="num_items_in_batch divides the loss's sum in place of the mean"):
+        model(ids, labels=labels, num_items_in_batch=n, loss_reduction="sum")
+
+
+def test_transformers_trainer_accumulates_gradients_as_one_batch(tmp_path):
+    """transformers' Trainer (SGD, no clipping): one step over 4 rows equals one over 2 x 2 accumulated rows, with
+    gradient checkpointing too (before ``num_items_in_batch`` was honoured, the accumulated step was twice as large,
+    and checkpointing raised)."""
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (in the test extra)")
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    base = tiny_model("gdn+attn").train()
+    ids = random_ids(4, 16)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    rows = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
+
+    # transformers 5.24 renamed the argument (the old name warns)
+    fields = TrainingArguments.__dataclass_fields__
+    checkpoint_arg = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+    def update(batch, steps, checkpointing=False):
+        model = copy.deepcopy(base)
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=steps, max_steps=1, learning_rate=1.0, optim="sgd",
+                                 lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], save_strategy="no",
+                                 use_cpu=True, disable_tqdm=True, **{checkpoint_arg: checkpointing})
+        collate = lambda b: {key: torch.stack([row[key] for row in b]) for key in b[0]}  # noqa: E731
+        Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
+        assert model.model.gradient_checkpointing == checkpointing
+        return torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), base.parameters())])
+
+    one = update(4, 1)
+    assert one.norm() > 0
+    assert_matches(update(2, 2), one, 1e-5, "accumulated")
+    assert_matches(update(2, 2, checkpointing=True), one, 1e-5, "accumulated, with gradient checkpointing")
+
+
 @pytest.mark.parametrize("mixer", ["gdn", "gdn+attn"])
 def test_hidden_states_and_tuples_as_transformers_gives_them(mixer):
     """``output_hidden_states``: each layer's input and the final norm's output (N + 1), in a forward and in
