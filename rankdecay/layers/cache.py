@@ -19,6 +19,17 @@ class Cache:
     product). ``GraphDecoder`` sets them for its decode steps; layers use them only without autograd.
     """
 
+    # What transformers' generate asks of a cache given to it (``generate(ids, cache=...)``, continuing a
+    # conversation): not one of its static caches (no compiled step, no 4-D masks), not croppable (a recurrent state
+    # cannot be rolled back), and ``is_linear`` False for every layer, which is what makes generate feed only the
+    # tokens after ``get_seq_length()`` (for its own Mamba-like layers it feeds them all)
+    is_compileable = False
+    is_croppable = False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
+
     def __init__(self, num_layers: int):
         self.layers: list[dict | None] = [None] * num_layers
         self.seen_tokens = 0

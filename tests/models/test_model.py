@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rankdecay.layers import Cache
 from rankdecay.models import MIXERS, RankDecayConfig, RankDecayForCausalLM, output_cache
+from rankdecay.models.modeling import CACHE_FIELD
 
 from ..conftest import assert_matches
 from .common import random_ids, tiny_model
@@ -177,6 +178,29 @@ def test_hidden_states_and_tuples_as_transformers_gives_them(mixer):
     for step, (states, logits) in enumerate(zip(gen.hidden_states, gen.logits)):
         assert len(states) == len(layers) + 1 and states[-1].shape[1] == (12 if step == 0 else 1)
         assert_matches(model.lm_head(states[-1][:, -1]), logits, 1e-6, f"step {step}")
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "gdn+attn"])
+def test_generate_continues_from_the_cache_it_returned(mixer):
+    """A second turn: ``generate`` given the first turn's cache and the whole conversation (a left-padded batch)
+    feeds only the new tokens and decodes as from scratch (it raised on the cache's missing attributes)."""
+    model = tiny_model(mixer)
+    ids, mask = random_ids(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    kw = dict(do_sample=False, pad_token_id=258, eos_token_id=[])
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **kw)
+    cache = output_cache(first)
+    assert isinstance(cache, Cache) and cache.get_seq_length() == 9 + 3
+    turn = torch.cat([first.sequences, random_ids(2, 5, seed=7)], 1)
+    turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - 9, dtype=torch.long)], 1)
+    fed = []
+    hook = model.model.embeddings.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    try:
+        got = model.generate(turn, attention_mask=turn_mask, max_new_tokens=6, **{CACHE_FIELD: cache}, **kw)
+    finally:
+        hook.remove()
+    assert fed[0] == turn.shape[1] - 12, f"the continued prompt fed {fed[0]} tokens, not the {turn.shape[1] - 12} new"
+    assert torch.equal(got, model.generate(turn, attention_mask=turn_mask, max_new_tokens=6, **kw))
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "hh-gdn", "hdla"])
