@@ -686,7 +686,19 @@ def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Te
     """Kimi Delta Attention's log-decay per key channel, in at least fp32: a [..., H, K], A_log [H], dt_bias [H * K]
     (fla's shapes); g = -exp(A_log) softplus(a + dt_bias), or with ``lower_bound`` b < 0 (fla's)
     g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0). dt_bias None: no bias; A_log None (with a lower bound
-    only): g = b sigmoid(a + dt_bias), as fla's."""
+    only): g = b sigmoid(a + dt_bias), as fla's. On a GPU (outside ``torch.compile``, which fuses these operations
+    itself) one Triton kernel forward and one backward (``ops.triton.gate``)."""
+    if a.is_cuda and triton_runs_on(a) and not torch.compiler.is_compiling():
+        from .triton import gate
+
+        if gate.takes(a, A_log, dt_bias):
+            return gate.kda_gate(a, A_log, dt_bias, lower_bound)
+    return _kda_log_decay(a, A_log, dt_bias, lower_bound)
+
+
+def _kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                   lower_bound: float | None = None) -> torch.Tensor:
+    """:func:`kda_log_decay` in PyTorch."""
     H, K = a.shape[-2:]
     f = _up(a) if dt_bias is None else _up(a) + _up(dt_bias).view(H, K)
     if lower_bound is None:

@@ -2202,7 +2202,63 @@ def test_clear_errors():
         ops.dplr(q, q, q, mode="fused_recurrent")
 
 
+@pytest.mark.parametrize("lower_bound,with_A,with_dt", [(None, True, True), (None, True, False), (-5.0, True, True),
+                                                       (-5.0, False, True), (-3.0, False, False)])
+def test_kda_gate_kernel(lower_bound, with_A, with_dt):
+    """KDA's log-decay kernel (``ops.triton.gate``, which ``kda_log_decay`` takes on a GPU) against the PyTorch form:
+    the gate and the gradients of the projection, ``A_log`` and ``dt_bias`` (summed over rows in blocks: 300 rows,
+    two programs' worth), 60 columns (not a block's width), projections out to ±30 (softplus's and the sigmoid's
+    tails)."""
+    from rankdecay.ops.mechanisms import _kda_log_decay
+    from rankdecay.ops.triton.gate import kda_gate
+
+    gen = torch.Generator().manual_seed(40)
+    B, T, H, K = 2, 150, 3, 20
+    a = 4 * torch.randn(B, T, H, K, generator=gen)
+    a[0, 0, 0, :4] = torch.tensor([30.0, -30.0, 25.0, -25.0])
+    A_log = torch.randn(H, generator=gen) if with_A else None
+    dt_bias = torch.randn(H * K, generator=gen) if with_dt else None
+    weights = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).to(DEVICE)
+    results = []
+    for fn, dtype in ((kda_gate, torch.float32), (_kda_log_decay, torch.float32), (_kda_log_decay, torch.float64)):
+        leaves = [None if x is None else x.to(DEVICE, dtype).requires_grad_() for x in (a, A_log, dt_bias)]
+        g = fn(*leaves, lower_bound)
+        grads = torch.autograd.grad((g * weights.to(g.dtype)).sum(), [x for x in leaves if x is not None])
+        results.append([g, *grads])
+    assert results[0][0].dtype == torch.float32
+    # against fp64: the elementwise results to fp32 rounding, the sums over rows (6,000 terms for A_log's) as close
+    # as PyTorch's fp32 sums in another order
+    for name, got, torch_fp32, exp in zip(["g", "d a", "d A_log" if with_A else "d dt_bias", "d dt_bias"], *results):
+        err, ref = rel_rms(got.double(), exp), rel_rms(torch_fp32.double(), exp)
+        assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
+
+
 # --- GPU only: realistic sizes, bf16 -------------------------------------------------
+
+
+@GPU
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_gpu_kda_log_decay_takes_the_kernel(lower_bound):
+    """On a GPU ``kda_log_decay`` is the kernel's; with a bf16 projection its gradient is as close to fp64's as the
+    PyTorch form's (one rounding to bf16 each)."""
+    from rankdecay.ops.mechanisms import _kda_log_decay, kda_log_decay
+    from rankdecay.ops.triton.gate import kda_gate
+
+    gen = torch.Generator().manual_seed(41)
+    B, T, H, K = 2, 1000, 4, 128
+    a = (4 * torch.randn(B, T, H, K, generator=gen)).to(DEVICE, torch.bfloat16)
+    A_log, dt_bias = torch.randn(H, generator=gen).to(DEVICE), torch.randn(H * K, generator=gen).to(DEVICE)
+    weights = torch.randn(B, T, H, K, generator=gen).to(DEVICE)
+    grads = []
+    for fn, dtype in ((kda_log_decay, None), (_kda_log_decay, None), (_kda_log_decay, torch.float64)):
+        leaves = [x.to(dtype or x.dtype).requires_grad_() for x in (a, A_log, dt_bias)]
+        g = fn(*leaves, lower_bound)
+        grads.append([g, *torch.autograd.grad((g * weights.to(g.dtype)).sum(), leaves)])
+    with torch.no_grad():
+        assert torch.equal(grads[0][0], kda_gate(a, A_log, dt_bias, lower_bound))
+    for i, name in enumerate(["g", "d a", "d A_log", "d dt_bias"]):
+        err, ref = rel_rms(grads[0][i].double(), grads[2][i]), rel_rms(grads[1][i].double(), grads[2][i])
+        assert err <= 1.05 * ref + 1e-6, (name, err, ref)
 
 
 @GPU
