@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from .. import ops
 from ..ops.backends import recurrent_mode as _recurrent_mode  # the decode path (tests patch this name)
 from ..ops._inputs import STATE_DTYPES, sequence_ids
-from ..ops.mechanisms import _up, kda_log_decay, l2norm, mamba2_log_decay  # _up: gates in at least fp32, fp64 kept
+from ..ops.mechanisms import _up  # gates in at least fp32, fp64 kept
+from ..ops.mechanisms import kda_log_decay, l2norm, logsigmoid_log_decay, mamba2_log_decay
 from .cache import Cache, check_packed_rows
 from .modules import GATE_ACTIVATIONS, GatedRMSNorm, RMSNorm, ShortConvolution, conv_step, gate_activation
 from .packing import fused_output_linear as _fused_output_linear
@@ -488,7 +489,7 @@ class GLA(LinearMixer):
 
     def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
-        g = F.logsigmoid(_up(self.gk_proj[1](self.projected("gk_proj.0", x, p)))) / self.gate_logit_normalizer
+        g = logsigmoid_log_decay(self.gk_proj[1](self.projected("gk_proj.0", x, p)), self.gate_logit_normalizer)
         return {"g": self.masked_log_gate(g.view(B, T, self.num_heads, self.head_k_dim), mask)}
 
     def mix(self, q, k, v, gates, *, initial_state, cu_seqlens, mode, inplace=False):
@@ -565,7 +566,7 @@ class HDLA(LinearMixer):
 
     def gates(self, x, mask, p=None):
         B, T = x.shape[:2]
-        g = F.logsigmoid(_up(self.projected("lambda_proj", x, p))) / self.gate_logit_normalizer  # log λ
+        g = logsigmoid_log_decay(self.projected("lambda_proj", x, p), self.gate_logit_normalizer)  # log λ
         g = g.view(B, T, self.num_heads, self.head_k_dim)
         beta = _up(self.projected("b_proj", x, p)).sigmoid()
         return {"g": self.masked_log_gate(g, mask), "beta": 2 * beta if self.allow_neg_eigval else beta}

@@ -696,6 +696,18 @@ def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Te
     return _kda_log_decay(a, A_log, dt_bias, lower_bound)
 
 
+def logsigmoid_log_decay(z: torch.Tensor, tau: float) -> torch.Tensor:
+    """GLA's and HDLA's per-channel log-decay ``logsigmoid(z) / tau`` in at least fp32. On a GPU (outside
+    ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
+    (``ops.triton.gate``)."""
+    if (z.is_cuda and triton_runs_on(z) and not torch.compiler.is_compiling() and z.numel()
+            and z.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        from .triton.gate import logsigmoid_gate
+
+        return logsigmoid_gate(z, tau)
+    return F.logsigmoid(_up(z)) / tau
+
+
 def _kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                    lower_bound: float | None = None) -> torch.Tensor:
     """:func:`kda_log_decay` in PyTorch."""

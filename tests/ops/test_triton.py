@@ -2233,7 +2233,40 @@ def test_kda_gate_kernel(lower_bound, with_A, with_dt):
         assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
 
 
+def test_logsigmoid_gate_kernel():
+    """GLA's and HDLA's log-decay kernel, ``logsigmoid(z) / τ`` (``ops.triton.gate``, which the layers take on a
+    GPU), against PyTorch's in fp64: the gate and z's gradient, z out to ±40, 3,001 elements (not a block's
+    multiple)."""
+    from rankdecay.ops.triton.gate import logsigmoid_gate
+
+    gen = torch.Generator().manual_seed(42)
+    z = 6 * torch.randn(3001, generator=gen, dtype=torch.float64)
+    z[:4] = torch.tensor([40.0, -40.0, 20.5, -20.5], dtype=torch.float64)
+    weights = torch.randn(3001, generator=gen, dtype=torch.float64).to(DEVICE)
+    results = []
+    for fn, dtype in ((lambda x: logsigmoid_gate(x, 16.0), torch.float32),
+                      (lambda x: F.logsigmoid(x) / 16.0, torch.float32), (lambda x: F.logsigmoid(x) / 16.0, None)):
+        leaf = z.to(DEVICE, dtype or z.dtype).requires_grad_()
+        g = fn(leaf)
+        results.append([g, *torch.autograd.grad((g * weights.to(g.dtype)).sum(), [leaf])])
+    assert results[0][0].dtype == torch.float32
+    for name, got, torch_fp32, exp in zip(["g", "d z"], *results):
+        err, ref = rel_rms(got.double(), exp), rel_rms(torch_fp32.double(), exp)
+        assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
+
+
 # --- GPU only: realistic sizes, bf16 -------------------------------------------------
+
+
+@GPU
+def test_gpu_gla_and_hdla_gates_take_the_kernel():
+    """On a GPU the GLA and HDLA layers' log-decay is the kernel's."""
+    from rankdecay.ops.mechanisms import logsigmoid_log_decay
+    from rankdecay.ops.triton.gate import logsigmoid_gate
+
+    z = torch.randn(2, 100, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(logsigmoid_log_decay(z, 16.0), logsigmoid_gate(z, 16.0))
+    assert rel_rms(logsigmoid_log_decay(z, 16.0), F.logsigmoid(z.float()) / 16.0) < 1e-6
 
 
 @GPU

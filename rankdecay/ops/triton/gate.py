@@ -1,4 +1,5 @@
-"""Kimi Delta Attention's per-channel log-decay as one Triton kernel forward and one backward.
+"""Per-channel log-decays as one Triton kernel forward and one backward: Kimi Delta Attention's, and GLA's and
+HDLA's ``logsigmoid(z) / τ``.
 
 ``ops.mechanisms.kda_log_decay`` in PyTorch is five passes over the [B, T, H, K] projection forward (the cast to
 fp32, the bias, the softplus, the scale, and the bounded form's products) and as many backward, each over a tensor
@@ -9,6 +10,9 @@ column over blocks of rows (partial sums in fp32, added in a fixed order: determ
 
 ``g = -exp(A_log[h]) softplus(a + dt_bias)`` or, with a lower bound b < 0 (fla's),
 ``g = b sigmoid(exp(A_log[h]) (a + dt_bias))`` (without ``A_log``: ``b sigmoid(a + dt_bias)``).
+
+GLA's and HDLA's gate, ``logsigmoid(z) / τ``, is three passes forward (the cast, the log-sigmoid, the division) and
+as many backward in PyTorch; :func:`logsigmoid_gate` is one each way.
 """
 from __future__ import annotations
 
@@ -20,10 +24,16 @@ BLOCK_R, BLOCK_C, ROW_BLOCKS, WARPS = 16, 128, 16, 4  # a program: ROW_BLOCKS bl
 
 
 @triton.jit
-def _softplus(f):
-    # log(1 + e^f) as PyTorch's (f itself above 20), with log1p's accuracy where e^-|f| is tiny
+def _log1p_exp_neg_abs(f):
+    # log(1 + e^-|f|), with log1p's accuracy where e^-|f| is tiny
     x = tl.exp(-tl.abs(f))
-    return tl.where(f > 20.0, f, tl.maximum(f, 0.0) + tl.where(x < 1e-4, x * (1.0 - 0.5 * x), tl.log(1.0 + x)))
+    return tl.where(x < 1e-4, x * (1.0 - 0.5 * x), tl.log(1.0 + x))
+
+
+@triton.jit
+def _softplus(f):
+    # log(1 + e^f) as PyTorch's (f itself above 20)
+    return tl.where(f > 20.0, f, tl.maximum(f, 0.0) + _log1p_exp_neg_abs(f))
 
 
 @triton.jit
@@ -86,6 +96,48 @@ def _kda_gate_bwd(a_ptr, A_ptr, dt_ptr, dg_ptr, da_ptr, pdt_ptr, pA_ptr, R, C, K
         tl.store(pdt_ptr + rb * C + cols, sum_dt, mask=cols < C)
     if HAS_A:
         tl.store(pA_ptr + rb * C + cols, sum_A, mask=cols < C)
+
+
+BLOCK = 1024  # logsigmoid_gate's elements a program
+
+
+@triton.jit
+def _logsigmoid_fwd(z_ptr, g_ptr, N, inv_tau, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(z_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(g_ptr + offs, (tl.minimum(z, 0.0) - _log1p_exp_neg_abs(z)) * inv_tau, mask=offs < N)
+
+
+@triton.jit
+def _logsigmoid_bwd(z_ptr, dg_ptr, dz_ptr, N, inv_tau, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(z_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    dg = tl.load(dg_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(dz_ptr + offs, (dg * tl.sigmoid(-z) * inv_tau).to(dz_ptr.dtype.element_ty), mask=offs < N)
+
+
+class _LogSigmoidGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, tau):
+        z = z.contiguous()
+        g = torch.empty(z.shape, device=z.device, dtype=torch.float32)
+        _logsigmoid_fwd[(triton.cdiv(z.numel(), BLOCK),)](z, g, z.numel(), 1.0 / tau, BLOCK=BLOCK, num_warps=WARPS)
+        ctx.save_for_backward(z)
+        ctx.tau = tau
+        return g
+
+    @staticmethod
+    def backward(ctx, dg):
+        (z,) = ctx.saved_tensors
+        dz = torch.empty_like(z)
+        _logsigmoid_bwd[(triton.cdiv(z.numel(), BLOCK),)](z, dg.contiguous(), dz, z.numel(), 1.0 / ctx.tau,
+                                                          BLOCK=BLOCK, num_warps=WARPS)
+        return dz, None
+
+
+def logsigmoid_gate(z: torch.Tensor, tau: float) -> torch.Tensor:
+    """``logsigmoid(z) / tau`` in fp32 of z (fp32 / bf16 / fp16, any shape), differentiable in z."""
+    return _LogSigmoidGate.apply(z, float(tau))
 
 
 def _grid(R: int, C: int) -> tuple[int, int, int]:
