@@ -2208,7 +2208,7 @@ def test_kda_gate_kernel(lower_bound, with_A, with_dt):
     """KDA's log-decay kernel (``ops.triton.gate``, which ``kda_log_decay`` takes on a GPU) against the PyTorch form:
     the gate and the gradients of the projection, ``A_log`` and ``dt_bias`` (summed over rows in blocks: 300 rows,
     two programs' worth), 60 columns (not a block's width), projections out to ±30 (softplus's and the sigmoid's
-    tails)."""
+    tails), the parameters not contiguous."""
     from rankdecay.ops.mechanisms import _kda_log_decay
     from rankdecay.ops.triton.gate import kda_gate
 
@@ -2216,8 +2216,9 @@ def test_kda_gate_kernel(lower_bound, with_A, with_dt):
     B, T, H, K = 2, 150, 3, 20
     a = 4 * torch.randn(B, T, H, K, generator=gen)
     a[0, 0, 0, :4] = torch.tensor([30.0, -30.0, 25.0, -25.0])
-    A_log = torch.randn(H, generator=gen) if with_A else None
-    dt_bias = torch.randn(H * K, generator=gen) if with_dt else None
+    # the parameters as strided views (ops.kda takes a caller's A_log and dt_bias)
+    A_log = torch.randn(H, 2, generator=gen)[:, 0] if with_A else None
+    dt_bias = torch.randn(H * K, 2, generator=gen)[:, 1] if with_dt else None
     weights = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).to(DEVICE)
     results = []
     for fn, dtype in ((kda_gate, torch.float32), (_kda_log_decay, torch.float32), (_kda_log_decay, torch.float64)):

@@ -149,6 +149,7 @@ class _KDAGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, A_log, dt_bias, lower_bound):
         a = a.contiguous()
+        A_log, dt_bias = (None if x is None else x.contiguous() for x in (A_log, dt_bias))  # read by index
         H, K = a.shape[-2:]
         R, C = a.numel() // (H * K), H * K
         g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
