@@ -102,24 +102,12 @@ def _prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [row or [start] for row in rows]
 
 
-def _left_padded(rows: list[list[int]], pad_id: int, device) -> dict:
-    """input_ids and attention_mask [B, T] of the rows, left-padded (generation continues each row's end)."""
-    import torch
-
-    T = max(len(row) for row in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, T - len(row):] = torch.tensor(row)
-        mask[i, T - len(row):] = 1
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-
-
 def _generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
     from .data import load_tokenizer
+    from .data.tokenizers import left_padded
 
     if not Path(args.model_dir, "config.json").exists():
         raise SystemExit(f"{args.model_dir} is not a saved model (no config.json); create one with "
@@ -133,7 +121,7 @@ def _generate(args) -> int:
     if getattr(tokenizer, "pad_token", "") is None:
         tokenizer.pad_token = tokenizer.eos_token  # masked out; only needed to pad a batch of prompts
     rows = _prompt_ids(tokenizer, prompts)
-    batch = _left_padded(rows, tokenizer.pad_token_id, device)
+    batch = {key: x.to(device) for key, x in left_padded(rows, tokenizer.pad_token_id).items()}
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sampling = args.temperature > 0

@@ -34,18 +34,23 @@ class ByteTokenizer:
         """Left-padded ``input_ids`` and ``attention_mask`` [B, T], ready for ``generate``.
         (Hugging Face keywords such as ``return_tensors`` or ``padding`` are accepted and ignored.)"""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        rows = [self.encode(t, add_bos) for t in texts]
-        T = max(len(r) for r in rows)
-        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, row in enumerate(rows):
-            if row:
-                ids[i, T - len(row):] = torch.tensor(row)
-                mask[i, T - len(row):] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        return left_padded([self.encode(t, add_bos) for t in texts], self.pad_token_id)
 
     def save_pretrained(self, directory: str | Path) -> None:
         Path(directory, BYTE_TOKENIZER_FILE).write_text(json.dumps({"type": "bytes"}) + "\n")
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` [B, T] of token rows, left-padded with ``pad_id`` (generation continues
+    each row's end)."""
+    T = max(len(row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, T - len(row):] = torch.tensor(row)
+            mask[i, T - len(row):] = 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def load_tokenizer(directory: str | Path, vocab_size: int | None = None):

@@ -144,7 +144,7 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_state=None,
         check_float(g_gamma, "g_gamma")
         check_shape(g_gamma, "g_gamma", (q.shape[2],), "[H]")
         g = g_gamma.expand(q.shape[:3])
-    _, _, initial_state = _fla_options(None, None, initial_state, inplace_final_state, state_v_first=state_v_first)
+    initial_state = _state_in(initial_state, state_v_first, inplace_final_state)
     o, state = dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
     return o, _state_out(state, state_v_first)
@@ -160,7 +160,7 @@ def gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
     _check_qkv(q, k, v)
     check_float(g, "g")
     check_shape(g, "g", tuple(q.shape), "[B, T, H, K]")
-    _, _, initial_state = _fla_options(None, None, initial_state, inplace_final_state, state_v_first=state_v_first)
+    initial_state = _state_in(initial_state, state_v_first, inplace_final_state)
     o, state = dplr(q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, mode=mode, inplace_final_state=inplace_final_state)
     return o, _state_out(state, state_v_first)
@@ -221,7 +221,7 @@ def _fla_options(g, beta, initial_state, inplace_final_state, *, use_gate_in_ker
                  lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                  per_channel=False):
     """fla 0.6.0's in-kernel options of ``chunk_gated_delta_rule`` and ``chunk_kda``, formed here in PyTorch: returns
-    (g, beta, initial_state [N, H, K, V]). ``per_channel``: KDA's gate (``kda_log_decay``), else Mamba2's."""
+    (g, beta, initial_state [N, H, K, V] by ``_state_in``). ``per_channel``: KDA's gate (``kda_log_decay``), else Mamba2's."""
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True scales σ(beta) to (0, 2) and needs use_beta_sigmoid_in_kernel=True "
                          "(fla's rule); a beta in [0, 2] already is taken as it is without either")
@@ -245,6 +245,12 @@ def _fla_options(g, beta, initial_state, inplace_final_state, *, use_gate_in_ker
     elif A_log is not None or dt_bias is not None:
         raise ValueError("A_log and dt_bias form the decay only with use_gate_in_kernel=True; g is the log-decay "
                          "itself without it")
+    return g, beta, _state_in(initial_state, state_v_first, inplace_final_state)
+
+
+def _state_in(initial_state: torch.Tensor | None, state_v_first: bool,
+              inplace_final_state: bool) -> torch.Tensor | None:
+    """The initial state as [N, H, K, V]: with fla's ``state_v_first`` it comes as [N, H, V, K] (a transposed view)."""
     if state_v_first and initial_state is not None:
         if inplace_final_state:
             raise ValueError("inplace_final_state writes the state in its [N, H, K, V] layout; not with "
@@ -253,7 +259,7 @@ def _fla_options(g, beta, initial_state, inplace_final_state, *, use_gate_in_ker
         if initial_state.dim() != 4:
             raise ValueError(f"initial_state must be [N, H, V, K] with state_v_first, got {list(initial_state.shape)}")
         initial_state = initial_state.transpose(-1, -2)
-    return g, beta, initial_state
+    return initial_state
 
 
 def _state_out(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor | None:
@@ -688,11 +694,9 @@ def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Te
     g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0). dt_bias None: no bias; A_log None (with a lower bound
     only): g = b sigmoid(a + dt_bias), as fla's. On a GPU (outside ``torch.compile``, which fuses these operations
     itself) one Triton kernel forward and one backward (``ops.triton.gate``)."""
-    if a.is_cuda and triton_runs_on(a) and not torch.compiler.is_compiling():
-        from .triton import gate
-
-        if gate.takes(a, A_log, dt_bias):
-            return gate.kda_gate(a, A_log, dt_bias, lower_bound)
+    gate = _gate_kernels(a, A_log, dt_bias)
+    if gate is not None:
+        return gate.kda_gate(a, A_log, dt_bias, lower_bound)
     return _kda_log_decay(a, A_log, dt_bias, lower_bound)
 
 
@@ -700,12 +704,20 @@ def logsigmoid_log_decay(z: torch.Tensor, tau: float) -> torch.Tensor:
     """GLA's and HDLA's per-channel log-decay ``logsigmoid(z) / tau`` in at least fp32. On a GPU (outside
     ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
     (``ops.triton.gate``)."""
-    if (z.is_cuda and triton_runs_on(z) and not torch.compiler.is_compiling() and z.numel()
-            and z.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        from .triton.gate import logsigmoid_gate
-
-        return logsigmoid_gate(z, tau)
+    gate = _gate_kernels(z)
+    if gate is not None:
+        return gate.logsigmoid_gate(z, tau)
     return F.logsigmoid(_up(z)) / tau
+
+
+def _gate_kernels(x: torch.Tensor, *parameters: torch.Tensor | None):
+    """``ops.triton.gate`` where its kernels take the projection x and the gate's parameters: CUDA tensors, outside
+    ``torch.compile``, ``gate.takes``' dtypes; else None (the PyTorch forms)."""
+    if not (x.is_cuda and triton_runs_on(x) and not torch.compiler.is_compiling()):
+        return None
+    from .triton import gate
+
+    return gate if gate.takes(x, *parameters) else None
 
 
 def _kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,

@@ -183,11 +183,12 @@ class _KDAGate(torch.autograd.Function):
         return da, dA, ddt, None
 
 
-def takes(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None) -> bool:
-    """Whether :func:`kda_gate` takes these: a ``[..., H, K]`` and the parameters in fp32 / bf16 / fp16."""
+def takes(a: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
+    """Whether the kernels take these: a (for :func:`kda_gate` ``[..., H, K]``) and the gate's parameters (None
+    or tensors) in fp32 / bf16 / fp16."""
     floats = (torch.float32, torch.bfloat16, torch.float16)
     return (a.dtype in floats and a.dim() >= 2 and a.numel() > 0
-            and all(x is None or x.dtype in floats for x in (A_log, dt_bias)))
+            and all(x is None or x.dtype in floats for x in parameters))
 
 
 def kda_gate(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
