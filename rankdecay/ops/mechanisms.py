@@ -221,7 +221,8 @@ def _fla_options(g, beta, initial_state, inplace_final_state, *, use_gate_in_ker
                  lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                  per_channel=False):
     """fla 0.6.0's in-kernel options of ``chunk_gated_delta_rule`` and ``chunk_kda``, formed here in PyTorch: returns
-    (g, beta, initial_state [N, H, K, V] by ``_state_in``). ``per_channel``: KDA's gate (``kda_log_decay``), else Mamba2's."""
+    (g, beta, initial_state [N, H, K, V] by ``_state_in``). ``per_channel``: KDA's gate (``kda_log_decay``), else
+    Mamba2's."""
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True scales σ(beta) to (0, 2) and needs use_beta_sigmoid_in_kernel=True "
                          "(fla's rule); a beta in [0, 2] already is taken as it is without either")
