@@ -13,11 +13,27 @@ from ..ops.backends import _HAS_TRITON
 if _HAS_TRITON:
     from ..ops.triton.conv import short_conv as _short_conv
     from ..ops.triton.conv import short_conv_step as _short_conv_step
+    from ..ops.triton import norm as _norm
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:
-    """Whether x is where the sequence convolution's Triton kernel runs (tests patch this to interpret it)."""
+    """Whether x is where the sequence convolution's and the norms' Triton kernels run (tests patch this to
+    interpret them)."""
     return x.is_cuda
+
+
+def _norm_kernels(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the norms take ``ops.triton.norm``'s kernels: on their device (a GPU), outside ``torch.compile``
+    (which fuses PyTorch's operations itself), in dtypes and widths they take."""
+    return _HAS_TRITON and _on_kernel_device(x) and not torch.compiler.is_compiling() and _norm.takes(x, *others)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: on a GPU one Triton kernel each way (``ops.triton.norm.swiglu``: fp32, rounded once),
+    else PyTorch's operations."""
+    if gate.shape == up.shape and _norm_kernels(gate, up):
+        return _norm.swiglu(gate, up)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +45,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x²) + eps) * weight in fp32; PyTorch's fused kernel where it has one
-        # (fewer launches in a decode step)
+        # x * rsqrt(mean(x²) + eps) * weight in fp32: on a GPU one Triton kernel each way (``ops.triton.norm``),
+        # else PyTorch's fused kernel where it has one
+        if _norm_kernels(x, self.weight):
+            return _norm.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -55,6 +73,9 @@ class GatedRMSNorm(RMSNorm):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if gate.shape == x.shape and _norm_kernels(x, self.weight, gate):  # one kernel each way, rounded once
+            return _norm.rms_norm(x, self.weight, self.eps, gate, self.activation,
+                                  torch.promote_types(x.dtype, gate.dtype))
         return super().forward(x) * gate_activation(gate, self.activation)
 
 

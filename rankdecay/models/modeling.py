@@ -16,6 +16,7 @@ from ..layers import (
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
 from ..layers.loss import REDUCTIONS as _LOSS_REDUCTIONS
+from ..layers.modules import swiglu as _swiglu
 from ..layers.loss import linear_cross_entropy
 from ..layers.packing import fused_input_projections as _fused_input_projections
 from ..layers.packing import fused_output_linear as _fused_output_linear
@@ -100,7 +101,7 @@ class SwiGLU(nn.Module):
         p = projected if projected is not None else _packed_projections(self, self.input_projections(), x, packed)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if p is None else (p["gate_proj"], p["up_proj"])
         fused = _fused_output_linear(self.down_proj, gate, packed, u=up, x_act="silu")  # B = 1 on a GPU
-        return fused if fused is not None else _output_linear(self.down_proj, F.silu(gate) * up, packed)
+        return fused if fused is not None else _output_linear(self.down_proj, _swiglu(gate, up), packed)
 
 
 class Block(nn.Module):

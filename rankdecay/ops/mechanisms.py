@@ -303,7 +303,14 @@ def _gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """L2 normalisation over the last dim in at least fp32 (``x / max(||x||, 1e-6)``), back in x's dtype."""
+    """L2 normalisation over the last dim in at least fp32 (``x / max(||x||, 1e-6)``), back in x's dtype. On a
+    GPU (outside ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
+    (``ops.triton.norm``)."""
+    if x.is_cuda and triton_runs_on(x) and not torch.compiler.is_compiling():
+        from .triton import norm
+
+        if norm.takes(x):
+            return norm.l2norm(x, 1e-6)
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
@@ -684,7 +691,12 @@ def gated_delta_rule_decode(q, k, v, a, b, A_log=None, dt_bias=None, *, beta_max
 def mamba2_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """Mamba2's log-decay per head, g = -exp(A_log) softplus(a + dt_bias), in at least fp32: a [..., H], A_log and
     dt_bias [H] (Gated DeltaNet's and Head-in-Head's gate, as the layers and the decode kernel form it; dt_bias None:
-    no bias)."""
+    no bias). On a GPU (outside ``torch.compile``) ``ops.triton.gate``'s kernels, as KDA's gate of one channel a
+    head."""
+    heads = (a.shape[-1],) if a.dim() else None
+    gate = _gate_kernels(a, A_log, dt_bias)
+    if gate is not None and A_log.shape == heads and (dt_bias is None or dt_bias.shape == heads):
+        return gate.kda_gate(a.unsqueeze(-1), A_log, dt_bias).squeeze(-1)
     return -_up(A_log).exp() * F.softplus(_up(a) if dt_bias is None else _up(a) + _up(dt_bias))
 
 

@@ -2256,6 +2256,32 @@ def test_logsigmoid_gate_kernel():
         assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mamba2_gate_kernel(with_bias):
+    """Gated DeltaNet's gate ``-exp(A_log) softplus(a + dt_bias)`` per head, as ``ops.mechanisms.mamba2_log_decay``
+    takes it on a GPU: KDA's gate kernel with one channel a head. The gate and the gradients of a, A_log and
+    dt_bias against PyTorch's in fp64, over 1,001 rows (not a block's multiple) of 5 heads, a out to ±30."""
+    from rankdecay.ops.mechanisms import mamba2_log_decay
+    from rankdecay.ops.triton.gate import kda_gate
+
+    gen = torch.Generator().manual_seed(43)
+    a = 8 * torch.randn(1001, 5, generator=gen, dtype=torch.float64)
+    a[0] = torch.tensor([30.0, -30.0, 20.5, -20.5, 0.0], dtype=torch.float64)
+    A_log, dt_bias = torch.randn(5, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64)
+    weights = torch.randn(1001, 5, generator=gen, dtype=torch.float64).to(DEVICE)
+    results = []
+    for fn, dtype in ((lambda x, A, dt: kda_gate(x.unsqueeze(-1), A, dt).squeeze(-1), torch.float32),
+                      (mamba2_log_decay, torch.float32), (mamba2_log_decay, None)):
+        leaves = [t.to(DEVICE, dtype or t.dtype).requires_grad_() for t in (a, A_log, dt_bias)]
+        g = fn(leaves[0], leaves[1], leaves[2] if with_bias else None)
+        wrt = leaves if with_bias else leaves[:2]
+        results.append([g, *torch.autograd.grad((g * weights.to(g.dtype)).sum(), wrt)])
+    assert results[0][0].dtype == torch.float32 and results[0][0].shape == a.shape
+    for name, got, torch_fp32, exp in zip(["g", "d a", "d A_log", "d dt_bias"], *results):
+        err, ref = rel_rms(got.double(), exp), rel_rms(torch_fp32.double(), exp)
+        assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
+
+
 # --- GPU only: realistic sizes, bf16 -------------------------------------------------
 
 
@@ -2268,6 +2294,21 @@ def test_gpu_gla_and_hdla_gates_take_the_kernel():
     z = torch.randn(2, 100, 4, 128, device=DEVICE, dtype=torch.bfloat16)
     assert torch.equal(logsigmoid_log_decay(z, 16.0), logsigmoid_gate(z, 16.0))
     assert rel_rms(logsigmoid_log_decay(z, 16.0), F.logsigmoid(z.float()) / 16.0) < 1e-6
+
+
+@GPU
+def test_gpu_mamba2_log_decay_takes_the_kernel():
+    """On a GPU Gated DeltaNet's and Head-in-Head's gate is KDA's kernel with one channel a head; gate shapes the
+    kernel does not index (A_log not [H]) keep PyTorch's form, which broadcasts them."""
+    from rankdecay.ops.mechanisms import mamba2_log_decay
+    from rankdecay.ops.triton.gate import kda_gate
+
+    a = torch.randn(4, 1000, 16, device=DEVICE, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)
+    want = -A_log.exp() * F.softplus(a.float() + dt_bias)
+    assert torch.equal(mamba2_log_decay(a, A_log, dt_bias), kda_gate(a.unsqueeze(-1), A_log, dt_bias).squeeze(-1))
+    assert rel_rms(mamba2_log_decay(a, A_log, dt_bias), want) < 1e-6
+    assert rel_rms(mamba2_log_decay(a, A_log[:1], dt_bias), -A_log[:1].exp() * F.softplus(a.float() + dt_bias)) < 1e-6
 
 
 @GPU
