@@ -14,7 +14,8 @@ from ..conftest import rel_rms
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="the norm kernels need Triton (the test extra installs it on Linux)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic sizes need a CUDA GPU (recorded in BENCHMARKS.md)")
+GPU = pytest.mark.skipif(not torch.cuda.is_available(),
+                         reason="realistic sizes need a CUDA GPU (recorded in BENCHMARKS.md)")
 ACT = {None: lambda g: g, "silu": F.silu, "sigmoid": torch.sigmoid}
 
 
