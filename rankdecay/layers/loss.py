@@ -44,6 +44,7 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 REDUCTIONS = ("mean", "sum", "none")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -251,6 +252,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return losses
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, target, weight, bias, lse = ctx.saved_tensors
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]

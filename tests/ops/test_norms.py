@@ -148,6 +148,22 @@ def test_swiglu_kernel():
         swiglu(g, u[:, :5])
 
 
+@pytest.mark.parametrize("kernel", ["l2norm", "rms_norm", "swiglu", "logsigmoid_gate"])
+def test_kernels_refuse_double_backward(kernel):
+    """The kernels' backward passes are not differentiable themselves: a gradient penalty through them (a backward
+    with ``create_graph=True``, then a backward of that gradient) raises instead of silently dropping their second
+    derivatives (PyTorch's forms, on the CPU or under ``torch.compile``, are differentiable twice)."""
+    from rankdecay.ops.triton import gate, norm
+
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    scale = torch.randn(4, 16, device=DEVICE, requires_grad=True)  # makes the incoming gradient need a graph
+    y = {"l2norm": lambda: norm.l2norm(x), "rms_norm": lambda: norm.rms_norm(x, None, 1e-6),
+         "swiglu": lambda: norm.swiglu(x, x), "logsigmoid_gate": lambda: gate.logsigmoid_gate(x, 2.0)}[kernel]()
+    (dx,) = torch.autograd.grad((y * scale).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.square().sum().backward()
+
+
 def test_norm_kernels_refuse_bad_arguments():
     from rankdecay.ops.triton.norm import rms_norm
 

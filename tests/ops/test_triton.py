@@ -2256,6 +2256,25 @@ def test_logsigmoid_gate_kernel():
         assert err < 1e-6 or err <= 2 * ref, (name, err, ref)
 
 
+@pytest.mark.parametrize("Rab,gate", [(1, "scalar"), (2, "channel")])
+def test_double_backward_through_the_kernels_raises(Rab, gate):
+    """A gradient penalty through the Triton path (a backward with ``create_graph=True``, then a backward of that
+    gradient) raises, where it would silently drop the kernels' second derivatives; the PyTorch chunked path takes
+    it (its second derivatives are autograd's)."""
+    inputs = random_inputs(1, 5, 1, 16, 16, Rab, 1, gate)
+    for mode in ("triton", "chunk"):
+        q, k, v, a, b, g, h0 = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
+        o, _ = ops.dplr(q, k, v, a, b, g, initial_state=h0, mode=mode)
+        weight = torch.randn(o.shape, device=o.device, requires_grad=True)  # an incoming gradient with a graph
+        (dq,) = torch.autograd.grad((o * weight).sum(), q, create_graph=True)
+        if mode == "triton":
+            with pytest.raises(RuntimeError, match="once_differentiable"):
+                dq.square().sum().backward()
+        else:
+            dq.square().sum().backward()
+            assert k.grad is not None and k.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_mamba2_gate_kernel(with_bias):
     """Gated DeltaNet's gate ``-exp(A_log) softplus(a + dt_bias)`` per head, as ``ops.mechanisms.mamba2_log_decay``

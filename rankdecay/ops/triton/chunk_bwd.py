@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from ..backends import needs_grad
 from .channel import _input_dot, channel_product_bwd, hdla_products_bwd
@@ -1093,6 +1094,7 @@ class _ChunkDPLR(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dht):
         *tensors, hh_mask, offsets = ctx.saved_tensors
         grads = _backward(tensors, ctx.scale, ctx.C, ctx.tied, do, dht, paired=ctx.paired, hh_mask=hh_mask,
@@ -1366,6 +1368,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dht):
         *tensors, beta = ctx.saved_tensors
         dq, dk, dv, dg, dh0, dbeta = _backward(tensors, ctx.scale, ctx.C, True, do, dht, fold=beta, ut=ctx.ut)
@@ -1508,6 +1511,7 @@ class _HDLA(torch.autograd.Function):
         return o, ht
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dht):
         *tensors, k, beta, c = ctx.saved_tensors
         dq, dk, dv, da, db, dg, dh0, *_, dbeta_rows, part, finished = _backward(

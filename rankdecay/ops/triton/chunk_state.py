@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .fused_recurrent import _cdiv, _pow2, gate_kind
 from .opaque import matmul_precision, opaque_function
@@ -645,6 +646,7 @@ class _ChunkStatePassing(torch.autograd.Function):
         return s0, u, ht
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, ds0, du, dht):
         h0, d, kd, vf, w, ad, s0, u, offsets = ctx.saved_tensors
         dh0, *grads = state_passing_backward(d, kd, vf, w, ad, s0, u, ds0, du, dht, offsets, ctx.chunk_size)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .._inputs import sequence_ids
 
@@ -240,6 +241,7 @@ class _ShortConv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, state, cu, seq = ctx.saved_tensors
         B, T, D = x.shape

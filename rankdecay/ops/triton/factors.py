@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .fused_recurrent import _cdiv, _pow2
 from .opaque import compiling, opaque, opaque_function, shapes_only
@@ -187,6 +188,7 @@ class _HDLAFactors(torch.autograd.Function):
         return a, b
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, da, db):
         k, g, beta = ctx.saved_tensors
         da = torch.zeros(*k.shape[:-1], 2, k.shape[-1], device=k.device) if da is None else da.contiguous()
@@ -262,6 +264,7 @@ class _KDAFactor(torch.autograd.Function):
         return b
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, db):
         k, g = ctx.saved_tensors
         N, K = k.numel() // k.shape[-1], k.shape[-1]
@@ -341,6 +344,7 @@ class _HHFactors(torch.autograd.Function):
         return a, b
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, da, db):
         k, mask = ctx.saved_tensors
         B, T, H, K = k.shape

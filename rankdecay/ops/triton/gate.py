@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 BLOCK_R, BLOCK_C, ROW_BLOCKS, WARPS = 16, 128, 16, 4  # a program: ROW_BLOCKS blocks of BLOCK_R rows x BLOCK_C columns
 
@@ -127,6 +128,7 @@ class _LogSigmoidGate(torch.autograd.Function):
         return g
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dg):
         (z,) = ctx.saved_tensors
         dz = torch.empty_like(z)
@@ -164,6 +166,7 @@ class _KDAGate(torch.autograd.Function):
         return g
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dg):
         a, A_log, dt_bias = ctx.saved_tensors
         H, K = a.shape[-2:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 MAX_D = 16384  # the widest row the kernels take (one row's columns in one block)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,6 +154,7 @@ class _L2Norm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         (rows,) = ctx.saved_tensors
         N, D = rows.shape
@@ -185,6 +187,7 @@ class _RMSNorm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         rows, weight, grows = ctx.saved_tensors
         N, D = rows.shape
@@ -243,6 +246,7 @@ class _SwiGLU(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dg, du = torch.empty_like(gate), torch.empty_like(up)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .swa import _rotate
 
@@ -59,6 +60,7 @@ class _Rotary(torch.autograd.Function):
         return _launch(x, positions, inv_freq, 1.0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         positions, inv_freq = ctx.saved_tensors
         if dy.stride(-1) != 1:
