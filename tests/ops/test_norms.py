@@ -164,6 +164,17 @@ def test_kernels_refuse_double_backward(kernel):
         dx.square().sum().backward()
 
 
+def test_kernels_take_empty_batches():
+    """No rows (a batch of zero sequences): empty outputs and gradients, and the weight's gradient zero."""
+    from rankdecay.ops.triton.norm import l2norm, rms_norm, swiglu
+
+    x, g = (torch.randn(0, 5, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    w = torch.ones(16, device=DEVICE, requires_grad=True)
+    (rms_norm(x, w, 1e-6, g, "silu").sum() + l2norm(x).sum() + swiglu(x, g).sum()).backward()
+    assert x.grad.shape == g.grad.shape == (0, 5, 16)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_norm_kernels_refuse_bad_arguments():
     from rankdecay.ops.triton.norm import rms_norm
 

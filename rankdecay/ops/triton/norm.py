@@ -196,7 +196,7 @@ class _RMSNorm(torch.autograd.Function):
         dg = torch.empty(N, D, device=rows.device, dtype=ctx.dtypes[1]) if grows is not None else None
         BLOCK_D, BLOCK_N, warps = _blocks(N, D)
         programs = max(1, min(triton.cdiv(N, BLOCK_N), 1024))
-        per = triton.cdiv(triton.cdiv(N, programs), BLOCK_N) * BLOCK_N  # rows a program, whole blocks
+        per = max(1, triton.cdiv(triton.cdiv(N, programs), BLOCK_N)) * BLOCK_N  # rows a program, whole blocks
         programs = max(1, triton.cdiv(N, per))
         pw = torch.empty(programs, D, device=rows.device, dtype=torch.float32) if weight is not None else None
         if N:
