@@ -3,6 +3,7 @@
     python benchmarks/step_profile.py --preset 340m --mixers gdn hdla            # GPU: 8 x 2048, bf16 autocast
     python benchmarks/step_profile.py --preset tiny --batch-size 2 --seq-len 64   # CPU (ops' self time)
     python benchmarks/step_profile.py ... --json step.json --top 20
+    python benchmarks/step_profile.py ... --compile                               # the step through torch.compile
 
 One step is the trainer's: the forward with labels under autocast (bf16 on a GPU), the backward, gradient clipping,
 fused AdamW. For each mixer it reports the median and minimum wall time over ``--steps`` steps after ``--warmup``,
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by time")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model overrides")
+    parser.add_argument("--compile", action="store_true",
+                        help="the model through torch.compile (`rankdecay train --compile`), compiled in the warm-up")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
@@ -121,7 +124,9 @@ def main() -> None:
         torch.manual_seed(0)
         config = RankDecayConfig.from_preset(args.preset, mixer=mixer, **overrides)
         model = RankDecayForCausalLM(config).to(device)
-        row = {"mixer": mixer}
+        if args.compile:
+            model = torch.compile(model)
+        row = {"mixer": mixer + (", compiled" if args.compile else "")}
         for key, (B, T) in (("host_only", tuple(args.host_shape)), ("step", (args.batch_size, args.seq_len))):
             ids = torch.randint(0, config.vocab_size, (B, T), device=device)
             step = make_step(model, ids, device)
