@@ -11,9 +11,9 @@ from ..ops._inputs import check_cu_seqlens_layout, sequence_ids
 from ..ops.backends import _HAS_TRITON
 
 if _HAS_TRITON:
+    from ..ops.triton import norm as _norm
     from ..ops.triton.conv import short_conv as _short_conv
     from ..ops.triton.conv import short_conv_step as _short_conv_step
-    from ..ops.triton import norm as _norm
 
 
 def _on_kernel_device(x: torch.Tensor) -> bool:

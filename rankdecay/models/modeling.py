@@ -16,8 +16,8 @@ from ..layers import (
     RMSNorm, SimpleGLA, SlidingWindowAttention,
 )
 from ..layers.loss import REDUCTIONS as _LOSS_REDUCTIONS
-from ..layers.modules import swiglu as _swiglu
 from ..layers.loss import linear_cross_entropy
+from ..layers.modules import swiglu as _swiglu
 from ..layers.packing import fused_input_projections as _fused_input_projections
 from ..layers.packing import fused_output_linear as _fused_output_linear
 from ..layers.packing import output_linear as _output_linear
