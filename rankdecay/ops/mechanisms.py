@@ -13,6 +13,8 @@ least fp32, like the recurrence itself.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -306,11 +308,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     """L2 normalisation over the last dim in at least fp32 (``x / max(||x||, 1e-6)``), back in x's dtype. On a
     GPU (outside ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
     (``ops.triton.norm``)."""
-    if x.is_cuda and triton_runs_on(x) and not torch.compiler.is_compiling():
-        from .triton import norm
-
-        if norm.takes(x):
-            return norm.l2norm(x, 1e-6)
+    norm = _kernels("norm", x)
+    if norm is not None:
+        return norm.l2norm(x, 1e-6)
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
@@ -694,7 +694,7 @@ def mamba2_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
     no bias). On a GPU (outside ``torch.compile``) ``ops.triton.gate``'s kernels, as KDA's gate of one channel a
     head."""
     heads = (a.shape[-1],) if a.dim() else None
-    gate = _gate_kernels(a, A_log, dt_bias)
+    gate = _kernels("gate", a, A_log, dt_bias)
     if gate is not None and A_log.shape == heads and (dt_bias is None or dt_bias.shape == heads):
         return gate.kda_gate(a.unsqueeze(-1), A_log, dt_bias).squeeze(-1)
     return -_up(A_log).exp() * F.softplus(_up(a) if dt_bias is None else _up(a) + _up(dt_bias))
@@ -707,7 +707,7 @@ def kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Te
     g = b sigmoid(exp(A_log) (a + dt_bias)), in (b, 0). dt_bias None: no bias; A_log None (with a lower bound
     only): g = b sigmoid(a + dt_bias), as fla's. On a GPU (outside ``torch.compile``, which fuses these operations
     itself) one Triton kernel forward and one backward (``ops.triton.gate``)."""
-    gate = _gate_kernels(a, A_log, dt_bias)
+    gate = _kernels("gate", a, A_log, dt_bias)
     if gate is not None:
         return gate.kda_gate(a, A_log, dt_bias, lower_bound)
     return _kda_log_decay(a, A_log, dt_bias, lower_bound)
@@ -717,20 +717,20 @@ def logsigmoid_log_decay(z: torch.Tensor, tau: float) -> torch.Tensor:
     """GLA's and HDLA's per-channel log-decay ``logsigmoid(z) / tau`` in at least fp32. On a GPU (outside
     ``torch.compile``, which fuses these operations itself) one Triton kernel forward and one backward
     (``ops.triton.gate``)."""
-    gate = _gate_kernels(z)
+    gate = _kernels("gate", z)
     if gate is not None:
         return gate.logsigmoid_gate(z, tau)
     return F.logsigmoid(_up(z)) / tau
 
 
-def _gate_kernels(x: torch.Tensor, *parameters: torch.Tensor | None):
-    """``ops.triton.gate`` where its kernels take the projection x and the gate's parameters: CUDA tensors, outside
-    ``torch.compile``, ``gate.takes``' dtypes; else None (the PyTorch forms)."""
+def _kernels(module: str, x: torch.Tensor, *others: torch.Tensor | None):
+    """``ops.triton.<module>`` (``gate`` or ``norm``) where its kernels take x and the others: CUDA tensors, outside
+    ``torch.compile`` (which fuses the PyTorch forms itself), what the module's ``takes`` accepts; else None (the
+    PyTorch forms)."""
     if not (x.is_cuda and triton_runs_on(x) and not torch.compiler.is_compiling()):
         return None
-    from .triton import gate
-
-    return gate if gate.takes(x, *parameters) else None
+    kernels = importlib.import_module(f".triton.{module}", __package__)
+    return kernels if kernels.takes(x, *others) else None
 
 
 def _kda_log_decay(a: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
