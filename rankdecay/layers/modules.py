@@ -37,19 +37,32 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis, computed in fp32."""
+    """RMSNorm over the last axis, computed in fp32, returned in x's dtype.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    ``autocast_output``: under autocast, return autocast's dtype instead (bf16 under bf16 autocast), rounded once.
+    For a norm whose output only feeds linear maps (a block's norm before its mixer or MLP), which would each round
+    it to that dtype themselves: the same products, but one rounding in the norm's kernel instead of a cast per map,
+    and the maps' input gradients summed in that dtype instead of each cast back to fp32 and summed there (as in
+    bf16 training without autocast)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, autocast_output: bool = False):
         super().__init__()
         self.eps = eps
+        self.autocast_output = autocast_output
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x²) + eps) * weight in fp32: on a GPU one Triton kernel each way (``ops.triton.norm``),
         # else PyTorch's fused kernel where it has one
+        dtype = x.dtype
+        if self.autocast_output and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
         if _norm_kernels(x, self.weight):
-            return _norm.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+            return _norm.rms_norm(x, self.weight, self.eps, None, None, dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", autocast_output=True" if self.autocast_output else "")
 
 
 GATE_ACTIVATIONS = ("silu", "sigmoid", None)  # an output gate's activation (None: the gate as it is)

@@ -109,9 +109,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.mixer_name = config.mixers[layer_idx]
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, autocast_output=True)
         self.mixer = build_mixer(self.mixer_name, config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, attention_mask=None, cache=None, use_cache=False, cu_seqlens=None):

@@ -1,6 +1,7 @@
 """fla's Gated DeltaNet, DeltaNet, GLA, Gated DeltaProduct and KDA checkpoints as rankdecay models
 (``rankdecay.models.from_fla``, ``rankdecay convert-fla``), checked against fla itself (flash-linear-attention 0.6.0,
 in the test extra)."""
+import copy
 import json
 
 import pytest
@@ -280,7 +281,13 @@ def test_convert_fla_command_and_a_saved_folder(tmp_path, kind, capsys):
     ids, mask = _batch(24)
     with torch.no_grad():
         ref, got = fla(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-        assert rel_rms(got[mask.bool()], ref[mask.bool()]) < 1e-5
+        # each within fp32 rounding (1e-5) of the loaded model run in fp64, so fla's logits are the converted
+        # model's function; not each other's within 1e-5 (Gated DeltaNet's on the H200: fla's 7.8e-6 from fp64,
+        # ours 3.6e-6, 1.02e-5 from each other; on the CPU 2.7e-6 and 4.1e-6)
+        exact = copy.deepcopy(ours).double()(ids, attention_mask=mask).logits
+        real = mask.bool()
+        fla_err, our_err = rel_rms(ref[real], exact[real]), rel_rms(got[real], exact[real])
+        assert fla_err < 1e-5 and our_err < 1e-5, (fla_err, our_err)
         prompt = ids[1:, :12]
     got = ours.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=[], graph_decoder=True)
     assert torch.equal(got[:, :12], prompt)

@@ -355,10 +355,14 @@ def test_one_row_steps_take_norms_and_gates_inside_the_products(kind, monkeypatc
 
     monkeypatch.setattr(packing, "_on_kernel_device", lambda x: True)
     monkeypatch.setattr(packing, "_gemv", gemv)
-    forward = modules.RMSNorm.forward
-    monkeypatch.setattr(modules.RMSNorm, "forward", lambda self, *a: calls.__setitem__(
-        "gated_norm" if type(self) is modules.GatedRMSNorm else "norm",
-        calls["gated_norm" if type(self) is modules.GatedRMSNorm else "norm"] + 1) or forward(self, *a))
+    def counted(forward, key):  # GatedRMSNorm's own forward (its kernel on a GPU, else RMSNorm's and the gate)
+        def run(self, *a):
+            calls[key] += key == "gated_norm" or type(self) is not modules.GatedRMSNorm
+            return forward(self, *a)
+        return run
+
+    monkeypatch.setattr(modules.RMSNorm, "forward", counted(modules.RMSNorm.forward, "norm"))
+    monkeypatch.setattr(modules.GatedRMSNorm, "forward", counted(modules.GatedRMSNorm.forward, "gated_norm"))
     packed, plain = GraphDecoder(model, cuda_graph=False), GraphDecoder(model, cuda_graph=False, pack_projections=False)
     layers = model.config.num_hidden_layers
     mixers = sum(hasattr(layer.mixer, "o_norm") or getattr(layer.mixer, "use_output_gate", False)

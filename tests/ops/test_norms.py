@@ -202,16 +202,49 @@ def test_layers_take_the_norm_kernels_on_their_device(monkeypatch):
     monkeypatch.setattr(modules, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(modules._norm, "rms_norm", lambda *a: calls.append(len(a)) or kernel(*a))
     got = norm(x), gated(x, g)
-    assert calls == [3, 6]
+    assert calls == [6, 6]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     swiglu = modules._norm.swiglu
     monkeypatch.setattr(modules._norm, "swiglu", lambda *a: calls.append("swiglu") or swiglu(*a))
     torch.testing.assert_close(modules.swiglu(x, g), F.silu(x) * g, rtol=1e-5, atol=1e-6)
-    assert calls == [3, 6, "swiglu"]
+    assert calls == [6, 6, "swiglu"]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     norm(x), gated(x, g), modules.swiglu(x, g)
-    assert calls == [3, 6, "swiglu"]
+    assert calls == [6, 6, "swiglu"]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+def test_autocast_output_rounds_the_norm_once_to_autocast_dtype(monkeypatch, kernel):
+    """``RMSNorm(autocast_output=True)`` (a block's norms) returns autocast's dtype under autocast: the fp32 norm
+    rounded once to bf16, what each linear map reading it would have cast it to; outside autocast, and by default,
+    x's dtype. The gradient reaches x in fp32 either way."""
+    from rankdecay.layers import modules
+
+    if kernel:
+        monkeypatch.setattr(modules, "_on_kernel_device", lambda t: True)
+    x, _, gen = _rows((3, 7, 48), 11)
+    x = x.to(DEVICE, torch.float32)
+    norm, plain = modules.RMSNorm(48, autocast_output=True).to(DEVICE), modules.RMSNorm(48).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
+        plain.weight.copy_(norm.weight)
+    want = plain(x)
+    assert norm(x).dtype == torch.float32 and torch.equal(norm(x), want)
+    leaf = x.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y, y_plain = norm(leaf), plain(x)
+    assert y.dtype == torch.bfloat16 and y_plain.dtype == torch.float32
+    if kernel:  # the interpreter rounds fp32 to bf16 toward zero: within one bf16 step
+        torch.testing.assert_close(y.float(), want, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(y, want.to(torch.bfloat16))
+    dy = torch.randn(y.shape, generator=gen).to(DEVICE, torch.bfloat16)
+    (dx,) = torch.autograd.grad(y, leaf, dy)
+    leaf32 = x.clone().requires_grad_()
+    (dx_want,) = torch.autograd.grad(plain(leaf32), leaf32, dy.float())
+    assert dx.dtype == torch.float32
+    torch.testing.assert_close(dx, dx_want, rtol=1e-5, atol=1e-6)
 
 
 # --- GPU only: realistic sizes, bf16 -------------------------------------------------
