@@ -35,7 +35,7 @@ from .packing import fused_output_linear as _fused_output_linear
 from .packing import output_linear as _output_linear
 from .packing import projections as _packed_projections
 
-RECURRENT_MAX_TOKENS = 64  # with a cache, inputs this short run the recurrent (decode) path
+RECURRENT_MAX_TOKENS = 64  # with a cache and without autograd, inputs this short run the recurrent (decode) path
 
 
 _STATE_DTYPES = {str(d).removeprefix("torch."): d for d in STATE_DTYPES}  # "float32": torch.float32, ...
@@ -253,7 +253,10 @@ class LinearMixer(nn.Module, abc.ABC):
         packed = cache.packed(self.layer_idx, "mixer") if cache is not None else None
         p = projected if projected is not None else _packed_projections(self, self.input_projections(), x, packed)
         q, k, v = (self.projected(name, x, p) for name in ("q_proj", "k_proj", "v_proj"))
-        recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS)
+        # with a cache, short inputs take the per-token (decode) path; under autograd (a training forward that
+        # left use_cache on, as transformers' Trainer does) the chunked one, the fast path with a backward
+        recurrent = self.mode == "recurrent" or (cache is not None and T <= RECURRENT_MAX_TOKENS
+                                                 and not torch.is_grad_enabled())
         mode = _recurrent_mode(x) if recurrent else "auto"
         if self.use_short_conv:
             convs = (self.q_conv, self.k_conv, self.v_conv)

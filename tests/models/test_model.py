@@ -372,7 +372,8 @@ def test_paper_presets_have_the_papers_sizes(preset, nominal, tol):
 def test_block_norms_under_autocast_give_the_same_logits(mixer):
     """A block's norms write autocast's dtype under autocast (``RMSNorm.autocast_output``) instead of leaving each
     linear map to cast them: the logits are the same to the bit, and the gradients, whose maps' input gradients are
-    now summed in bf16, are as close to the fp32 model's as before (within 10 %)."""
+    now summed in bf16, are as close to the fp32 model's as before: on average over the parameters within 5 %, each
+    within 1.5x (a gradient term lost would be off by its whole size, 10-20x bf16's error here)."""
     from rankdecay.layers.modules import RMSNorm
 
     model = tiny_model(mixer).train()
@@ -392,6 +393,36 @@ def test_block_norms_under_autocast_give_the_same_logits(mixer):
         runs.append((out.logits, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (logits, grads), (logits_cast, grads_cast) = runs
     assert torch.equal(logits, logits_cast)
+    ratios = {}
     for n, want in exact.items():
         err, before = (((g[n] - want).norm() / want.norm()).item() for g in (grads, grads_cast))
-        assert err <= 1.1 * before + 1e-3, f"{n}: {err:.2e} against {before:.2e} with the casts"
+        ratios[n] = err / before
+    # bf16 rounding: each parameter's error moves by a few % either way (0.97-1.16 measured), on average not at all
+    mean = sum(ratios.values()) / len(ratios)
+    assert mean < 1.05 and max(ratios.values()) < 1.5, (mean, max(ratios.items(), key=lambda kv: kv[1]))
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla"])
+def test_training_forward_with_the_cache_on_takes_the_chunked_path(mixer, monkeypatch):
+    """A training forward of <= 64 tokens that leaves ``use_cache`` on (the config's default, as transformers'
+    Trainer calls the model) runs the chunked path, not the per-token loop (on a GPU that loop is PyTorch's under
+    autograd): the same loss and gradients as with ``use_cache=False``; without autograd a cache still takes the
+    per-token path."""
+    from rankdecay.layers import mixers
+
+    model = tiny_model(mixer).train()
+    ids = random_ids(2, 40)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    calls = []
+    recurrent = mixers._recurrent_mode
+    monkeypatch.setattr(mixers, "_recurrent_mode", lambda x: calls.append(1) or recurrent(x))
+    out = model(ids, labels=ids)
+    assert output_cache(out) is not None and not calls
+    out.loss.backward()
+    for n, p in model.named_parameters():
+        assert_matches(p.grad, want[n], 1e-6, n)
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == model.config.num_hidden_layers
