@@ -54,9 +54,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x²) + eps) * weight in fp32: on a GPU one Triton kernel each way (``ops.triton.norm``),
         # else PyTorch's fused kernel where it has one
-        dtype = x.dtype
-        if self.autocast_output and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype, device = x.dtype, x.device.type
+        if self.autocast_output and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
         if _norm_kernels(x, self.weight):
             return _norm.rms_norm(x, self.weight, self.eps, None, None, dtype)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(dtype)

@@ -426,3 +426,13 @@ def test_training_forward_with_the_cache_on_takes_the_chunked_path(mixer, monkey
     with torch.no_grad():
         model(ids)
     assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "hdla", "hh-gdn", "attn"])
+def test_the_model_runs_on_the_meta_device(mixer):
+    """A forward of a model on the meta device (shapes only, as memory planners and FLOP counters run it) gives the
+    logits' shape: nothing on the way asks the meta device for what it cannot have (autocast's state: the block
+    norms asked it once, which raised)."""
+    model = tiny_model(mixer).to("meta")
+    ids = torch.zeros(2, 10, dtype=torch.long, device="meta")
+    assert model(ids, labels=ids, use_cache=False).logits.shape == (2, 10, model.config.vocab_size)
