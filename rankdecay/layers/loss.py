@@ -40,14 +40,13 @@ logits are then None), and so ``rankdecay train --set fuse_linear_cross_entropy=
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ..ops.backends import _HAS_TRITON, active_autocast_dtype
+
 REDUCTIONS = ("mean", "sum", "none")
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 SLICE_LOGITS = 1 << 26  # logits per slice by default with the Triton kernels: 128 MiB in bf16
@@ -69,10 +68,7 @@ def default_vocab_chunk_size(n: int, v: int, max_logits: int = SLICE_LOGITS) -> 
 
 def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(x, weight)`` computes in here: autocast's where it is on, else the inputs'."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return torch.promote_types(x.dtype, weight.dtype)
+    return active_autocast_dtype(x) or torch.promote_types(x.dtype, weight.dtype)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops._inputs import check_cu_seqlens_layout, sequence_ids
-from ..ops.backends import _HAS_TRITON
+from ..ops.backends import _HAS_TRITON, active_autocast_dtype
 
 if _HAS_TRITON:
     from ..ops.triton import norm as _norm
@@ -54,9 +54,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x²) + eps) * weight in fp32: on a GPU one Triton kernel each way (``ops.triton.norm``),
         # else PyTorch's fused kernel where it has one
-        dtype, device = x.dtype, x.device.type
-        if self.autocast_output and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
+        dtype = (self.autocast_output and active_autocast_dtype(x)) or x.dtype
         if _norm_kernels(x, self.weight):
             return _norm.rms_norm(x, self.weight, self.eps, None, None, dtype)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(dtype)

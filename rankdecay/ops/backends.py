@@ -40,6 +40,15 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return _HAS_TRITON and (x.is_cuda or interpreting())
 
 
+def active_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype where autocast is on for x's device, else None (also on devices autocast has no state for,
+    such as meta, where asking raises)."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 # Log-gates below this count as it on the chunked paths (PyTorch and Triton), where decays are exps of differences of
 # log-cumsums: e^-1000 is 0 in fp64 as in fp32, so every decay over such a step is 0 as it would be, while -inf
 # (a gate of 0, "forget") made the differences inf - inf = NaN and -1e30 swallowed the other gates of its chunk's
