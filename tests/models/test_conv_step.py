@@ -114,19 +114,21 @@ def _conv_case(case, kernel_size, activation, groups, dtype):
         rows = len(lengths)
     else:
         cu, x, rows = None, torch.randn(2, 45, 150, device=DEVICE, dtype=dtype), 2
-    state = torch.randn(rows, 150, kernel_size - 1, device=DEVICE, dtype=dtype) if case.endswith("state") else None
+    given = case.endswith(("state", "fixed"))
+    state = torch.randn(rows, 150, kernel_size - 1, device=DEVICE, dtype=dtype) if given else None
     return conv, x, state, cu
 
 
-def _conv_run(conv, x, state, cu):
-    """y, the final state and the gradients of x and the filters, and of the state where there is one (the state's
-    own gradient, and through the final state, which holds its last inputs where a row is shorter than the taps)."""
+def _conv_run(conv, x, state, cu, state_grad=True):
+    """y, the final state and the gradients of x and the filters, and of the state where there is one and
+    ``state_grad`` (the state's own gradient, and through the final state, which holds its last inputs where a row
+    is shorter than the taps)."""
     x = x.detach().requires_grad_()
-    state = None if state is None else state.detach().requires_grad_()
+    state = None if state is None else state.detach().requires_grad_(state_grad)
     y, final = conv(x, state, cu)
     dy = torch.linspace(-1, 1, y.numel(), device=y.device).view(y.shape)
     dfinal = torch.linspace(1, -0.5, final.numel(), device=y.device).view(final.shape)
-    leaves = [x, conv.weight] + ([state] if state is not None else [])
+    leaves = [x, conv.weight] + ([state] if state is not None and state_grad else [])
     # (one tap: the PyTorch path never reads the state of no slots)
     grads = torch.autograd.grad((y.float() * dy).sum() + (final.float() * dfinal).sum(), leaves, allow_unused=True,
                                 materialize_grads=True)
@@ -135,25 +137,26 @@ def _conv_run(conv, x, state, cu):
 
 @pytest.mark.parametrize("groups", [None, 5])
 @pytest.mark.parametrize("kernel_size,activation", [(4, "silu"), (3, None), (2, "silu"), (1, "silu")])
-@pytest.mark.parametrize("case", ["rows", "rows-state", "packed", "packed-state"])
+@pytest.mark.parametrize("case", ["rows", "rows-state", "rows-fixed", "packed", "packed-state", "packed-fixed"])
 def test_the_sequence_kernel_matches_the_pytorch_path(case, kernel_size, activation, groups, monkeypatch):
     """Training's and prefill's convolution in one Triton kernel (``ops.triton.conv.short_conv``, forward, and two
     kernels backward): the outputs, final states and the gradients of x, of the filters (shared ones too) and of
     the initial state are the PyTorch path's (fp32), for rows (B = 2) and for packed sequences (lengths 37, 0, 1, 2,
     50: sequences shorter than the taps, whose state reaches the next ones' outputs not at all and their own through
-    fewer taps), from initial states and from zeros; 150 channels (a partial block); 4, 3, 2 taps and 1 (a state of
-    no slots)."""
+    fewer taps), from zeros, from initial states and from initial states that take no gradient ("fixed"); 150
+    channels (partial blocks); 4, 3, 2 taps and 1 (a state of no slots)."""
     from rankdecay.layers import modules
 
     conv, x, state, cu = _conv_case(case, kernel_size, activation, groups, torch.float32)
-    want = _conv_run(conv, x, state, cu)
+    state_grad = not case.endswith("fixed")
+    want = _conv_run(conv, x, state, cu, state_grad)
     calls = []
     kernel = modules._short_conv
     monkeypatch.setattr(modules, "_on_kernel_device", lambda x: True)
     monkeypatch.setattr(modules, "_short_conv", lambda *a: calls.append(1) or kernel(*a))
-    got = _conv_run(conv, x, state, cu)
+    got = _conv_run(conv, x, state, cu, state_grad)
     assert calls == [1]
-    assert len(got) == len(want) == (5 if state is not None else 4)
+    assert len(got) == len(want) == (5 if state is not None and state_grad else 4)
     names = ("y", "final state", "grad x", "grad filters", "grad state")[:len(got)]
     for a, b, name in zip(got, want, names, strict=True):
         assert_matches(a, b, 1e-5, f"{case}: {name}")
