@@ -4,6 +4,8 @@
     python benchmarks/step_profile.py --preset tiny --batch-size 2 --seq-len 64   # CPU (ops' self time)
     python benchmarks/step_profile.py ... --json step.json --top 20
     python benchmarks/step_profile.py ... --compile                               # the step through torch.compile
+    python benchmarks/step_profile.py ... --use-cache                             # the forward as HF's Trainer calls it
+    python benchmarks/step_profile.py ... --matmul-precision medium               # bf16 products in the kernels
 
 One step is the trainer's: the forward with labels under autocast (bf16 on a GPU), the backward, gradient clipping,
 fused AdamW. For each mixer it reports the median and minimum wall time over ``--steps`` steps after ``--warmup``,
@@ -44,13 +46,14 @@ def family(name: str) -> str:
     return "other"
 
 
-def make_step(model, ids, device):
+def make_step(model, ids, device, use_cache=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else None
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(ids, labels=ids, use_cache=False).loss
+            # use_cache None: the config's default (True), as transformers' Trainer calls the model
+            loss = model(ids, labels=ids, use_cache=None if use_cache else False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -109,16 +112,22 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model overrides")
     parser.add_argument("--compile", action="store_true",
                         help="the model through torch.compile (`rankdecay train --compile`), compiled in the warm-up")
+    parser.add_argument("--use-cache", action="store_true",
+                        help="the forward with use_cache left at the config's default (on), as transformers' Trainer "
+                             "calls the model; without it use_cache=False")
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                        help="torch.set_float32_matmul_precision for the run (the ops' products follow it)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"torch {torch.__version__}, python {platform.python_version()}, {name}, preset {args.preset}, "
-          f"B{args.batch_size} T{args.seq_len}")
+          f"B{args.batch_size} T{args.seq_len}, matmul precision {args.matmul_precision}")
     rows = []
     for mixer in args.mixers:
         torch.manual_seed(0)
@@ -129,7 +138,7 @@ def main() -> None:
         row = {"mixer": mixer + (", compiled" if args.compile else "")}
         for key, (B, T) in (("host_only", tuple(args.host_shape)), ("step", (args.batch_size, args.seq_len))):
             ids = torch.randint(0, config.vocab_size, (B, T), device=device)
-            step = make_step(model, ids, device)
+            step = make_step(model, ids, device, args.use_cache)
             for _ in range(args.warmup):
                 step()
             sync(device)
@@ -158,7 +167,8 @@ def main() -> None:
             print(f"| {t['ms']:.2f} | `{t['kernel'][:110]}` |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "preset": args.preset, "rows": rows}, f, indent=1)
+            json.dump({"device": name, "torch": torch.__version__, "preset": args.preset,
+                       "matmul_precision": args.matmul_precision, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py --preset 340m --batch-size 8 --steps 30 --warmup 10   # GPU
     python benchmarks/train_throughput.py --compile ...                    # the model through torch.compile
     python benchmarks/train_throughput.py --pack varlen ...                # documents packed with cu_seqlens
+    python benchmarks/train_throughput.py --matmul-precision medium ...    # bf16 products in the kernels, as fla
 
 Runs the real trainer (the same code as `rankdecay train`: data, autocast, AdamW, clipping)
 for each mixer on the embedded corpus, and reports the steady-state throughput: the
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (`rankdecay train --compile`)")
     parser.add_argument("--pack", choices=["concat", "varlen"], default=None,
                         help="`rankdecay train --pack`: varlen restarts the state at every document (cu_seqlens)")
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default=None,
+                        help="the trainer's matmul_precision (default: its own default)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -50,7 +53,7 @@ def main() -> None:
                              out_dir=out, eval_every=0, save_every=0, eval_batches=1, log_every=args.warmup,
                              progress=False, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                              seq_len=args.seq_len, model=model, compile=args.compile or None,
-                             pack=args.pack)
+                             pack=args.pack, matmul_precision=args.matmul_precision)
             cfg = TrainConfig.from_sources(overrides={k: v for k, v in overrides.items() if v is not None})
             if cfg.steps % cfg.log_every:
                 raise SystemExit("--steps - --warmup must be a multiple of --warmup so the last window is whole")
@@ -67,6 +70,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
             peak_mb = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
             label = mixer + (" (compiled)" if args.compile else "") + (f", --pack {args.pack}" if args.pack else "")
+            label += f", {args.matmul_precision}" if args.matmul_precision else ""
             rows.append({"mixer": label, "preset": args.preset,
                          "batch_size": cfg.batch_size,
                          "micro_batch_size": cfg.micro_batch_size or cfg.batch_size, "seq_len": cfg.seq_len,

@@ -29,3 +29,24 @@ def test_step_profile_prints_and_writes_a_row_per_mixer(monkeypatch, capsys, tmp
         assert 0 < r["step"]["wall_ms_min"] <= r["step"]["wall_ms_median"]
         assert abs(sum(f["ms"] for f in r["families"].values()) - r["device_ms"]) < 1e-6
         assert r["families"]["matmul"]["launches"] > 0 and len(r["top"]) == 3
+
+
+def test_use_cache_leaves_the_forward_at_the_configs_default():
+    """--use-cache calls the model as transformers' Trainer does (use_cache unset); without it, use_cache=False."""
+    import torch
+
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, ids, labels=None, use_cache=None):
+            seen.append(use_cache)
+            return type("Out", (), {"loss": self.w * ids.float().mean()})
+
+    ids = torch.ones(1, 4, dtype=torch.long)
+    for use_cache in (True, False):
+        step_profile.make_step(Model(), ids, torch.device("cpu"), use_cache)()
+    assert seen == [None, False]

@@ -96,10 +96,11 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model: the first steps compile it (about a minute), then it trains faster (the 340m preset on
     an H200: 1.0-1.8x, with less memory). The chunked Triton ops are opaque operators of the one compiled graph."""
-    matmul_precision: str = "highest"
-    """``torch.set_float32_matmul_precision`` during training: "highest", "high" (TF32) or
-    "medium" (bf16 products with fp32 accumulation, as fla's kernels; on CUDA it also lets the
-    HDLA-style ops take the fused Triton kernels, see ``rankdecay.ops.dplr``)."""
+    matmul_precision: str = "auto"
+    """``torch.set_float32_matmul_precision`` during training, which the Triton kernels' products follow: "highest"
+    (fp32-accurate products), "high" (TF32) or "medium" (bf16 products with fp32 accumulation, as fla's kernels; on
+    CUDA it also lets the HDLA-style ops take the fused Triton kernels, see ``rankdecay.ops.dplr``). "auto": "medium"
+    on CUDA under 16-bit autocast (whose linear maps already hand the kernels bf16 inputs), else "highest"."""
     gradient_checkpointing: bool = False
     fsdp: bool = False
     """Shard the model with FSDP2 (``fully_shard``) instead of replicating it with DDP."""
@@ -150,8 +151,8 @@ class TrainConfig:
         for name in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "time_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.matmul_precision not in ("highest", "high", "medium"):
-            raise ValueError(f"matmul_precision must be highest, high or medium; got {self.matmul_precision!r}")
+        if self.matmul_precision not in ("auto", "highest", "high", "medium"):
+            raise ValueError(f"matmul_precision must be auto, highest, high or medium; got {self.matmul_precision!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
         if not isinstance(self.data, list) or not self.data:

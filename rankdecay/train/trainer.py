@@ -153,6 +153,14 @@ def autocast_dtype(dtype: str, device: torch.device):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": None}[dtype]
 
 
+def matmul_precision(setting: str, device: torch.device, dtype: str) -> str:
+    """``TrainConfig.matmul_precision`` resolved: "auto" is "medium" (bf16 products in the kernels, fla's precision)
+    on CUDA under 16-bit autocast, "highest" otherwise (on a CPU "medium" may let fp32 matmuls take bf16)."""
+    if setting != "auto":
+        return setting
+    return "medium" if device.type == "cuda" and autocast_dtype(dtype, device) is not None else "highest"
+
+
 def memory_stats(device: torch.device) -> dict:
     """``{"max_memory_gib": ...}``: the most GPU memory this process's tensors have held since it started (the
     figure to size batches by; ``torch.cuda.max_memory_allocated``), on a CUDA device; nothing elsewhere."""
@@ -343,7 +351,7 @@ def train(cfg: TrainConfig, data=None) -> dict:
     hf_logging.disable_progress_bar()  # checkpoints are written without "Writing model shards" bars
     dist_ = Dist(cfg.device)
     precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(cfg.matmul_precision)
+    torch.set_float32_matmul_precision(matmul_precision(cfg.matmul_precision, dist_.device, cfg.dtype))
     try:
         summary = _train(cfg, dist_, data)
     finally:
@@ -456,7 +464,8 @@ def _train(cfg: TrainConfig, dist_: Dist, data=None) -> dict:
                 f"layers, {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token (fwd+bwd)")
     _log(dist_, f"run: {cfg.steps} steps x {G} sequences x {cfg.seq_len} tokens "
                 f"({W} process(es) x {accum} micro-batch(es) of {micro}) on {dist_.device}"
-                f"{' with ' + str(amp).replace('torch.', '') + ' autocast' if amp else ''}; "
+                f"{' with ' + str(amp).replace('torch.', '') + ' autocast' if amp else ''}, matmul precision "
+                f"{torch.get_float32_matmul_precision()}; "
                 f"writing to {out_dir}" + (f"; resuming at step {start_step}" if start_step else ""))
 
     def log(record: dict):

@@ -155,7 +155,7 @@ def test_process_group_meets_at_a_barrier_before_it_goes_and_is_left_after_an_er
     monkeypatch.setattr(trainer.dist, "barrier", lambda: calls.append("barrier"))
     monkeypatch.setattr(trainer.dist, "destroy_process_group", lambda: calls.append("destroy"))
     started = trainer.Dist.__new__(trainer.Dist)  # as a torchrun rank that started the group
-    started.started = True
+    started.started, started.device = True, torch.device("cpu")
     monkeypatch.setattr(trainer, "Dist", lambda device: started)
 
     def trains(cfg, d, data):  # leaves a reference cycle behind, as a model wrapped by FSDP2 or DDP does
@@ -282,3 +282,20 @@ def test_memory_stats_only_on_a_gpu():
         x = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")  # 0.25 GiB held
         assert memory_stats(torch.device("cuda"))["max_memory_gib"] >= 0.25
         del x
+
+
+def test_auto_matmul_precision_is_bf16_products_under_16_bit_autocast_on_cuda():
+    """``matmul_precision="auto"`` (the default): "medium" (the kernels' products in bf16, as fla's) on CUDA under
+    bf16 or fp16 autocast, whose linear maps already hand the kernels bf16 inputs; "highest" without autocast and on
+    the CPU; a setting given is kept."""
+    from rankdecay.train import TrainConfig
+    from rankdecay.train.trainer import matmul_precision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert TrainConfig().matmul_precision == "auto"
+    assert [matmul_precision("auto", cuda, d) for d in ("auto", "bfloat16", "float16", "float32")] == \
+        ["medium", "medium", "medium", "highest"]
+    assert [matmul_precision("auto", cpu, d) for d in ("auto", "bfloat16", "float32")] == ["highest"] * 3
+    assert [matmul_precision(s, cuda, "auto") for s in ("highest", "high", "medium")] == ["highest", "high", "medium"]
+    with pytest.raises(ValueError, match="matmul_precision must be auto, highest, high or medium"):
+        TrainConfig.from_sources(overrides={"matmul_precision": "low"})
